@@ -1,0 +1,191 @@
+"""The typed configuration: every default lives here, once.
+
+`TrainConfig` (with its nested `ModelConfig`) is the single source of truth for a run.
+The CLI builds its flags from these fields (``batch_size`` -> ``--batch-size``), the
+run directory stores it as ``config.json``, and every checkpoint and export embeds it
+so a model can be rebuilt without the command line that trained it.
+"""
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import UserError
+
+_CHOICES = {
+    'upsample': ('deconv', 'bilinear'),
+    'optimizer': ('sgd', 'adam', 'adamw'),
+    'lr_schedule': ('constant', 'cosine', 'poly', 'step'),
+    'loss': ('bce', 'dice', 'bce_dice', 'wbce', 'ce'),
+    'kvstore': ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'dist_async'),
+    'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
+    'layout': ('auto', 'paired', 'dsb', 'csv'),
+    'amp_dtype': ('auto', 'float16', 'bfloat16'),
+}
+
+
+def _opt(default, help, **extra):
+    """A dataclass field whose metadata carries the CLI help text."""
+    meta = {'help': help, **extra}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the U-Net; enough to rebuild it from a checkpoint."""
+    in_channels: int = _opt(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
+                            flag='channels')
+    classes: int = _opt(1, 'output classes; 1 = binary mask with a sigmoid')
+    width: int = _opt(32, 'filters of the first level; doubled at every pooling')
+    depth: int = _opt(4, 'number of poolings; image sides must be divisible by 2**depth')
+    batch_norm: bool = _opt(True, 'BatchNorm after every convolution')
+    dropout: float = _opt(0.0, 'dropout rate at the bottleneck (0 = off)')
+    upsample: str = _opt('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs. See ``bin/train --help`` for the flags."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+    # data
+    data: Optional[str] = _opt(None, 'training images: a folder (paired or DSB layout) or a CSV; '
+                                     'absent = generated demo nuclei')
+    masks: Optional[str] = _opt(None, 'mask folder for the paired layout')
+    val_data: Optional[str] = _opt(None, 'separate validation set (same layouts as --data)')
+    layout: str = _opt('auto', 'input layout (auto-detected by default)')
+    mask_suffix: str = _opt('_mask', 'paired layout: name.png <-> name<suffix>.png')
+    size: int = _opt(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
+    crop: int = _opt(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
+    val_split: float = _opt(0.1, 'fraction held out for validation (seeded shuffle)')
+    workers: int = _opt(2, 'data loader worker processes (0 = in the main process)')
+    cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: <data>/.gluon_unet_cache '
+                                          'or ~/.cache/gluon_unet)')
+    skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
+    augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
+    elastic: bool = _opt(False, 'elastic deformation augmentation')
+    synthetic_count: int = _opt(192, 'number of generated demo images when --data is absent')
+
+    # devices and data-parallel step
+    gpus: str = _opt('', "GPU ids: '0-7', '0,2,5', '0-3,6', 'all'; empty = CPU")
+    cpus: int = _opt(1, 'number of CPU contexts when no GPU is used')
+    kvstore: str = _opt('device', 'gradient aggregation across devices / machines')
+    update_on_kvstore: Optional[bool] = _opt(None, 'run the optimizer on the kvstore '
+                                                  '(default: MXNet decides; off with --clip-grad/--amp)')
+
+    # optimization
+    epochs: int = _opt(50, 'maximum number of epochs')
+    batch_size: int = _opt(16, 'global batch size, split across all devices')
+    optimizer: str = _opt('adam', 'optimizer')
+    lr: float = _opt(1e-3, 'peak learning rate')
+    momentum: float = _opt(0.9, 'SGD momentum')
+    nesterov: bool = _opt(True, 'Nesterov momentum for SGD')
+    weight_decay: float = _opt(0.0, 'weight decay (decoupled for adamw)')
+    clip_grad: float = _opt(0.0, 'clip the global gradient norm (0 = off)')
+    lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
+    warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
+    lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
+    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, wbce (boundary-weighted), ce (classes > 1)')
+    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice')
+    amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
+    amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
+    sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
+    hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
+
+    # run bookkeeping
+    output: str = _opt('runs/unet', 'run directory (config, logs, metrics, checkpoints, export)')
+    seed: int = _opt(0, 'random seed (data split, initialization, augmentation)')
+    monitor: str = _opt('val_iou', 'metric that picks the best checkpoint and drives early stopping')
+    patience: int = _opt(20, 'early stopping: epochs without improvement (0 = off)')
+    min_delta: float = _opt(0.0, 'early stopping: smallest change that counts as improvement')
+    keep_last: int = _opt(2, 'how many recent checkpoints to keep besides the best')
+    resume: Optional[str] = _opt(None, "checkpoint to resume from, or 'auto' (latest in --output)")
+    threshold: float = _opt(0.5, 'probability threshold for masks')
+    benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
+    progress: bool = _opt(True, 'show progress bars')
+
+    # -- (de)serialization -------------------------------------------------------------
+    def to_dict(self):
+        """Plain-JSON form, as stored in config.json, checkpoints and exports."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        """Rebuild from :meth:`to_dict` output; unknown keys are an error."""
+        d = dict(d)
+        model = ModelConfig(**d.pop('model', {}))
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise UserError('config has unknown keys: %s' % ', '.join(sorted(unknown)))
+        return cls(model=model, **d)
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text):
+        return cls.from_dict(json.loads(text))
+
+    # -- validation ---------------------------------------------------------------------
+    def validate(self):
+        """Raise :class:`UserError` naming the flag of the first invalid value."""
+        m = self.model
+        if m.in_channels not in (0, 1, 3):
+            raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % m.in_channels)
+        _positive('--classes', m.classes)
+        _positive('--width', m.width)
+        if not 1 <= m.depth <= 7:
+            raise UserError('--depth must be between 1 and 7 (got %r)' % m.depth)
+        if not 0.0 <= m.dropout < 1.0:
+            raise UserError('--dropout must be in [0, 1) (got %r)' % m.dropout)
+        for name in ('epochs', 'batch_size', 'size', 'cpus', 'synthetic_count'):
+            _positive(flag_name(name), getattr(self, name))
+        for name in ('workers', 'crop', 'patience', 'keep_last'):
+            if getattr(self, name) < 0:
+                raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        for name in ('lr', 'threshold'):
+            if not getattr(self, name) > 0:
+                raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        for name in ('weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight'):
+            if getattr(self, name) < 0:
+                raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        if not 0.0 <= self.val_split < 1.0:
+            raise UserError('--val-split must be in [0, 1) (got %r)' % self.val_split)
+        if self.threshold >= 1:
+            raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        side = self.crop or self.size
+        if side % (2 ** m.depth):
+            raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'
+                            % ('crop' if self.crop else 'size', side, 2 ** m.depth, m.depth, 2 ** m.depth))
+        for key, allowed in _CHOICES.items():
+            value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
+            if value not in allowed:
+                raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
+        if (m.classes > 1) != (self.loss == 'ce'):
+            raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "
+                            "(got --loss %s, --classes %d)" % (self.loss, m.classes))
+        if self.lr_schedule == 'step':
+            try:
+                steps = [float(s) for s in self.lr_steps.split(',') if s.strip()]
+            except ValueError:
+                steps = None
+            if not steps or not all(0 < s < 1 for s in steps):
+                raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %r)"
+                                % self.lr_steps)
+        return self
+
+
+def flag_name(field_name):
+    """``batch_size`` -> ``--batch-size`` (and ``in_channels`` -> ``--channels``)."""
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == field_name and 'flag' in f.metadata:
+            return '--' + f.metadata['flag']
+    return '--' + field_name.replace('_', '-')
+
+
+def _positive(flag, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError('%s must be a positive integer (got %r)' % (flag, value))

@@ -1,0 +1,186 @@
+"""In-memory segmentation datasets, seeded sampling and loaders.
+
+Every source of data (generated nuclei, user folders, the DSB layout, a CSV) ends up as
+a :class:`SegmentationDataset`: arrays of images, class masks and instance labels, with
+an optional augmentation applied to all three together. Augmentation randomness comes
+from a seed derived from ``(run seed, epoch, sample index)``, carried to the dataset by
+the sampler, so the same seed gives the same batches with any number of loader workers.
+"""
+import numpy as np
+from mxnet import gluon
+
+from ..errors import UserError
+
+
+class SegmentationDataset(gluon.data.Dataset):
+    """Images with masks and instance labels.
+
+    Parameters
+    ----------
+    images : array-like, (N, H, W, C) uint8 or float32
+        uint8 is scaled by 1/255; float32 is used as is (already normalized).
+        May be a ``np.memmap`` or a list of arrays of different sizes (with ``transform``
+        cropping them to one size).
+    masks : array-like, (N, H, W) uint8
+        Class per pixel (binary: 0/1).
+    instances : array-like, (N, H, W) int32, optional
+        Instance labels (0 = background); needed by the DSB metric and ``wbce``.
+        When omitted, connected components of ``masks > 0`` are used.
+    names : list of str, optional
+        Sample names (file stems) for logs and predictions.
+    transform : callable, optional
+        ``transform(image, mask, instances, rng) -> (image, mask, instances)``; see
+        :mod:`gluon_unet.data.augment`.
+    weight_fn : callable, optional
+        ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
+
+    ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
+    target (1,H,W) float32, weight (1,H,W) float32)``.
+    """
+
+    def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
+                 original_sizes=None):
+        if len(images) != len(masks):
+            raise ValueError('images and masks differ in length: %d vs %d' % (len(images), len(masks)))
+        if instances is not None and len(instances) != len(images):
+            raise ValueError('instances and images differ in length')
+        self.images, self.masks, self._instances = images, masks, instances
+        self.names = list(names) if names is not None else ['%05d' % i for i in range(len(images))]
+        self.transform, self.weight_fn = transform, weight_fn
+        self.original_sizes = original_sizes
+
+    def __len__(self):
+        return len(self.images)
+
+    def instances(self, i):
+        """Instance labels of sample ``i`` (connected components if none were given)."""
+        if self._instances is not None:
+            return np.asarray(self._instances[i])
+        from skimage.measure import label
+        return label(np.asarray(self.masks[i]) > 0, connectivity=1).astype(np.int32)
+
+    def raw(self, i):
+        """``(image HWC, mask HW, instances HW)`` of sample ``i`` before augmentation."""
+        return np.asarray(self.images[i]), np.asarray(self.masks[i]), self.instances(i)
+
+    def subset(self, indices, transform=None, weight_fn=None):
+        """A view on some samples (used for the train/validation split)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        pick = _Picker(indices)
+        return SegmentationDataset(
+            pick(self.images), pick(self.masks),
+            None if self._instances is None else pick(self._instances),
+            [self.names[i] for i in indices], transform, weight_fn,
+            None if self.original_sizes is None else [self.original_sizes[i] for i in indices])
+
+    def __getitem__(self, idx):
+        i, seed = idx if isinstance(idx, tuple) else (idx, None)
+        image, mask, inst = self.raw(i)
+        if self.transform is not None:
+            image, mask, inst = self.transform(image, mask, inst, np.random.default_rng(seed))
+        if image.dtype == np.uint8:
+            image = image.astype(np.float32) * (1.0 / 255)
+        image = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32)
+        target = mask.astype(np.float32)[None]
+        if self.weight_fn is not None:
+            weight = self.weight_fn(inst).astype(np.float32)[None]
+        else:
+            weight = np.ones_like(target)
+        return image, target, weight
+
+
+class _Picker:
+    """Index an array (or list, or memmap) lazily so subsets do not copy the data."""
+
+    def __init__(self, indices):
+        self.indices = indices
+
+    def __call__(self, arr):
+        return _Subset(arr, self.indices)
+
+
+class _Subset:
+    def __init__(self, arr, indices):
+        self.arr, self.indices = arr, indices
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.arr[int(self.indices[i])]
+
+
+class EpochSampler(gluon.data.Sampler):
+    """Seeded shuffling that also hands each sample its augmentation seed.
+
+    Yields ``(index, seed)`` pairs. With ``num_shards > 1`` (distributed training) each
+    shard gets a disjoint slice of the same shuffled order, padded by wrapping around so
+    all shards have the same length - every worker then runs the same number of steps.
+    """
+
+    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0):
+        if not 0 <= shard < num_shards:
+            raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
+        self.length, self.shuffle, self.seed = length, shuffle, seed
+        self.num_shards, self.shard, self.epoch = num_shards, shard, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return -(-self.length // self.num_shards)
+
+    def order(self):
+        """The indices this shard visits in the current epoch."""
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
+        per = len(self)
+        padded = np.resize(order, per * self.num_shards)  # wraps around to pad
+        return padded[self.shard * per:(self.shard + 1) * per]
+
+    def __iter__(self):
+        base = np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
+        for i in self.order():
+            yield int(i), int(base[i])
+
+
+def split_indices(n, val_fraction, seed):
+    """Seeded train/validation split (not Keras' 'last N %').
+
+    Returns
+    -------
+    (train_idx, val_idx) : tuple of np.ndarray
+        Disjoint, together covering ``range(n)``; at least one validation sample when
+        ``val_fraction > 0``.
+    """
+    order = np.random.default_rng([seed, 12345]).permutation(n)
+    n_val = int(round(n * val_fraction))
+    if val_fraction > 0:
+        n_val = max(1, n_val)
+    if n - n_val < 1:
+        raise UserError('--val-split %.3g leaves no training images (%d images in all)'
+                        % (val_fraction, n))
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0):
+    """A Gluon DataLoader over ``dataset`` with :class:`EpochSampler`.
+
+    Returns the loader; call ``loader._batch_sampler._sampler.set_epoch(e)`` through
+    :func:`set_loader_epoch` before each epoch.
+    """
+    sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard)
+    batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
+    kwargs = {}
+    if workers > 0:
+        # Threads would serialize on the GIL for numpy/OpenCV augmentations that do not
+        # release it; processes with a small prefetch keep memory bounded.
+        kwargs = dict(num_workers=workers, prefetch=2 * workers)
+    loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
+    loader.epoch_sampler = sampler
+    return loader
+
+
+def set_loader_epoch(loader, epoch):
+    """Reshuffle (and reseed augmentation) for ``epoch``."""
+    loader.epoch_sampler.set_epoch(epoch)

@@ -1,0 +1,148 @@
+"""The U-Net (Ronneberger et al. 2015) as a pure Gluon HybridBlock: config in, block out."""
+from mxnet.gluon import nn
+from mxnet.gluon.contrib.nn import SyncBatchNorm
+
+from .errors import UserError
+
+
+class _DoubleConv(nn.HybridBlock):
+    """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match."""
+
+    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, **kwargs):
+        super().__init__(**kwargs)
+        self.body = nn.HybridSequential()
+        for _ in range(2):
+            # A bias in front of BatchNorm is cancelled by its mean subtraction.
+            self.body.add(nn.Conv2D(channels, 3, padding=1, use_bias=not batch_norm))
+            if batch_norm:
+                self.body.add(norm_layer(**norm_kwargs))
+            self.body.add(nn.Activation('relu'))
+
+    def hybrid_forward(self, F, x):
+        return self.body(x)
+
+
+class _Up(nn.HybridBlock):
+    """Double the resolution and halve the channels, then concatenate the skip."""
+
+    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, **kwargs):
+        super().__init__(**kwargs)
+        self.mode = mode
+        if mode == 'deconv':
+            self.up = nn.Conv2DTranspose(channels, kernel_size=2, strides=2)
+        else:
+            # Resize + conv avoids the checkerboard artefacts of transposed convs.
+            self.up = nn.Conv2D(channels, 3, padding=1)
+        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs)
+
+    def hybrid_forward(self, F, x, skip):
+        if self.mode == 'bilinear':
+            x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
+        x = self.up(x)
+        return self.conv(F.concat(x, skip, dim=1))
+
+
+class UNet(nn.HybridBlock):
+    """U-Net for 2-D segmentation.
+
+    Parameters
+    ----------
+    in_channels : int
+        Channels of the input image.
+    classes : int
+        Output channels: 1 for a binary mask (logits, sigmoid applied by the loss),
+        more for softmax classes.
+    width : int
+        Filters at the first level; level ``i`` has ``width * 2**i``.
+    depth : int
+        Number of poolings. Input sides must be divisible by ``2**depth``.
+    batch_norm : bool
+        BatchNorm after each convolution.
+    dropout : float
+        Dropout rate at the bottleneck (0 disables it).
+    upsample : {'deconv', 'bilinear'}
+        Decoder upsampling.
+    sync_bn_devices : int
+        When > 0, BatchNorm is ``SyncBatchNorm`` synchronized over this many devices.
+
+    Input ``(N, in_channels, H, W)``; output logits ``(N, classes, H, W)``.
+    """
+
+    def __init__(self, in_channels=1, classes=1, width=32, depth=4, batch_norm=True,
+                 dropout=0.0, upsample='deconv', sync_bn_devices=0, **kwargs):
+        super().__init__(**kwargs)
+        self.in_channels, self.depth = in_channels, depth
+        if sync_bn_devices:
+            norm_layer, norm_kwargs = SyncBatchNorm, {'num_devices': sync_bn_devices}
+        else:
+            norm_layer, norm_kwargs = nn.BatchNorm, {}
+        with self.name_scope():
+            self.down = nn.HybridSequential()
+            for level in range(depth):
+                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs))
+            self.pool = nn.MaxPool2D(2, 2)
+            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs)
+            self.drop = nn.Dropout(dropout) if dropout > 0 else None
+            self.up = nn.HybridSequential()
+            for level in reversed(range(depth)):
+                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs))
+            self.head = nn.Conv2D(classes, 1)
+
+    def forward(self, x, *args):
+        # Checked here, not in hybrid_forward, because symbols have no shapes; a wrong
+        # size would otherwise fail deep inside Concat with an unreadable message.
+        shape = getattr(x, 'shape', None)
+        if shape is not None:
+            if len(shape) != 4 or shape[1] != self.in_channels:
+                raise UserError('UNet expects input (N, %d, H, W), got %s'
+                                % (self.in_channels, tuple(shape)))
+            m = 2 ** self.depth
+            if shape[2] % m or shape[3] % m:
+                raise UserError('UNet input %dx%d: height and width must be divisible by '
+                                '2**depth = %d (depth %d)' % (shape[2], shape[3], m, self.depth))
+        return super().forward(x, *args)
+
+    def hybrid_forward(self, F, x):
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = self.pool(x)
+        x = self.bottom(x)
+        if self.drop is not None:
+            x = self.drop(x)
+        for block, skip in zip(self.up, reversed(skips)):
+            x = block(x, skip)
+        return self.head(x)
+
+
+def build_model(model_cfg, sync_bn_devices=0):
+    """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`."""
+    return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.classes,
+                width=model_cfg.width, depth=model_cfg.depth,
+                batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
+                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices)
+
+
+def flops_per_image(model_cfg, size):
+    """Multiply-adds x 2 of one forward pass at ``size`` x ``size`` (convs only).
+
+    Used by the benchmarks to report achieved GFLOP/s; a training step costs about
+    three forward passes (forward, input-gradient and weight-gradient).
+    """
+    w, c_in, total = model_cfg.width, model_cfg.in_channels, 0.0
+    side = size
+    for level in range(model_cfg.depth + 1):
+        c = w * 2 ** level
+        total += side * side * 9 * (c_in * c + c * c)
+        c_in = c
+        side //= 2
+    side = size // 2 ** model_cfg.depth
+    for level in reversed(range(model_cfg.depth)):
+        side *= 2
+        c = w * 2 ** level
+        k = 4 if model_cfg.upsample == 'deconv' else 9
+        total += side * side * k * (2 * c * c)          # upsampling conv: 2c -> c
+        total += side * side * 9 * (2 * c * c + c * c)  # double conv on the concat
+    total += size * size * w * model_cfg.classes
+    return 2.0 * total
