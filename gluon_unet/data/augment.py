@@ -1,0 +1,201 @@
+"""Augmentation applied identically to an image, its mask and its instance labels.
+
+Implemented with OpenCV and numpy only, not albumentations. albumentations 1.3.1 does
+resolve beside numpy 1.23 (pip pulls scikit-learn, qudida, joblib along), but:
+
+* the project's determinism rests on ``transform(..., rng)`` drawing every random number
+  from the ``np.random.Generator`` the sampler seeds per (epoch, sample); albumentations
+  draws from Python's global ``random``/``np.random`` state, which we would have to
+  reseed inside every worker around every call;
+* the transforms we need are a few lines each on top of ``cv2.resize``/``cv2.remap``,
+  which OpenCV (already a dependency) runs on uint8 and int32 alike - so instance labels
+  go through the same nearest-neighbour mapping as the mask, with no float round trip;
+* it keeps the install to packages we already have (and away from a dependency whose
+  2.x line requires a newer numpy).
+
+Geometry uses linear interpolation for the image and nearest for masks and instances,
+always, so labels are never blended. Intensity changes touch the image only.
+"""
+import math
+
+import cv2
+import numpy as np
+
+
+def _resize(arr, size, interpolation):
+    """cv2.resize that keeps a trailing channel axis of 1."""
+    h, w = size
+    out = cv2.resize(np.ascontiguousarray(arr), (w, h), interpolation=interpolation)
+    if arr.ndim == 3 and out.ndim == 2:
+        out = out[..., None]
+    return out
+
+
+def _pad_to(arr, h, w, top, left, mode):
+    """Pad ``arr`` (HW or HWC) to at least (h, w), ``top``/``left`` pixels before it."""
+    H, W = arr.shape[:2]
+    ph, pw = max(0, h - H), max(0, w - W)
+    if not ph and not pw:
+        return arr
+    pads = [(top, ph - top), (left, pw - left)] + [(0, 0)] * (arr.ndim - 2)
+    if mode == 'reflect':
+        # numpy's reflect needs 2+ pixels along an axis; 'symmetric' then does the same job
+        mode = 'reflect' if min(H, W) > 1 else 'symmetric'
+        return np.pad(arr, pads, mode=mode)
+    return np.pad(arr, pads, mode='constant')
+
+
+class Augment:
+    """The transform: crop/scale, flips, 90-degree rotations, elastic, intensity.
+
+    Parameters
+    ----------
+    crop : int
+        Output side at native resolution (0 = keep the input size). Images smaller than
+        the crop window are padded: reflected for the image, zeros for masks.
+    flip : bool
+        Random horizontal and vertical flips (p = 0.5 each).
+    rot90 : bool
+        Random multiple of 90 degrees (only 0/180 for non-square outputs).
+    scale : (float, float) or None
+        Zoom factor range (log-uniform); the window of side ``out / factor`` is cropped
+        at a random place (padded if larger than the image) and resized to the output.
+    intensity : bool
+        Brightness (+-``brightness``), contrast and gamma changes on the image.
+    elastic : bool
+        Elastic deformation: a random displacement field smoothed by a Gaussian of
+        ``elastic_sigma`` pixels, scaled to ``elastic_alpha`` pixels.
+
+    Call as ``transform(image, mask, instances, rng) -> (image, mask, instances)`` with an
+    (H, W, C) uint8 or float32 image, (H, W) uint8 mask, (H, W) int32 instances and a
+    ``np.random.Generator``. The same generator state gives the same output. A uint8
+    image comes back float32 in [0, 1] when intensity changes are on (no requantizing),
+    otherwise with its own dtype.
+    """
+
+    def __init__(self, crop=0, flip=True, rot90=True, scale=(0.8, 1.25), intensity=True,
+                 brightness=0.1, contrast=(0.8, 1.25), gamma=(0.8, 1.25),
+                 elastic=False, elastic_alpha=8.0, elastic_sigma=6.0):
+        if crop < 0:
+            raise ValueError('crop must be >= 0')
+        self.crop, self.flip, self.rot90, self.scale = int(crop), flip, rot90, scale
+        self.intensity, self.brightness, self.contrast, self.gamma = intensity, brightness, contrast, gamma
+        self.elastic, self.elastic_alpha, self.elastic_sigma = elastic, elastic_alpha, elastic_sigma
+
+    def __repr__(self):
+        return ('Augment(crop=%d, flip=%s, rot90=%s, scale=%s, intensity=%s, elastic=%s)'
+                % (self.crop, self.flip, self.rot90, self.scale, self.intensity, self.elastic))
+
+    # -- geometry -----------------------------------------------------------------------
+    def _crop_scale(self, image, mask, inst, rng):
+        H, W = image.shape[:2]
+        oh, ow = (self.crop, self.crop) if self.crop else (H, W)
+        factor = 1.0
+        if self.scale:
+            lo, hi = self.scale
+            factor = math.exp(rng.uniform(math.log(lo), math.log(hi)))
+        wh, ww = max(1, int(round(oh / factor))), max(1, int(round(ow / factor)))
+        if H < wh or W < ww:  # window larger than the image: pad, image at a random place
+            top = int(rng.integers(0, max(0, wh - H) + 1))
+            left = int(rng.integers(0, max(0, ww - W) + 1))
+            image = _pad_to(image, wh, ww, top, left, 'reflect')
+            mask = _pad_to(mask, wh, ww, top, left, 'zeros')
+            inst = _pad_to(inst, wh, ww, top, left, 'zeros')
+            H, W = image.shape[:2]
+        y = int(rng.integers(0, H - wh + 1))
+        x = int(rng.integers(0, W - ww + 1))
+        image, mask, inst = image[y:y + wh, x:x + ww], mask[y:y + wh, x:x + ww], inst[y:y + wh, x:x + ww]
+        if (wh, ww) != (oh, ow):
+            image = _resize(image, (oh, ow), cv2.INTER_LINEAR)
+            mask = _resize(mask, (oh, ow), cv2.INTER_NEAREST)
+            inst = _resize(inst, (oh, ow), cv2.INTER_NEAREST)
+        return image, mask, inst
+
+    def _flip_rotate(self, image, mask, inst, rng):
+        if self.flip:
+            if rng.random() < 0.5:
+                image, mask, inst = image[:, ::-1], mask[:, ::-1], inst[:, ::-1]
+            if rng.random() < 0.5:
+                image, mask, inst = image[::-1], mask[::-1], inst[::-1]
+        if self.rot90:
+            square = image.shape[0] == image.shape[1]
+            k = int(rng.integers(0, 4)) if square else 2 * int(rng.integers(0, 2))
+            if k:
+                image, mask, inst = (np.rot90(a, k, axes=(0, 1)) for a in (image, mask, inst))
+        return image, mask, inst
+
+    def _elastic(self, image, mask, inst, rng):
+        h, w = mask.shape
+        dx = rng.uniform(-1, 1, (h, w)).astype(np.float32)
+        dy = rng.uniform(-1, 1, (h, w)).astype(np.float32)
+        # Smoothing shrinks the field's amplitude; renormalize so alpha is in pixels.
+        dx = cv2.GaussianBlur(dx, (0, 0), self.elastic_sigma)
+        dy = cv2.GaussianBlur(dy, (0, 0), self.elastic_sigma)
+        norm = self.elastic_alpha / max(1e-6, float(np.abs(np.concatenate([dx, dy])).max()))
+        gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
+        mx, my = gx + dx * norm, gy + dy * norm
+        c = image.shape[2]
+        img = cv2.remap(np.ascontiguousarray(image), mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
+        image = img.reshape(h, w, c)
+        mask = cv2.remap(np.ascontiguousarray(mask), mx, my, cv2.INTER_NEAREST,
+                         borderMode=cv2.BORDER_CONSTANT, borderValue=0)
+        inst = cv2.remap(np.ascontiguousarray(inst), mx, my, cv2.INTER_NEAREST,
+                         borderMode=cv2.BORDER_CONSTANT, borderValue=0)
+        return image, mask, inst
+
+    # -- intensity ----------------------------------------------------------------------
+    def _intensity(self, image, rng):
+        was_uint8 = image.dtype == np.uint8
+        x = image.astype(np.float32) * (1.0 / 255) if was_uint8 else image.astype(np.float32)
+        c = math.exp(rng.uniform(math.log(self.contrast[0]), math.log(self.contrast[1])))
+        b = rng.uniform(-self.brightness, self.brightness)
+        g = math.exp(rng.uniform(math.log(self.gamma[0]), math.log(self.gamma[1])))
+        mean = float(x.mean())
+        x = (x - mean) * c + mean + b
+        if was_uint8:  # gamma is defined on [0, 1]; float input may be standardized
+            np.clip(x, 0, 1, out=x)
+            x = np.power(x, g, out=x)
+        return x
+
+    def __call__(self, image, mask, instances, rng):
+        image = np.asarray(image)
+        if image.ndim == 2:
+            image = image[..., None]
+        mask = np.asarray(mask)
+        inst = np.zeros(mask.shape, np.int32) if instances is None else np.asarray(instances)
+        if self.crop or self.scale:
+            image, mask, inst = self._crop_scale(image, mask, inst, rng)
+        image, mask, inst = self._flip_rotate(image, mask, inst, rng)
+        if self.elastic:
+            image, mask, inst = self._elastic(image, mask, inst, rng)
+        if self.intensity:
+            image = self._intensity(image, rng)
+        return np.ascontiguousarray(image), np.ascontiguousarray(mask), np.ascontiguousarray(inst)
+
+
+def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, scale=(0.8, 1.25),
+                   intensity=True):
+    """The transform for :class:`~gluon_unet.data.SegmentationDataset`.
+
+    Parameters
+    ----------
+    augment : bool
+        Random flips, rotations, scale and intensity (``--augment``); False keeps only
+        the crop (if any).
+    elastic : bool
+        Add elastic deformation (``--elastic``).
+    crop : int
+        Random ``crop`` x ``crop`` crops at native resolution (``--crop``); 0 = none.
+    flip, rot90, scale, intensity
+        Switch single augmentations off (see :class:`Augment`).
+
+    Returns
+    -------
+    Augment or None
+        None when there is nothing to do (no augmentation, no crop).
+    """
+    if not augment:
+        if not crop and not elastic:
+            return None
+        return Augment(crop=crop, flip=False, rot90=False, scale=None, intensity=False, elastic=elastic)
+    return Augment(crop=crop, flip=flip, rot90=rot90, scale=scale, intensity=intensity, elastic=elastic)

@@ -1,0 +1,264 @@
+"""Reading images and masks from files, whatever their format.
+
+Decoders
+--------
+* PNG, JPEG, BMP (and anything else OpenCV knows): ``cv2.imdecode(..., IMREAD_UNCHANGED)``
+  on the file's bytes. OpenCV decodes PNG several times faster than skimage/imageio
+  (Pillow), keeps 16-bit PNGs 16-bit, never applies a palette or gamma we did not ask
+  for, releases the GIL and works in worker processes. Reading the bytes ourselves
+  lets us check for truncation (OpenCV returns a partial image for some truncated
+  files instead of failing) and handles non-ASCII paths.
+* TIFF: ``tifffile``. It reads every sample format microscopy produces (uint8/16/32,
+  int, float32/64, multi-page, planar RGB) where OpenCV silently converts or refuses
+  some; it ships with scikit-image, so it adds no dependency.
+
+Normalization
+-------------
+uint8 images are used as they are. Anything else (16-bit, 32-bit, float) is scaled
+**per image** so that its 0.5th percentile maps to 0 and its 99.5th percentile to 255
+(clipped, rounded to uint8; all channels share one scale so colours keep their balance).
+Microscopy 16-bit images rarely use the full range, so dividing by 65535 would leave
+them nearly black; percentiles also ignore a few hot pixels. A constant image becomes 0.
+
+Channels
+--------
+Grey stays 1 channel, colour becomes RGB (OpenCV's BGR order is converted), alpha is
+dropped. ``channels=1`` converts colour to grey (ITU-R 601 luma, as ``cv2.cvtColor``),
+``channels=3`` repeats grey three times; ``channels=0`` keeps what the file has.
+
+Masks
+-----
+Every mask is read as "foreground where > 0": 0/255, 0/1, label images and RGB masks
+(any channel > 0). A grey mask with more than two distinct values is a *label image*
+and its values are kept as instance ids; an RGB mask with more than one non-black
+colour is read as one instance per colour. JPEG masks are thresholded at 128 instead
+of 0, since lossy compression leaves small non-zero values around every edge.
+
+Any file that cannot be decoded (missing, corrupt, truncated, unknown format) raises
+:class:`~gluon_unet.errors.UserError` naming the file.
+"""
+import os
+
+import cv2
+import numpy as np
+
+from ..errors import UserError
+
+IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.tif', '.tiff', '.bmp')
+#: Percentiles mapped to 0 and 255 when normalizing 16-bit and float images.
+PERCENTILES = (0.5, 99.5)
+
+_TIFF = ('.tif', '.tiff')
+_JPEG = ('.jpg', '.jpeg')
+
+
+def is_image_file(name):
+    """True when ``name`` has one of :data:`IMAGE_EXTENSIONS` (case-insensitive)."""
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS and not os.path.basename(name).startswith('.')
+
+
+def _read_bytes(path):
+    try:
+        with open(path, 'rb') as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError('%s: file not found' % path) from None
+    except OSError as e:
+        raise UserError('%s: cannot read (%s)' % (path, e.strerror or e)) from None
+
+
+def _check_complete(path, data, ext):
+    """Reject truncated files that a decoder might half-decode without complaint."""
+    if not data:
+        raise UserError('%s: file is empty' % path)
+    if ext == '.png' and data[:8] == b'\x89PNG\r\n\x1a\n' and b'IEND' not in data[-32:]:
+        raise UserError('%s: truncated PNG (no IEND chunk at the end)' % path)
+    if ext in _JPEG and data[:2] == b'\xff\xd8' and data.rfind(b'\xff\xd9') < len(data) - 4096:
+        raise UserError('%s: truncated JPEG (no end-of-image marker)' % path)
+    if ext == '.bmp' and data[:2] == b'BM' and len(data) >= 6:
+        declared = int.from_bytes(data[2:6], 'little')
+        if len(data) < declared:
+            raise UserError('%s: truncated BMP (%d of %d bytes)' % (path, len(data), declared))
+
+
+def read_raw(path):
+    """Decode a file as stored: (H, W) or (H, W, C) in RGB(A) order, native dtype.
+
+    Raises
+    ------
+    UserError
+        Missing, unreadable, corrupt or truncated file.
+    """
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    data = _read_bytes(path)
+    _check_complete(path, data, ext)
+    if ext in _TIFF:
+        import io
+        import tifffile
+        try:
+            arr = tifffile.imread(io.BytesIO(data))
+        except Exception as e:  # tifffile raises many types for bad files
+            raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
+                                                           type(e).__name__)) from None
+        arr = np.asarray(arr)
+        if arr.ndim == 3 and arr.shape[0] in (3, 4) and arr.shape[-1] not in (3, 4):
+            arr = np.moveaxis(arr, 0, -1)  # planar RGB
+        while arr.ndim > 3 or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)):
+            arr = arr[0]  # multi-page / z-stack: first plane
+        return arr
+    # OpenCV logs its own warnings to stderr for bad files; we raise one clear line instead.
+    level = cv2.getLogLevel()
+    cv2.setLogLevel(0)  # 0 = silent
+    try:
+        arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error:
+        arr = None
+    finally:
+        cv2.setLogLevel(level)
+    if arr is None:
+        raise UserError('%s: cannot decode image (corrupt, truncated or not an image)' % path)
+    if arr.ndim == 3 and arr.shape[2] >= 3:
+        arr = arr[..., [2, 1, 0] + list(range(3, arr.shape[2]))]  # BGR(A) -> RGB(A)
+    return arr
+
+
+def to_uint8(arr, percentiles=PERCENTILES):
+    """Scale a non-uint8 image to uint8 by per-image percentiles.
+
+    Parameters
+    ----------
+    arr : np.ndarray
+        Any numeric dtype; uint8 and bool are returned as uint8 unchanged.
+    percentiles : (float, float)
+        Values mapped to 0 and 255 (default 0.5 and 99.5).
+
+    Returns
+    -------
+    np.ndarray of uint8, same shape.
+    """
+    if arr.dtype == np.uint8:
+        return arr
+    if arr.dtype == bool:
+        return arr.astype(np.uint8) * 255
+    a = np.asarray(arr, np.float32)
+    finite = np.isfinite(a)
+    if not finite.all():
+        a = np.where(finite, a, 0).astype(np.float32)
+    lo, hi = np.percentile(a, percentiles)
+    if hi <= lo:  # few distinct values (e.g. a sparse image): fall back to the full range
+        lo, hi = float(a.min()), float(a.max())
+    if hi <= lo:
+        return np.zeros(a.shape, np.uint8)
+    out = (a - lo) * (255.0 / (hi - lo))
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def to_channels(img, channels):
+    """Convert an (H, W, C) uint8 image to 1 or 3 channels (0 = leave it)."""
+    c = img.shape[2]
+    if channels == 0 or channels == c:
+        return img
+    if channels == 1:
+        return cv2.cvtColor(np.ascontiguousarray(img), cv2.COLOR_RGB2GRAY)[..., None]
+    if channels == 3:
+        return np.repeat(img, 3, axis=2)
+    raise ValueError('channels must be 0, 1 or 3 (got %r)' % (channels,))
+
+
+def read_image(path, channels=0):
+    """Read an image as (H, W, C) uint8 RGB or grey.
+
+    Parameters
+    ----------
+    path : str
+        PNG, JPEG, TIFF (8/16-bit, float), BMP; grey, RGB or RGBA (alpha dropped).
+    channels : int
+        1 or 3 to convert; 0 keeps 1 for grey files and 3 for colour ones.
+
+    Returns
+    -------
+    np.ndarray, (H, W, C) uint8
+
+    Raises
+    ------
+    UserError
+        The file is missing, corrupt or truncated.
+    """
+    arr = read_raw(path)
+    if arr.ndim == 2:
+        arr = arr[..., None]
+    if arr.shape[2] == 2:  # grey + alpha
+        arr = arr[..., :1]
+    elif arr.shape[2] >= 4:
+        arr = arr[..., :3]
+    arr = to_uint8(arr)
+    return np.ascontiguousarray(to_channels(arr, channels))
+
+
+def is_colour(img):
+    """True when an (H, W, C) image has 3 channels that are not all equal."""
+    if img.ndim < 3 or img.shape[2] < 3:
+        return False
+    return not (np.array_equal(img[..., 0], img[..., 1]) and np.array_equal(img[..., 0], img[..., 2]))
+
+
+def read_binary_mask(path):
+    """Read a mask file as a (H, W) bool array, foreground where any channel > 0."""
+    arr = read_raw(path)
+    thr = 127 if os.path.splitext(os.fspath(path))[1].lower() in _JPEG else 0
+    fg = arr > thr
+    if fg.ndim == 3:
+        fg = fg[..., :3].any(axis=2) if fg.shape[2] >= 3 else fg[..., 0]
+    return fg
+
+
+def read_mask(path):
+    """Read a mask: binary foreground and, for label masks, the instance ids.
+
+    Parameters
+    ----------
+    path : str
+        0/255, 0/1, label image (grey, any integer dtype) or RGB mask.
+
+    Returns
+    -------
+    mask : (H, W) uint8 in {0, 1}
+    instances : (H, W) int32 or None
+        The labels of a label image (values kept), one id per colour of a multi-colour RGB
+        mask, or None for a plain binary mask (the caller labels connected components).
+    """
+    path = os.fspath(path)
+    arr = read_raw(path)
+    jpeg = os.path.splitext(path)[1].lower() in _JPEG
+    if arr.ndim == 3 and arr.shape[2] in (2, 4):
+        arr = arr[..., :-1]  # alpha
+    if arr.ndim == 3 and arr.shape[2] == 1:
+        arr = arr[..., 0]
+    if jpeg:
+        fg = arr > 127
+        if fg.ndim == 3:
+            fg = fg.any(axis=2)
+        return fg.astype(np.uint8), None
+    if arr.ndim == 3:  # RGB mask: colours may encode instances
+        a = arr.astype(np.int64)
+        code = (a[..., 0] << 32) | (a[..., 1] << 16) | a[..., 2]
+        fg = code > 0
+        colours, inv = np.unique(code, return_inverse=True)
+        inv = inv.reshape(code.shape)
+        n_fg = len(colours) - (1 if colours[0] == 0 else 0)
+        if n_fg <= 1:
+            return fg.astype(np.uint8), None
+        # consecutive ids; background (code 0, if present) sorts first
+        inst = (inv + (0 if colours[0] == 0 else 1)).astype(np.int32)
+        return fg.astype(np.uint8), inst
+    if np.issubdtype(arr.dtype, np.floating):
+        arr = np.rint(np.nan_to_num(arr)).astype(np.int64)
+    fg = arr > 0
+    values = np.unique(arr)
+    values = values[values > 0]
+    if len(values) <= 1:
+        return fg.astype(np.uint8), None
+    if values.max() > np.iinfo(np.int32).max:
+        raise UserError('%s: label values exceed int32' % path)
+    return fg.astype(np.uint8), np.where(fg, arr, 0).astype(np.int32)

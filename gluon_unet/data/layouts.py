@@ -1,0 +1,278 @@
+"""Finding image/mask pairs on disk.
+
+Three layouts, auto-detected (``layout`` forces one):
+
+``paired``
+    ``--data IMAGES/ --masks MASKS/``: ``name.ext`` pairs with ``name<mask_suffix>.ext``
+    (default suffix ``_mask``, any image extension) or with ``name.ext`` of the same stem.
+    Without ``--masks``, ``DATA/images/`` + ``DATA/masks/`` subfolders, or images and
+    ``*_mask`` files side by side in one folder, are read the same way.
+``dsb``
+    The Data Science Bowl 2018 layout: ``ROOT/<id>/images/<id>.png`` and one PNG per object
+    in ``ROOT/<id>/masks/``; the object masks are merged into one binary mask and into an
+    instance label image (mask file k -> id k, in sorted file order).
+``csv``
+    A CSV file with ``image`` and ``mask`` columns; paths relative to the CSV's folder.
+
+Discovery only lists files (no decoding); size mismatches are found when decoding.
+"""
+import csv
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import List
+
+from ..errors import UserError
+from .io import is_image_file
+
+LAYOUTS = ('auto', 'paired', 'dsb', 'csv')
+log = logging.getLogger(__name__)
+
+_EXPECTED = ("expected one of: a folder of images with --masks MASK_FOLDER (name.png <-> name%s.png "
+             "or same names), a folder with images/ and masks/ subfolders, the DSB layout "
+             "ROOT/<id>/images/<id>.png + ROOT/<id>/masks/*.png, or a CSV with image,mask columns")
+
+
+@dataclass
+class Sample:
+    """One training example as files: an image and the mask file(s) that go with it.
+
+    ``merge`` is True for the DSB layout, where each mask file is one object.
+    """
+    name: str
+    image: str
+    masks: List[str] = field(default_factory=list)
+    merge: bool = False
+
+    def files(self):
+        return [self.image] + list(self.masks)
+
+
+def _listdir(path):
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        raise UserError('%s: folder not found' % path) from None
+    except NotADirectoryError:
+        raise UserError('%s: not a folder' % path) from None
+    except OSError as e:
+        raise UserError('%s: cannot list folder (%s)' % (path, e.strerror or e)) from None
+
+
+def _images_in(folder):
+    return [n for n in _listdir(folder) if is_image_file(n) and os.path.isfile(os.path.join(folder, n))]
+
+
+def _unpaired(missing, total, what, skip_unpaired):
+    """Fail (or warn with ``skip_unpaired``) about images that have no mask."""
+    if not missing:
+        return
+    shown = ', '.join(missing[:5]) + (', ...' if len(missing) > 5 else '')
+    msg = '%d of %d images have no mask %s: %s' % (len(missing), total, what, shown)
+    if not skip_unpaired:
+        raise UserError(msg + ' (pass --skip-unpaired to train on the others)')
+    warnings.warn(msg + '; skipped (--skip-unpaired)', stacklevel=3)
+    log.warning('%s; skipped', msg)
+
+
+def _is_dsb(root):
+    for n in _listdir(root):
+        if n.startswith('.'):
+            continue
+        if os.path.isdir(os.path.join(root, n, 'images')):
+            return True
+    return False
+
+
+def detect_layout(path, masks=None, mask_suffix='_mask'):
+    """Name the layout of ``path``: 'paired', 'dsb' or 'csv'.
+
+    Raises
+    ------
+    UserError
+        Missing path, empty folder or a folder that matches no layout.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise UserError('--data %s: no such file or folder' % path)
+    if os.path.isfile(path):
+        if path.lower().endswith('.csv'):
+            return 'csv'
+        raise UserError('--data %s: a file but not a .csv; %s' % (path, _EXPECTED % mask_suffix))
+    if masks is not None:
+        return 'paired'
+    entries = [n for n in _listdir(path) if not n.startswith('.')]
+    if not entries:
+        raise UserError('--data %s: folder is empty' % path)
+    if os.path.isdir(os.path.join(path, 'images')) and os.path.isdir(os.path.join(path, 'masks')):
+        return 'paired'
+    if _is_dsb(path):
+        return 'dsb'
+    images = [n for n in entries if is_image_file(n)]
+    if mask_suffix and any(os.path.splitext(n)[0].endswith(mask_suffix) for n in images):
+        return 'paired'
+    if images:
+        raise UserError('--data %s: images but no masks (no *%s files, no --masks folder); %s'
+                        % (path, mask_suffix, _EXPECTED % mask_suffix))
+    raise UserError('--data %s: matches no layout; %s' % (path, _EXPECTED % mask_suffix))
+
+
+def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=False):
+    """Pairs from an image folder and a mask folder (may be the same folder).
+
+    Returns
+    -------
+    list of Sample, sorted by name.
+    """
+    images_dir = os.fspath(images_dir)
+    if masks_dir is None:
+        if os.path.isdir(os.path.join(images_dir, 'images')) and os.path.isdir(os.path.join(images_dir, 'masks')):
+            images_dir, masks_dir = os.path.join(images_dir, 'images'), os.path.join(images_dir, 'masks')
+        else:
+            masks_dir = images_dir
+    masks_dir = os.fspath(masks_dir)
+    if not os.path.isdir(masks_dir):
+        raise UserError('--masks %s: no such folder' % masks_dir)
+    same = os.path.abspath(images_dir) == os.path.abspath(masks_dir)
+    image_files = _images_in(images_dir)
+    mask_files = image_files if same else _images_in(masks_dir)
+    by_stem = {}
+    for n in mask_files:
+        by_stem.setdefault(os.path.splitext(n)[0], n)
+    if same:  # one folder: name.png + name_mask.png; the masks are not images
+        if not mask_suffix:
+            raise UserError('--data %s: images and masks in one folder need a --mask-suffix' % images_dir)
+        image_files = [n for n in image_files if not os.path.splitext(n)[0].endswith(mask_suffix)]
+    if not image_files:
+        raise UserError('--data %s: no images (%s) in the folder' % (images_dir, ', '.join(
+            ('png', 'jpg', 'tif', 'bmp'))))
+    samples, missing = [], []
+    for n in image_files:
+        stem = os.path.splitext(n)[0]
+        m = by_stem.get(stem + mask_suffix) if mask_suffix else None
+        if m is None and not same:
+            m = by_stem.get(stem)
+        if m is None:
+            missing.append(n)
+            continue
+        samples.append(Sample(stem, os.path.join(images_dir, n), [os.path.join(masks_dir, m)]))
+    _unpaired(missing, len(image_files), 'in %s (looked for NAME%s.* or NAME.*)' % (masks_dir, mask_suffix),
+              skip_unpaired)
+    return samples
+
+
+def find_dsb(root, skip_unpaired=False):
+    """Samples of the DSB layout ``ROOT/<id>/images/<id>.png`` + ``ROOT/<id>/masks/*.png``."""
+    root = os.fspath(root)
+    samples, missing, total = [], [], 0
+    for sid in _listdir(root):
+        d = os.path.join(root, sid)
+        if sid.startswith('.') or not os.path.isdir(d):
+            continue
+        img_dir = os.path.join(d, 'images')
+        if not os.path.isdir(img_dir):
+            raise UserError('%s: no images/ folder (DSB layout: ROOT/<id>/images/<id>.png)' % d)
+        imgs = _images_in(img_dir)
+        preferred = [n for n in imgs if os.path.splitext(n)[0] == sid]
+        if not imgs:
+            raise UserError('%s: no image file (DSB layout: ROOT/<id>/images/<id>.png)' % img_dir)
+        image = os.path.join(img_dir, (preferred or imgs)[0])
+        total += 1
+        mask_dir = os.path.join(d, 'masks')
+        masks = _images_in(mask_dir) if os.path.isdir(mask_dir) else []
+        if not masks:
+            missing.append(sid)
+            continue
+        samples.append(Sample(sid, image, [os.path.join(mask_dir, m) for m in masks], merge=True))
+    if total == 0:
+        raise UserError('%s: no DSB samples (expected ROOT/<id>/images/<id>.png)' % root)
+    _unpaired(missing, total, '(empty or missing <id>/masks/ folder)', skip_unpaired)
+    return samples
+
+
+def find_csv(csv_path, skip_unpaired=False):
+    """Samples listed in a CSV with ``image`` and ``mask`` columns (relative paths)."""
+    csv_path = os.fspath(csv_path)
+    base = os.path.dirname(os.path.abspath(csv_path))
+    try:
+        with open(csv_path, newline='') as f:
+            reader = csv.DictReader(f)
+            header = [(h or '').strip().lower() for h in (reader.fieldnames or [])]
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise UserError('%s: cannot read CSV (%s)' % (csv_path, e)) from None
+    if 'image' not in header or 'mask' not in header:
+        raise UserError('%s: CSV needs "image" and "mask" columns (found: %s)'
+                        % (csv_path, ', '.join(header) or 'no header'))
+    samples, missing = [], []
+    for line, row in enumerate(rows, start=2):
+        row = {(k or '').strip().lower(): (v or '').strip() for k, v in row.items()
+               if isinstance(v, str) or v is None}
+        if not row['image']:
+            continue
+        image = os.path.join(base, row['image'])
+        if not os.path.isfile(image):
+            raise UserError('%s line %d: image %s not found' % (csv_path, line, row['image']))
+        if not row['mask']:
+            missing.append(row['image'])
+            continue
+        mask = os.path.join(base, row['mask'])
+        if not os.path.isfile(mask):
+            raise UserError('%s line %d: mask %s not found' % (csv_path, line, row['mask']))
+        samples.append(Sample(os.path.splitext(os.path.basename(image))[0], image, [mask]))
+    if not samples and not missing:
+        raise UserError('%s: CSV lists no images' % csv_path)
+    _unpaired(missing, len(samples) + len(missing), 'in the mask column of %s' % csv_path, skip_unpaired)
+    return samples
+
+
+def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired=False):
+    """Find the samples of a dataset.
+
+    Parameters
+    ----------
+    path : str
+        Image folder, DSB root or CSV file (``--data``).
+    masks : str, optional
+        Mask folder for the paired layout (``--masks``).
+    layout : {'auto', 'paired', 'dsb', 'csv'}
+    mask_suffix : str
+        Paired layout: ``name.ext`` <-> ``name<mask_suffix>.ext``.
+    skip_unpaired : bool
+        Warn about images without a mask instead of raising.
+
+    Returns
+    -------
+    layout : str
+        The layout used.
+    samples : list of Sample
+
+    Raises
+    ------
+    UserError
+        Missing path, empty folder, no layout matched, images without masks.
+    """
+    if layout not in LAYOUTS:
+        raise UserError('--layout must be one of %s (got %r)' % (', '.join(LAYOUTS), layout))
+    path = os.fspath(path)
+    if layout == 'auto':
+        layout = detect_layout(path, masks, mask_suffix)
+    elif not os.path.exists(path):
+        raise UserError('--data %s: no such file or folder' % path)
+    if layout == 'csv':
+        if not os.path.isfile(path):
+            raise UserError('--data %s: --layout csv needs a CSV file' % path)
+        samples = find_csv(path, skip_unpaired)
+    elif os.path.isfile(path):
+        raise UserError('--data %s: --layout %s needs a folder' % (path, layout))
+    elif layout == 'dsb':
+        if not _is_dsb(path):
+            raise UserError('--data %s: not the DSB layout (expected ROOT/<id>/images/<id>.png '
+                            'and ROOT/<id>/masks/*.png)' % path)
+        samples = find_dsb(path, skip_unpaired)
+    else:
+        samples = find_paired(path, masks, mask_suffix, skip_unpaired)
+    if not samples:
+        raise UserError('--data %s: no image has a mask' % path)
+    return layout, samples

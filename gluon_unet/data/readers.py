@@ -1,0 +1,285 @@
+"""``load_dataset``: a user's files on disk -> a cached, memory-mapped SegmentationDataset.
+
+Pipeline: :func:`~gluon_unet.data.layouts.discover` lists the samples; the cache key is
+computed from the files' paths, mtimes and sizes and the options; on a hit the arrays
+are memory-mapped and nothing is decoded. On a miss, worker processes decode and resize
+the samples (images with ``cv2.INTER_AREA``, masks and instance labels with
+``cv2.INTER_NEAREST``), the main process streams the results into a new cache entry,
+which is committed atomically and then memory-mapped.
+"""
+import contextlib
+import multiprocessing
+import os
+
+import cv2
+import numpy as np
+
+from ..errors import UserError
+from . import cache as _cache
+from .dataset import SegmentationDataset
+from .io import is_colour, read_binary_mask, read_image, read_mask
+from .layouts import discover
+
+
+def _init_worker():
+    # One OpenCV thread per process: the pool already uses every core we were given.
+    cv2.setNumThreads(1)
+
+
+def _size_error(mask_path, mask_shape, image_path, image_shape):
+    return UserError('mask %s is %dx%d (HxW) but its image %s is %dx%d'
+                     % (mask_path, mask_shape[0], mask_shape[1], image_path, image_shape[0], image_shape[1]))
+
+
+def decode_sample(sample, size=128, crop=0, channels=0):
+    """Decode one sample (in a worker process).
+
+    Returns
+    -------
+    image : (H, W, C) uint8
+        Resized to ``size`` unless ``crop``; with ``channels=0`` always 3 channels
+        (grey repeated) so results can be stacked before the channel count is known.
+    mask : (H, W) uint8 in {0, 1}
+    instances : (H, W) int32
+    original_size : (h, w)
+    colour : bool
+        The image has colour (3 channels that differ).
+    """
+    image = read_image(sample.image, channels)
+    h, w = image.shape[:2]
+    colour = is_colour(image)
+    if channels == 0 and image.shape[2] == 1:
+        image = np.repeat(image, 3, axis=2)
+    if sample.merge:  # DSB: one file per object -> union mask + one id per file
+        inst = np.zeros((h, w), np.int32)
+        for k, path in enumerate(sample.masks, start=1):
+            fg = read_binary_mask(path)
+            if fg.shape != (h, w):
+                raise _size_error(path, fg.shape, sample.image, (h, w))
+            inst[fg] = k
+        mask = (inst > 0).astype(np.uint8)
+    else:
+        mask, inst = read_mask(sample.masks[0])
+        if mask.shape != (h, w):
+            raise _size_error(sample.masks[0], mask.shape, sample.image, (h, w))
+        if inst is None:  # binary mask: objects are its 4-connected components
+            inst = cv2.connectedComponents(mask, connectivity=4, ltype=cv2.CV_32S)[1]
+    if not crop:
+        image = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
+        mask = cv2.resize(mask, (size, size), interpolation=cv2.INTER_NEAREST)
+        inst = cv2.resize(inst, (size, size), interpolation=cv2.INTER_NEAREST)
+    return image, mask, inst.astype(np.int32, copy=False), (h, w), colour
+
+
+def _decode_star(args):
+    return decode_sample(*args)
+
+
+class RaggedArray:
+    """Images of different sizes stored flat (a memmap) with offsets; ``a[i]`` is image i.
+
+    Parameters
+    ----------
+    flat : 1-D array
+    shapes : (N, k) int array
+        Shape of every item.
+    channels_view : int, optional
+        Return only the first ``channels_view`` channels of the last axis.
+    """
+
+    def __init__(self, flat, shapes, channels_view=None):
+        self.flat, self.shapes = flat, np.asarray(shapes, np.int64)
+        sizes = np.prod(self.shapes, axis=1)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.channels_view = channels_view
+
+    def __len__(self):
+        return len(self.shapes)
+
+    def __getitem__(self, i):
+        if i < 0:
+            i += len(self)
+        a = self.flat[self.offsets[i]:self.offsets[i + 1]].reshape(tuple(self.shapes[i]))
+        if self.channels_view is not None:
+            a = a[..., :self.channels_view]
+        return a
+
+
+class _MemorySink:
+    """Collects decoded samples in memory (no cache)."""
+
+    def __init__(self):
+        self.images, self.masks, self.instances = [], [], []
+
+    def add(self, image, mask, inst):
+        self.images.append(image)
+        self.masks.append(mask)
+        self.instances.append(inst)
+
+
+class _DiskSink:
+    """Streams decoded samples into a cache entry being built."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def add(self, image, mask, inst):
+        self.writer.append('images', image)
+        self.writer.append('masks', mask)
+        self.writer.append('instances', inst)
+
+
+def _pool_map(fn, items, workers, progress, desc):
+    """Ordered map over ``items``, in ``workers`` processes (in-process for 0 or 1)."""
+    from tqdm import tqdm
+    bar = tqdm(total=len(items), desc=desc, unit='img', disable=not progress, leave=False)
+    try:
+        if workers <= 1 or len(items) <= 1:
+            for it in items:
+                yield fn(it)
+                bar.update()
+            return
+        # fork: workers inherit the imported modules, nothing is pickled but the tasks.
+        ctx = multiprocessing.get_context('fork')
+        with ctx.Pool(min(workers, len(items)), initializer=_init_worker) as pool:
+            for res in pool.imap(fn, items, chunksize=2):
+                yield res
+                bar.update()
+    finally:
+        bar.close()
+
+
+def _build(entry_arrays, meta, names, channels, crop):
+    """SegmentationDataset from stored arrays (memmaps or lists)."""
+    shapes = np.asarray(meta['original_sizes'], np.int64).reshape(-1, 2)
+    stored_c = meta['stored_channels']
+    view = channels if channels != stored_c else None
+    if crop:
+        n = len(shapes)
+        img_shapes = np.concatenate([shapes, np.full((n, 1), stored_c)], axis=1)
+        images = RaggedArray(entry_arrays['images'], img_shapes, view)
+        masks = RaggedArray(entry_arrays['masks'], shapes)
+        instances = RaggedArray(entry_arrays['instances'], shapes)
+    else:
+        images, masks, instances = entry_arrays['images'], entry_arrays['masks'], entry_arrays['instances']
+        if view is not None:
+            images = images[..., :view]
+    ds = SegmentationDataset(images, masks, instances, names=names,
+                             original_sizes=[tuple(int(v) for v in s) for s in shapes])
+    ds.channels = channels
+    ds.layout = meta['layout']
+    return ds
+
+
+def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128, crop=0, channels=0,
+                 cache_dir=None, workers=2, skip_unpaired=False, progress=True):
+    """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
+
+    Parameters
+    ----------
+    path : str
+        ``--data``: image folder, DSB root or CSV file.
+    masks : str, optional
+        ``--masks``: mask folder of the paired layout.
+    layout : {'auto', 'paired', 'dsb', 'csv'}
+    mask_suffix : str
+        Paired layout: ``name.ext`` <-> ``name<mask_suffix>.ext`` (same names also pair).
+    size : int
+        Resize mode (``crop == 0``): images become ``size`` x ``size`` (area interpolation),
+        masks and instances nearest.
+    crop : int
+        > 0: keep native resolution (the transform from ``make_transform(crop=crop)``
+        crops); ``size`` is then unused.
+    channels : {0, 1, 3}
+        Convert images to 1 or 3 channels; 0 = 3 if any image has colour, else 1.
+        The choice is ``dataset.channels``.
+    cache_dir : str or False, optional
+        Where cache entries live; None = ``<data>/.gluon_unet_cache`` if writable, else
+        ``~/.cache/gluon_unet``; False = no cache.
+    workers : int
+        Decoding processes (0 or 1 = in this process).
+    skip_unpaired : bool
+        Warn about images without masks instead of raising.
+    progress : bool
+        tqdm progress bar while decoding.
+
+    Returns
+    -------
+    SegmentationDataset
+        ``images`` (N,S,S,C) uint8, ``masks`` (N,S,S) uint8 0/1, ``instances`` (N,S,S)
+        int32 (memory-mapped when cached; ragged per-sample arrays in crop mode),
+        ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], plus the
+        attributes ``channels`` and ``layout``.
+
+    Raises
+    ------
+    UserError
+        Anything wrong with the input: see :mod:`~gluon_unet.data.layouts` and
+        :mod:`~gluon_unet.data.io`.
+    """
+    if channels not in (0, 1, 3):
+        raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % (channels,))
+    if crop < 0:
+        raise UserError('--crop must be >= 0 (got %r)' % (crop,))
+    if not crop and (not isinstance(size, int) or size <= 0):
+        raise UserError('--size must be a positive integer (got %r)' % (size,))
+    layout, samples = discover(path, masks, layout, mask_suffix, skip_unpaired)
+    names = [s.name for s in samples]
+    files = [f for s in samples for f in s.files()]
+
+    if cache_dir is None:
+        cache_dir = _cache.default_cache_dir(path)
+    key = None
+    if cache_dir:
+        files_hash = _cache.file_digest(files)
+        options = {'size': 0 if crop else int(size), 'crop_mode': bool(crop), 'channels': int(channels),
+                   'layout': layout,
+                   'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
+        key = _cache.cache_key(files, options, files_hash=files_hash)
+        entry = _cache.load(cache_dir, key)
+        if entry is not None:
+            return _build(entry.arrays, entry.meta, names, entry.meta['channels'], crop)
+        writer = _cache.open_writer(cache_dir, key, source={'data': os.path.abspath(path), 'files': files_hash})
+    else:
+        writer = None
+
+    sink = _DiskSink(writer) if writer is not None else _MemorySink()
+    sizes, any_colour = [], False
+    with writer if writer is not None else contextlib.nullcontext():
+        tasks = [(s, size, crop, channels) for s in samples]
+        for image, mask, inst, hw, colour in _pool_map(_decode_star, tasks, workers, progress,
+                                                       'decoding %s' % os.path.basename(os.path.normpath(path))):
+            sink.add(image, mask, inst)
+            sizes.append(hw)
+            any_colour |= colour
+        stored_c = channels or 3
+        chosen = channels or (3 if any_colour else 1)
+        meta = {'original_sizes': [list(hw) for hw in sizes], 'stored_channels': stored_c,
+                'channels': chosen, 'layout': layout, 'names': names}
+        if writer is None:
+            if crop:
+                return _build_lists(sink, meta, names, chosen, stored_c)
+            arrays = {'images': np.stack(sink.images), 'masks': np.stack(sink.masks),
+                      'instances': np.stack(sink.instances)}
+            return _build(arrays, meta, names, chosen, crop)
+        n = len(samples)
+        if crop:
+            total = int(sum(h * w for h, w in sizes))
+            shapes = {'images': (total * stored_c,), 'masks': (total,), 'instances': (total,)}
+        else:
+            shapes = {'images': (n, size, size, stored_c), 'masks': (n, size, size), 'instances': (n, size, size)}
+        writer.commit(shapes, meta)
+    entry = _cache.load(cache_dir, key)
+    if entry is None:  # committed but unreadable (e.g. a concurrent prune): should not happen
+        raise UserError('cache %s: could not read back the entry just written' % cache_dir)
+    return _build(entry.arrays, entry.meta, names, chosen, crop)
+
+
+def _build_lists(sink, meta, names, chosen, stored_c):
+    """Crop mode without a cache: plain lists of native-size arrays."""
+    images = sink.images if chosen == stored_c else [im[..., :chosen] for im in sink.images]
+    ds = SegmentationDataset(images, sink.masks, sink.instances, names=names,
+                             original_sizes=[tuple(s) for s in meta['original_sizes']])
+    ds.channels = chosen
+    ds.layout = meta['layout']
+    return ds
