@@ -1,0 +1,268 @@
+"""``bin/evaluate``: score predicted nuclei against ground truth.
+
+Predictions are label images (one id per nucleus, e.g. the 16-bit PNGs of
+``bin/predict``), binary masks (split into connected components) or float probability
+maps (thresholded, then components), named after the truth ids. Truth is either the
+Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a folder of
+mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
+code as the validation metrics in training.
+"""
+import argparse
+import csv
+import glob
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+from .errors import UserError
+from .metrics import dsb_image_score, pixel_scores
+
+IMAGE_EXTS = ('.png', '.tif', '.tiff', '.bmp', '.jpg', '.jpeg')
+_JPEG = ('.jpg', '.jpeg')
+#: Name suffixes that still identify the image id. Earlier = preferred when several files
+#: share an id (a label image keeps the watershed splits a binary mask has lost).
+PRED_SUFFIXES = ('_labels', '_label', '_instances', '', '_mask', '_pred', '_prediction')
+TRUTH_SUFFIXES = ('_mask', '_labels', '_label', '_instances', '')
+#: Pictures for people (``bin/predict --overlay``), not predictions.
+IGNORED_SUFFIXES = ('_overlay',)
+COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status')
+
+
+def read_labels(path, threshold=0.5):
+    """Read a label image, binary mask or probability map as instance labels.
+
+    Parameters
+    ----------
+    path : str
+    threshold : float
+        Foreground cut for float images holding probabilities.
+
+    Returns
+    -------
+    (H, W) int64, 0 = background.
+    """
+    import cv2
+    from skimage.measure import label
+
+    arr = cv2.imread(path, cv2.IMREAD_UNCHANGED)
+    if arr is None:
+        raise UserError('cannot read %s (missing, corrupt or not an image)' % path)
+    if arr.ndim == 3:
+        if arr.shape[2] in (2, 4):
+            arr = arr[..., :-1]  # alpha
+        if arr.shape[2] == 1 or all(np.array_equal(arr[..., 0], arr[..., c]) for c in range(arr.shape[2])):
+            arr = arr[..., 0]
+        else:
+            # A colour-coded label image: one id per colour, black = background.
+            flat = arr.reshape(-1, arr.shape[2])
+            colours, ids = np.unique(flat, axis=0, return_inverse=True)
+            background = ~flat.any(axis=1).reshape(arr.shape[:2])
+            if len(colours) - int(background.any()) <= 1:
+                return label(~background, connectivity=1)  # one colour = a binary mask
+            out = ids.reshape(arr.shape[:2]).astype(np.int64) + 1
+            out[background] = 0
+            return out
+    if arr.dtype.kind == 'f':
+        arr = np.nan_to_num(arr)
+        if arr.max(initial=0) > 1 and np.array_equal(arr, np.round(arr)):
+            return arr.astype(np.int64)  # a label image stored as float (e.g. TIFF)
+        return label(arr > threshold, connectivity=1)
+    if os.path.splitext(path)[1].lower() in _JPEG:
+        return label(arr > 127, connectivity=1)  # JPEG noise makes "labels" meaningless
+    values = np.unique(arr)
+    nonzero = values[values != 0]
+    if len(nonzero) <= 1:
+        return label(arr != 0, connectivity=1)  # a binary mask, 0/1 or 0/255
+    return arr.astype(np.int64)
+
+
+def find_images(folder):
+    """Image files directly in ``folder``, by lower-case extension."""
+    return sorted(p for p in glob.glob(os.path.join(folder, '*'))
+                  if os.path.isfile(p) and os.path.splitext(p)[1].lower() in IMAGE_EXTS)
+
+
+def _by_id(paths, suffixes, ignore=()):
+    """Map image id -> path, stripping a known suffix; earlier suffixes win ties."""
+    named = sorted((s for s in suffixes if s), key=len, reverse=True)
+    best = {}
+    for path in paths:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if any(stem.endswith(s) for s in ignore):
+            continue
+        suffix = next((s for s in named if stem.endswith(s) and len(stem) > len(s)), '')
+        key, rank = stem[:len(stem) - len(suffix)], suffixes.index(suffix)
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, path)
+    return {k: v[1] for k, v in best.items()}
+
+
+def is_dsb_layout(root):
+    """True when ``root`` holds ``<id>/masks/`` folders."""
+    return any(os.path.isdir(os.path.join(root, d, 'masks')) for d in os.listdir(root))
+
+
+def load_truth(root, threshold=0.5):
+    """Ground truth as ``{id: loader}``; each loader returns (H, W) int64 labels.
+
+    Loading is deferred so a large truth set is read one image at a time.
+    """
+    if is_dsb_layout(root):
+        truth = {}
+        for d in sorted(os.listdir(root)):
+            mask_dir = os.path.join(root, d, 'masks')
+            if os.path.isdir(mask_dir):
+                truth[d] = (lambda m=mask_dir: _read_dsb_masks(m))
+        return truth
+    return {k: (lambda p=p: read_labels(p, threshold))
+            for k, p in _by_id(find_images(root), TRUTH_SUFFIXES).items()}
+
+
+def _read_dsb_masks(mask_dir):
+    import cv2
+
+    files = find_images(mask_dir)
+    if not files:
+        raise UserError('%s holds no mask images' % mask_dir)
+    labels = None
+    for k, path in enumerate(files, start=1):
+        m = cv2.imread(path, cv2.IMREAD_UNCHANGED)
+        if m is None:
+            raise UserError('cannot read %s (missing, corrupt or not an image)' % path)
+        if m.ndim == 3:
+            m = m[..., :3].max(axis=2)
+        if labels is None:
+            labels = np.zeros(m.shape[:2], np.int64)
+        elif m.shape[:2] != labels.shape:
+            raise UserError('%s is %dx%d but the other masks of %s are %dx%d'
+                            % (path, m.shape[1], m.shape[0], mask_dir, labels.shape[1], labels.shape[0]))
+        labels[m > (127 if os.path.splitext(path)[1].lower() in _JPEG else 0)] = k
+    return labels
+
+
+def evaluate(pred_dir, truth_dir, threshold=0.5):
+    """Score every truth image.
+
+    Returns
+    -------
+    rows : list of dict
+        One per truth id, keys :data:`COLUMNS`; a missing prediction scores 0 with
+        ``status='missing'``.
+    extra : list of str
+        Prediction ids without truth (ignored).
+    """
+    for flag, d in (('--pred', pred_dir), ('--truth', truth_dir)):
+        if not os.path.isdir(d):
+            raise UserError('%s %s: no such directory' % (flag, d))
+    truth = load_truth(truth_dir, threshold)
+    if not truth:
+        raise UserError('--truth %s holds no masks (expected <id>/masks/*.png or mask images)' % truth_dir)
+    preds = _by_id(find_images(pred_dir), PRED_SUFFIXES, IGNORED_SUFFIXES)
+    matched = sorted(set(truth) & set(preds))
+    if not matched:
+        raise UserError('no prediction in %s matches a truth id in %s (e.g. %s)'
+                        % (pred_dir, truth_dir, sorted(truth)[0]))
+    rows = []
+    for image_id in sorted(truth):
+        true = truth[image_id]()
+        n_true = int(len(np.unique(true[true > 0])))
+        if image_id not in preds:
+            rows.append(dict(image_id=image_id, dsb=0.0, iou=0.0, dice=0.0, true_objects=n_true,
+                             pred_objects=0, status='missing'))
+            continue
+        pred = read_labels(preds[image_id], threshold)
+        if pred.shape != true.shape:
+            raise UserError('%s is %dx%d but the truth of %s is %dx%d'
+                            % (preds[image_id], pred.shape[1], pred.shape[0], image_id,
+                               true.shape[1], true.shape[0]))
+        px = pixel_scores(pred, true)
+        rows.append(dict(image_id=image_id, dsb=dsb_image_score(pred, true), iou=px['iou'],
+                         dice=px['dice'], true_objects=n_true,
+                         pred_objects=int(len(np.unique(pred[pred > 0]))), status='ok'))
+    extra = sorted(set(preds) - set(truth))
+    return rows, extra
+
+
+def mean_row(rows):
+    """The column means (missing predictions included as 0)."""
+    return {'image_id': 'mean', **{k: float(np.mean([r[k] for r in rows])) for k in ('dsb', 'iou', 'dice')},
+            'true_objects': int(sum(r['true_objects'] for r in rows)),
+            'pred_objects': int(sum(r['pred_objects'] for r in rows)), 'status': ''}
+
+
+def write_csv(path, rows):
+    """Write the per-image rows atomically (temp file + rename: never half a file)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError('--csv %s: folder %s does not exist' % (path, folder))
+    fd, tmp = tempfile.mkstemp(prefix='.evaluate-', suffix='.csv', dir=folder)
+    try:
+        with os.fdopen(fd, 'w', newline='') as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            for r in rows:
+                writer.writerow({k: ('%.6f' % r[k] if isinstance(r[k], float) else r[k]) for k in COLUMNS})
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def format_table(rows, mean):
+    """A plain-text table, one line per image, then the mean."""
+    width = max([len('image_id')] + [len(r['image_id']) for r in rows])
+    head = '%-*s  %6s  %6s  %6s  %5s  %5s' % (width, 'image_id', 'dsb', 'iou', 'dice', 'true', 'pred')
+    line = '%-*s  %6.4f  %6.4f  %6.4f  %5d  %5d'
+    out = [head, '-' * len(head)]
+    for r in rows:
+        out.append(line % (width, r['image_id'], r['dsb'], r['iou'], r['dice'], r['true_objects'],
+                           r['pred_objects']) + ('  (missing)' if r['status'] == 'missing' else ''))
+    out.append('-' * len(head))
+    out.append(line % (width, 'mean', mean['dsb'], mean['iou'], mean['dice'], mean['true_objects'],
+                       mean['pred_objects']))
+    return '\n'.join(out)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog='evaluate',
+        description='Score predicted nuclei against ground truth: Data Science Bowl 2018 '
+                    'instance score, pixel IoU and Dice per image and mean.')
+    p.add_argument('--pred', required=True, metavar='DIR',
+                   help='predictions: label images, binary masks or float probability maps named '
+                        '<id>.png (suffixes _labels, _mask, ... allowed)')
+    p.add_argument('--truth', required=True, metavar='DIR',
+                   help='ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images')
+    p.add_argument('--csv', metavar='FILE', help='write the per-image scores to this CSV')
+    p.add_argument('--threshold', type=float, default=0.5,
+                   help='foreground cut for float probability-map predictions (default 0.5)')
+    return p
+
+
+def main(argv=None):
+    """Entry point of ``bin/evaluate``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        if not 0 < args.threshold < 1:
+            raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
+        rows, extra = evaluate(args.pred, args.truth, args.threshold)
+        mean = mean_row(rows)
+        if args.csv:
+            write_csv(args.csv, rows)
+    except UserError as e:
+        print('error: %s' % e, file=sys.stderr)
+        return e.exit_code
+    print(format_table(rows, mean))
+    missing = [r['image_id'] for r in rows if r['status'] == 'missing']
+    if missing:
+        print('%d of %d truth images have no prediction and score 0: %s%s'
+              % (len(missing), len(rows), ', '.join(missing[:5]), ', ...' if len(missing) > 5 else ''))
+    if extra:
+        print('%d predictions have no truth and were ignored: %s%s'
+              % (len(extra), ', '.join(extra[:5]), ', ...' if len(extra) > 5 else ''))
+    if args.csv:
+        print('scores written to %s' % args.csv)
+    return 0
