@@ -122,25 +122,26 @@ class EpochSampler(gluon.data.Sampler):
         if not 0 <= shard < num_shards:
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
         self.length, self.shuffle, self.seed = length, shuffle, seed
-        self.num_shards, self.shard, self.epoch = num_shards, shard, 0
+        self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def set_epoch(self, epoch, skip_samples=0):
+        """Select the epoch's order; ``skip_samples`` resumes an interrupted epoch."""
+        self.epoch, self.skip = epoch, skip_samples
 
     def __len__(self):
-        return -(-self.length // self.num_shards)
+        return -(-self.length // self.num_shards) - self.skip
 
     def order(self):
         """The indices this shard visits in the current epoch."""
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
-        per = len(self)
+        per = -(-self.length // self.num_shards)
         padded = np.resize(order, per * self.num_shards)  # wraps around to pad
         return padded[self.shard * per:(self.shard + 1) * per]
 
     def __iter__(self):
         base = np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
-        for i in self.order():
+        for i in self.order()[self.skip:]:
             yield int(i), int(base[i])
 
 
@@ -164,10 +165,9 @@ def split_indices(n, val_fraction, seed):
 
 
 def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0):
-    """A Gluon DataLoader over ``dataset`` with :class:`EpochSampler`.
+    """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`.
 
-    Returns the loader; call ``loader._batch_sampler._sampler.set_epoch(e)`` through
-    :func:`set_loader_epoch` before each epoch.
+    Call :func:`set_loader_epoch` before each epoch to reshuffle.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard)
     batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
@@ -181,6 +181,6 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     return loader
 
 
-def set_loader_epoch(loader, epoch):
-    """Reshuffle (and reseed augmentation) for ``epoch``."""
-    loader.epoch_sampler.set_epoch(epoch)
+def set_loader_epoch(loader, epoch, skip_samples=0):
+    """Reshuffle (and reseed augmentation) for ``epoch``, optionally skipping its start."""
+    loader.epoch_sampler.set_epoch(epoch, skip_samples)

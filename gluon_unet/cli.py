@@ -1,0 +1,119 @@
+"""Command-line entry points. Flags are generated from the config dataclasses, so every
+option has one name (``batch_size`` <-> ``--batch-size``) and one default."""
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import typing
+
+from .config import ModelConfig, TrainConfig, flag_name
+from .errors import UserError
+
+# The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
+# trains a small network on small images unless the user says otherwise.
+DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size': 16,
+                 'synthetic_count': 320, 'output': 'runs/demo', 'lr': 2e-3, 'patience': 0}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (flag and problem) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, '%s: error: %s\n' % (self.prog, message))
+
+
+def _arg_type(tp):
+    if typing.get_origin(tp) is typing.Union:
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+    return tp
+
+
+def add_config_arguments(parser, cls=TrainConfig):
+    """Add one flag per config field (nested ModelConfig fields included)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == 'model':
+            add_config_arguments(parser.add_argument_group('model'), ModelConfig)
+            continue
+        tp = _arg_type(hints[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = '%s (default: %s)' % (f.metadata.get('help', ''), default)
+        kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        if tp is bool:
+            kwargs['action'] = argparse.BooleanOptionalAction
+        else:
+            kwargs['type'] = tp
+            kwargs['metavar'] = f.name.upper()
+        parser.add_argument(flag_name(f.name), **kwargs)
+    return parser
+
+
+def config_from_args(given, config_file=None):
+    """Build a validated TrainConfig: defaults < demo defaults < config file < flags."""
+    values = {}
+    if config_file:
+        try:
+            with open(config_file) as f:
+                loaded = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UserError('--config %s: cannot read it as JSON (%s)' % (config_file, exc)) from None
+        values.update(loaded.pop('model', {}))
+        values.update(loaded)
+    values.update(given)
+    if values.get('data') is None:
+        for key, value in DEMO_DEFAULTS.items():
+            values.setdefault(key, value)
+    model_names = {f.name for f in dataclasses.fields(ModelConfig)}
+    model = {k: values.pop(k) for k in list(values) if k in model_names}
+    unknown = set(values) - {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown:
+        raise UserError('--config %s: unknown keys %s' % (config_file, ', '.join(sorted(unknown))))
+    cfg = TrainConfig(model=ModelConfig(**model), **values)
+    if cfg.data is not None and not os.path.exists(cfg.data):
+        raise UserError('--data %s: no such file or folder' % cfg.data)
+    if cfg.masks is not None and not os.path.isdir(cfg.masks):
+        raise UserError('--masks %s: no such folder' % cfg.masks)
+    if cfg.val_data is not None and not os.path.exists(cfg.val_data):
+        raise UserError('--val-data %s: no such file or folder' % cfg.val_data)
+    return cfg.validate()
+
+
+def train_parser():
+    parser = OneLineParser(
+        prog='train', description='Train a U-Net on all the given devices. Without --data, trains on '
+                                  'generated nuclei (a demo that ends in an exported model).')
+    parser.add_argument('--config', help='JSON file with config values (flags override it)')
+    return add_config_arguments(parser)
+
+
+def train_main(argv=None):
+    """``bin/train``: parse flags, train, export. Returns the process exit code."""
+    args = vars(train_parser().parse_args(argv))
+    config_file = args.pop('config', None)
+    try:
+        cfg = config_from_args(args, config_file)
+        if cfg.benchmark:
+            from .benchmark import benchmark_main
+            return benchmark_main(cfg)
+        from .engine import Diverged, Interrupted, fit
+        try:
+            fit(cfg)
+        except Interrupted as exc:
+            print(str(exc), file=sys.stderr)
+            return exc.exit_code
+        except Diverged as exc:
+            print('error: %s' % exc, file=sys.stderr)
+            return Diverged.exit_code
+    except UserError as exc:
+        print('error: %s' % exc, file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print('interrupted', file=sys.stderr)
+        return 130
+    return 0
+
+
+def run(main):
+    """Run an entry point with MXNet's start-up chatter kept out of the user's way."""
+    sys.exit(main())

@@ -1,0 +1,507 @@
+"""Training and validation loops: ``fit(cfg)`` is the whole job.
+
+Stages, each a function that returns a dict: build the data (`build_datasets`), the
+network (`build_network`), the optimizer, then per epoch `train_epoch` and `validate`,
+checkpoint, early stopping, and finally export of the best model.
+"""
+import collections
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import mxnet as mx
+import numpy as np
+
+from . import metrics as M
+from .checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
+from .config import TrainConfig
+from .data.dataset import make_loader, set_loader_epoch, split_indices
+from .data.synthetic import synthetic_dataset
+from .devices import has_gpu, make_contexts
+from .errors import UserError
+from .losses import SegmentationLoss
+from .model import build_model
+from .optim import make_lr_scheduler, make_trainer
+from .parallel import DataParallelStep, split_batch
+from .runlog import MetricsTable, get_logger, plot_curves, setup_logging
+
+
+class Interrupted(Exception):
+    """Ctrl-C / SIGTERM: a resumable checkpoint was saved; ``exit_code`` is 130 or 143."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Diverged(Exception):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    exit_code = 3
+
+
+@dataclass
+class RunState:
+    """What a checkpoint must hold beyond the weights to continue a run exactly."""
+    epoch: int = 0               # last completed epoch
+    step: int = 0                # optimizer updates so far
+    step_in_epoch: int = 0       # batches done in an interrupted epoch
+    best: float = None
+    best_epoch: int = 0
+    bad_epochs: int = 0
+    history: list = field(default_factory=list)
+
+    def to_meta(self, cfg):
+        return {'config': cfg.to_dict(), 'epoch': self.epoch, 'step': self.step,
+                'step_in_epoch': self.step_in_epoch, 'best': self.best,
+                'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs,
+                'history': self.history, 'seed': cfg.seed,
+                'metrics': self.history[-1] if self.history else {}}
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
+                   best=meta.get('best'), best_epoch=meta.get('best_epoch', 0),
+                   bad_epochs=meta.get('bad_epochs', 0), history=meta.get('history', []))
+
+
+# -- data ----------------------------------------------------------------------------------
+
+def build_datasets(cfg):
+    """Training and validation datasets for ``cfg`` (generated nuclei when ``data`` is None).
+
+    Returns
+    -------
+    (train_ds, val_ds) : SegmentationDataset, SegmentationDataset or None
+    """
+    side = cfg.crop or cfg.size
+    if cfg.data is None:
+        full = synthetic_dataset(cfg.synthetic_count, side, channels=cfg.model.in_channels or 1,
+                                 seed=cfg.seed)
+        val = None
+    else:
+        from .data import readers
+        opts = dict(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
+                    channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
+                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress)
+        full = readers.load_dataset(cfg.data, masks=cfg.masks, **opts)
+        val = readers.load_dataset(cfg.val_data, **opts) if cfg.val_data else None
+    if val is None and cfg.val_split > 0:
+        train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
+        return full.subset(train_idx), full.subset(val_idx)
+    return full, val
+
+
+def attach_transforms(cfg, train_ds, val_ds):
+    """Augmentation (and crops) for training; deterministic crops for validation."""
+    weight_fn = None
+    if cfg.loss == 'wbce':
+        from .data.weights import unet_weight_map
+        weight_fn = unet_weight_map
+    train_tf = val_tf = None
+    if cfg.augment or cfg.crop or cfg.elastic:
+        from .data.augment import make_transform
+        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
+        if cfg.crop:
+            val_tf = make_transform(augment=False, crop=cfg.crop, center=True)
+    train_ds.transform, train_ds.weight_fn = train_tf, weight_fn
+    if val_ds is not None:
+        val_ds.transform, val_ds.weight_fn = val_tf, weight_fn
+
+
+def data_channels(ds):
+    """Channel count of a dataset's images."""
+    channels = getattr(ds, 'channels', None)
+    return channels or int(np.asarray(ds.images[0]).shape[-1])
+
+
+# -- network -------------------------------------------------------------------------------
+
+def build_network(cfg, ctxs):
+    """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized."""
+    net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0)
+    mx.random.seed(cfg.seed)
+    net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
+    if cfg.hybridize:
+        net.hybridize(static_alloc=True, static_shape=True)
+    # Resolve deferred parameter shapes now, once, from the main thread: the threaded
+    # SyncBatchNorm step must not race to initialize them.
+    side = cfg.crop or cfg.size
+    with mx.autograd.predict_mode():
+        net(mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctxs[0])).wait_to_read()
+    return net
+
+
+def init_amp(cfg, ctxs):
+    """Turn on mixed precision (must precede model construction); returns the dtype."""
+    if not cfg.amp:
+        return None
+    dtype = cfg.amp_dtype
+    if dtype == 'auto':
+        dtype = 'float16' if has_gpu(ctxs) else 'bfloat16'
+    if dtype == 'float16' and not has_gpu(ctxs):
+        raise UserError('--amp-dtype float16 needs GPUs (--gpus); on CPU use bfloat16')
+    if dtype == 'bfloat16' and has_gpu(ctxs):
+        raise UserError('--amp-dtype bfloat16 is for CPU training in MXNet 1.9; use float16 on GPUs')
+    from mxnet.contrib import amp
+    amp.init(target_dtype=dtype)
+    return dtype
+
+
+# -- one epoch -----------------------------------------------------------------------------
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM; the loop checks it after each step."""
+
+    def __init__(self):
+        self.signum = None
+        self._old = {}
+
+    def install(self):
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # a second Ctrl-C: the user really wants out
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progress=None, lookahead=2):
+    """Run one epoch of ``step`` over ``loader``.
+
+    Loss values are read back ``lookahead`` steps late: the devices keep a short queue
+    of work and the host never waits for the step it just issued.
+
+    Returns
+    -------
+    dict
+        ``train_loss``, ``images``, ``seconds``, ``images_per_s``, ``per_device_images``,
+        ``steps``, ``skipped`` and ``interrupted`` (True when a signal stopped it).
+    """
+    ndev = len(step.ctxs)
+    per_device = np.zeros(ndev, np.int64)
+    pending = collections.deque()
+    loss_total, images, steps, skipped = 0.0, 0, skip_batches, 0
+    t0 = time.time()
+
+    def drain(keep):
+        nonlocal loss_total
+        while len(pending) > keep:
+            at, sums, n = pending.popleft()
+            value = sum(s.asscalar() for s in sums)
+            if not math.isfinite(value):
+                raise Diverged('loss is %s at epoch %d, step %d of the epoch; stopping (the last good '
+                               'checkpoint is kept; try a lower --lr or --clip-grad)' % (value, epoch, at))
+            loss_total += value
+
+    for image, target, weight in loader:
+        n = image.shape[0]
+        if not step.runnable(n):
+            skipped += n
+            continue
+        out = step(image, target, weight)
+        steps += 1
+        images += n
+        per_device[:len(out['per_device'])] += out['per_device']
+        pending.append((steps, out['loss_sums'], n))
+        drain(lookahead)
+        if progress is not None:
+            progress.update(n)
+            if steps % 5 == 0 and loss_total:
+                progress.set_postfix(loss='%.4f' % (loss_total / max(1, images - sum(p[2] for p in pending))),
+                                     img_s='%.1f' % (images / (time.time() - t0)))
+        if on_step is not None:
+            on_step(steps)
+        if stop.signum is not None:
+            break
+    drain(0)
+    mx.nd.waitall()
+    seconds = time.time() - t0
+    return {'train_loss': loss_total / max(1, images), 'images': images, 'seconds': seconds,
+            'images_per_s': images / seconds if seconds > 0 else 0.0,
+            'per_device_images': per_device.tolist(), 'steps': steps, 'skipped': skipped,
+            'interrupted': stop.signum is not None}
+
+
+def predict_probabilities(net, ctxs, images):
+    """Sigmoid/softmax probabilities for a batch of images, split over the devices.
+
+    Returns
+    -------
+    np.ndarray (N, C, H, W) float32
+    """
+    return _forward_eval(net, ctxs, [images])[0]
+
+
+def _forward_eval(net, ctxs, arrays, loss_fn=None):
+    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``; with ``loss_fn`` also
+    the summed loss against ``arrays[1:]`` (target, weight), computed on the devices."""
+    probs, losses = [], []
+    with mx.autograd.predict_mode():
+        for part in split_batch(arrays, ctxs):
+            logits = net(part[0])
+            if loss_fn is not None:
+                losses.append(loss_fn(logits, *part[1:]).sum())
+            probs.append(mx.nd.sigmoid(logits) if logits.shape[1] == 1 else mx.nd.softmax(logits, axis=1))
+    prob = np.concatenate([p.asnumpy() for p in probs], axis=0)
+    return prob, sum(float(l.asscalar()) for l in losses)
+
+
+def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True):
+    """Validation loss, pixel IoU (averaged over thresholds 0.50:0.95), Dice and DSB score.
+
+    Pixel metrics are summed over the whole set (not averaged per batch), so the
+    numbers do not depend on the batch size or on how batches fall on devices.
+    """
+    from . import postprocess
+    pixel, dsb = M.PixelMetrics(), M.DSBMetric()
+    loss_total, offset = 0.0, 0
+    t0 = time.time()
+    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
+    binary = True
+    for image, target, weight in loader:
+        prob, loss_sum = _forward_eval(net, ctxs, [image, target, weight], loss_fn)
+        loss_total += loss_sum
+        truth = target.asnumpy()[:, 0]
+        binary = prob.shape[1] == 1
+        if binary:
+            pixel.update(prob[:, 0], truth > 0)
+            if instance_metric:
+                for k in range(len(prob)):
+                    pred_labels = postprocess.instances_from_prob(prob[k, 0], threshold)
+                    dsb.update(pred_labels, _val_instances(dataset, offset + k, truth[k]))
+        else:
+            pixel.update(1.0 - prob[:, 0], truth > 0)  # foreground = any non-background class
+        offset += len(prob)
+    px = pixel.result()
+    result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
+              'val_dice': px['dice']}
+    if instance_metric and binary:
+        result['val_dsb'] = dsb.result()
+    result['val_seconds'] = time.time() - t0
+    return result
+
+
+def _val_instances(dataset, i, truth_mask):
+    """Instance labels aligned with the validation target (crops change the geometry)."""
+    if dataset.transform is None:
+        return dataset.instances(i)
+    from skimage.measure import label
+    return label(truth_mask > 0, connectivity=1)
+
+
+# -- the whole run -------------------------------------------------------------------------
+
+def fit(cfg, train_ds=None, val_ds=None, verbose=True):
+    """Train a U-Net as configured; the Python API behind ``bin/train``.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+    train_ds, val_ds : SegmentationDataset, optional
+        Your own datasets; when omitted they come from ``cfg.data`` (or generated nuclei).
+    verbose : bool
+        Log to stderr (the run folder's ``train.log`` is always written).
+
+    Returns
+    -------
+    list of dict
+        One record per epoch (losses, metrics, learning rate, images/s, seconds); the
+        run folder holds the same in ``metrics.csv``, plus checkpoints and the export.
+    """
+    cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
+    cfg.validate()
+    ctxs = make_contexts(cfg.gpus, cfg.cpus)
+    from .distributed import kvstore_for
+    kvstore, rank, num_workers = kvstore_for(cfg.kvstore, ctxs)
+    is_main = rank == 0
+    # Console only until the input is known to be good: bad input writes nothing.
+    log = setup_logging(None, verbose=verbose and is_main)
+    resume_path = resolve_resume(cfg.resume, cfg.output)
+    if train_ds is None:
+        train_ds, val_ds = build_datasets(cfg)
+    channels = data_channels(train_ds)
+    if cfg.model.in_channels == 0:
+        cfg.model.in_channels = channels
+    elif cfg.model.in_channels != channels:
+        raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
+    if resume_path:
+        saved = TrainConfig.from_dict(load_checkpoint(resume_path)['config']).model
+        if saved != cfg.model:
+            raise UserError('--resume %s: the checkpoint was trained with another model (%s); '
+                            'use the same --width/--depth/--channels' % (resume_path, saved))
+    attach_transforms(cfg, train_ds, val_ds)
+    if is_main:
+        log = setup_logging(cfg.output, verbose=verbose)
+        _write_text(os.path.join(cfg.output, 'config.json'), cfg.to_json())
+    amp_dtype = init_amp(cfg, ctxs)
+    net = build_network(cfg, ctxs)
+    loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
+                         num_shards=num_workers, shard=rank)
+    steps_per_epoch = len(loader)
+    lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
+                                 warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+                                 step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
+    update_on_kv = cfg.update_on_kvstore
+    if (cfg.clip_grad > 0 or amp_dtype) and update_on_kv:
+        raise UserError('--update-on-kvstore cannot be combined with --clip-grad or --amp '
+                        '(they change gradients between reduction and update)')
+    if cfg.clip_grad > 0 or amp_dtype:
+        update_on_kv = False
+    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs, kvstore=kvstore,
+                           update_on_kvstore=update_on_kv, weight_decay=cfg.weight_decay,
+                           momentum=cfg.momentum, nesterov=cfg.nesterov, lr_scheduler=lr_sched)
+    if amp_dtype:
+        from mxnet.contrib import amp
+        amp.init_trainer(trainer)
+    state = RunState()
+    if resume_path:
+        state = RunState.from_meta(load_checkpoint(resume_path, net, trainer, ctx=ctxs))
+        log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
+                 ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
+    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
+    step = DataParallelStep(net, loss_fn, trainer, ctxs, clip_grad=cfg.clip_grad, amp=bool(amp_dtype),
+                            sync_bn=cfg.sync_bn and len(ctxs) > 1)
+    monitor = cfg.monitor if val_ds is not None else 'train_loss'
+    saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints'), monitor,
+                            'min' if monitor.endswith('loss') else 'max', cfg.keep_last)
+    table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
+    log.info('training on %d device(s) %s, %d workers, %d train / %d val images, %d steps per epoch',
+             len(ctxs), ','.join(str(c) for c in ctxs), num_workers, len(train_ds),
+             0 if val_ds is None else len(val_ds), steps_per_epoch)
+
+    stop = _StopFlag().install()
+    try:
+        for epoch in range(state.epoch + 1, cfg.epochs + 1):
+            row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds, loss_fn, trainer,
+                             stop, steps_per_epoch, log)
+            if row is None:  # interrupted mid-epoch
+                path = saver.save(net, trainer, state.to_meta(cfg), False, state.step_in_epoch) \
+                    if is_main else None
+                name = signal.Signals(stop.signum).name
+                raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
+                                  % (name, epoch, state.step_in_epoch, path or 'auto'),
+                                  128 + stop.signum)
+            value = row.get(monitor)
+            is_best = saver.is_better(value, state.best, cfg.min_delta)
+            if is_best:
+                state.best, state.best_epoch, state.bad_epochs = value, epoch, 0
+            else:
+                state.bad_epochs += 1
+            row['best'] = is_best
+            if is_main:
+                saver.save(net, trainer, state.to_meta(cfg), is_best)
+                table.write(state.history)
+                _plot_quietly(state.history, os.path.join(cfg.output, 'curves.png'), log)
+            log.info(_epoch_line(row, monitor, len(ctxs)))
+            if cfg.patience and state.bad_epochs >= cfg.patience:
+                log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
+                         monitor, cfg.patience, state.best, state.best_epoch)
+                break
+    finally:
+        stop.restore()
+    if is_main and state.history:
+        _export_best(cfg, saver, amp_dtype, log)
+        _summary(cfg, state, monitor, log)
+    return state.history
+
+
+def _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds, loss_fn, trainer, stop,
+               steps_per_epoch, log):
+    """Train and validate one epoch; returns its record, or None when interrupted."""
+    skip = state.step_in_epoch
+    # Reseeding per epoch makes dropout (and anything else on MXNet's RNG) independent
+    # of how many epochs ran in this process: a resumed run matches an unbroken one.
+    mx.random.seed(cfg.seed * 100003 + epoch)
+    set_loader_epoch(loader, epoch, skip_samples=skip * cfg.batch_size)
+    bar = _progress(cfg, epoch, (steps_per_epoch - skip) * cfg.batch_size)
+
+    def on_step(k):
+        state.step += 1
+        state.step_in_epoch = k
+
+    try:
+        stats = train_epoch(step, loader, epoch, stop, on_step=on_step, skip_batches=skip, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if stats['interrupted'] and state.step_in_epoch < steps_per_epoch:
+        return None
+    state.epoch, state.step_in_epoch = epoch, 0
+    if stats['skipped']:
+        log.info('epoch %d: %d sample(s) of a batch smaller than the device count were skipped '
+                 '(SyncBatchNorm needs every device)', epoch, stats['skipped'])
+    row = {'epoch': epoch, 'lr': trainer.learning_rate, 'train_loss': stats['train_loss'],
+           'images_per_s': stats['images_per_s'], 'seconds': stats['seconds']}
+    for i, n in enumerate(stats['per_device_images']):
+        row['dev%d_images_per_s' % i] = n / stats['seconds'] if stats['seconds'] else 0.0
+    if val_ds is not None and len(val_ds):
+        row.update(validate(net, ctxs, val_ds, cfg.batch_size, loss_fn, cfg.threshold))
+    state.history.append(row)
+    return row
+
+
+def _progress(cfg, epoch, total):
+    if not cfg.progress:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc='epoch %d/%d' % (epoch, cfg.epochs), unit='img', leave=False,
+                dynamic_ncols=True)
+
+
+def _epoch_line(row, monitor, ndev):
+    parts = ['epoch %d' % row['epoch'], 'loss %.4f' % row['train_loss']]
+    for key in ('val_loss', 'val_iou', 'val_dice', 'val_dsb'):
+        if key in row:
+            parts.append('%s %.4f' % (key, row[key]))
+    parts.append('lr %.2e' % row['lr'])
+    parts.append('%.1f img/s' % row['images_per_s'])
+    if ndev > 1:
+        parts.append('per device [%s]' % ' '.join('%.1f' % row['dev%d_images_per_s' % i]
+                                                  for i in range(ndev)))
+    parts.append('%.1fs' % row['seconds'])
+    if row.get('best'):
+        parts.append('* best %s' % monitor)
+    return ' | '.join(parts)
+
+
+def _export_best(cfg, saver, amp_dtype, log):
+    from .export import export_checkpoint, export_in_subprocess
+    best = os.path.join(saver.folder, 'best.ckpt')
+    out = os.path.join(cfg.output, 'export')
+    prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best, out)
+    log.info('exported %s-symbol.json / -0000.params', prefix)
+
+
+def _summary(cfg, state, monitor, log):
+    best = next((r for r in state.history if r['epoch'] == state.best_epoch), state.history[-1])
+    metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')
+                        if k in best)
+    log.info('done: %d epochs; best %s at epoch %d (%s); run folder %s; model %s',
+             state.epoch, monitor, state.best_epoch, metrics or 'train_loss %.4f' % best['train_loss'],
+             cfg.output, os.path.join(cfg.output, 'export'))
+
+
+def _plot_quietly(history, path, log):
+    try:
+        plot_curves(history, path)
+    except Exception as exc:  # a plotting problem must never cost a training run
+        log.info('could not draw %s: %s', path, exc)
+
+
+def _write_text(path, text):
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,170 @@
+"""Hybridized export for inference: ``model-symbol.json`` + ``model-0000.params`` +
+``model.json``, loadable with ``mx.gluon.SymbolBlock.imports`` alone.
+
+The export is always an ordinary float32, single-device network with plain BatchNorm,
+whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt from
+the config and the checkpoint, not from the live training block.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import mxnet as mx
+
+from .checkpoint import load_checkpoint, resolve_resume
+from .config import TrainConfig
+from .errors import UserError
+from .model import build_model
+
+SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
+
+
+def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
+    """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``.
+
+    The folder is written next to its final place and renamed into it, so a reader
+    never sees a half-written export.
+
+    Returns
+    -------
+    str
+        The export prefix ``out_dir/model`` (for ``SymbolBlock.imports``).
+    """
+    meta = load_checkpoint(checkpoint)
+    cfg = TrainConfig.from_dict(meta['config'])
+    net = build_model(cfg.model)
+    net.initialize(ctx=mx.cpu())
+    side = cfg.crop or cfg.size
+    dummy = mx.nd.zeros((1, cfg.model.in_channels, side, side))
+    net(dummy)  # resolves the deferred parameter shapes before loading
+    load_checkpoint(checkpoint, net=net)
+    net.hybridize(static_alloc=True, static_shape=True)
+    net(dummy)  # export needs one forward of the hybridized graph
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix='.tmp-export-', dir=parent)
+    try:
+        net.export(os.path.join(tmp, 'model'), epoch=0)
+        sidecar = {
+            'format': 'gluon_unet-export-1',
+            'input_name': 'data',
+            'in_channels': cfg.model.in_channels,
+            'classes': cfg.model.classes,
+            'depth': cfg.model.depth,
+            'multiple': 2 ** cfg.model.depth,
+            'train_size': side,
+            'resize_mode': 'crop' if cfg.crop else 'resize',
+            'normalization': 'uint8 / 255 per channel (16-bit and float images: '
+                             'percentile-scaled to uint8 first)',
+            'threshold': cfg.threshold,
+            'epoch': meta.get('epoch'),
+            'metrics': meta.get('metrics', {}),
+            'config': cfg.to_dict(),
+        }
+        sidecar.update(sidecar_extra or {})
+        with open(os.path.join(tmp, SIDECAR), 'w') as f:
+            json.dump(sidecar, f, indent=2)
+        if os.path.isdir(out_dir):
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp)
+    return os.path.join(out_dir, 'model')
+
+
+def export_in_subprocess(checkpoint, out_dir):
+    """Export from a fresh interpreter.
+
+    ``amp.init()`` patches MXNet's operators for the whole process, so a network built
+    after it would carry casts to half precision into the exported graph. A clean
+    process gives the float32 export users expect.
+    """
+    cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError('export failed: %s' % (done.stderr.strip().splitlines() or ['?'])[-1])
+    return os.path.join(out_dir, 'model')
+
+
+def load_exported(prefix_or_dir, ctx=None):
+    """Load an export with ``SymbolBlock.imports``.
+
+    Parameters
+    ----------
+    prefix_or_dir : str
+        The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
+    ctx : mx.Context or list, optional
+
+    Returns
+    -------
+    (SymbolBlock, dict)
+        The network and its sidecar metadata.
+    """
+    prefix = find_export(prefix_or_dir)
+    folder = os.path.dirname(prefix)
+    symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
+    for path in (symbol, params):
+        if not os.path.isfile(path):
+            raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
+    sidecar_path = os.path.join(folder, SIDECAR)
+    meta = {}
+    if os.path.isfile(sidecar_path):
+        with open(sidecar_path) as f:
+            meta = json.load(f)
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
+    except (mx.MXNetError, AssertionError, ValueError) as exc:
+        raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
+                        % (folder, str(exc).strip().splitlines()[0][:160])) from None
+    return net, meta
+
+
+def find_export(path):
+    """Resolve a run folder, export folder or prefix to the export prefix."""
+    if os.path.isdir(path):
+        for cand in (os.path.join(path, 'export', 'model'), os.path.join(path, 'model')):
+            if os.path.isfile(cand + '-symbol.json') or os.path.isfile(cand + '-0000.params'):
+                return cand
+        raise UserError('--model %s: no exported model there (expected export/%s or %s)'
+                        % (path, SYMBOL, SYMBOL))
+    if path.endswith('-symbol.json'):
+        return path[:-len('-symbol.json')]
+    if os.path.isfile(path + '-symbol.json') or os.path.isfile(path + '-0000.params'):
+        return path
+    raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
+
+
+def main(argv=None):
+    """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
+    import argparse
+    parser = argparse.ArgumentParser(prog='export', description=main.__doc__)
+    parser.add_argument('run', help='run folder (uses checkpoints/best.ckpt) or a .ckpt file')
+    parser.add_argument('--output', help='export folder (default: <run>/export)')
+    args = parser.parse_args(argv)
+    try:
+        if os.path.isdir(args.run):
+            ckpt = os.path.join(args.run, 'checkpoints', 'best.ckpt')
+            if not os.path.isfile(ckpt):
+                ckpt = resolve_resume(args.run, args.run)
+            out = args.output or os.path.join(args.run, 'export')
+        else:
+            ckpt = resolve_resume(args.run, '.')
+            out = args.output or os.path.join(os.path.dirname(os.path.abspath(args.run)), '..', 'export')
+        prefix = export_checkpoint(ckpt, out)
+    except UserError as exc:
+        print('error: %s' % exc, file=sys.stderr)
+        return exc.exit_code
+    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Segmentation losses. Each returns one loss per sample, shape ``(N,)``.
+
+Per-sample (not per-batch) losses are what make multi-device training exact: every
+device returns the *sum* of its samples' gradients, the kvstore adds them up, and
+``trainer.step(n)`` divides by the number of samples in the whole step.
+"""
+from mxnet import gluon
+
+
+class SegmentationLoss(gluon.HybridBlock):
+    """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and pixel ``weight``.
+
+    Parameters
+    ----------
+    kind : {'bce', 'dice', 'bce_dice', 'wbce', 'ce'}
+        ``bce``: sigmoid binary cross-entropy from logits (log-sum-exp form, stable);
+        ``dice``: soft Dice; ``bce_dice``: their sum (Dice scaled by ``dice_weight``);
+        ``wbce``: BCE weighted per pixel by ``weight`` (the U-Net paper's boundary map);
+        ``ce``: softmax cross-entropy for ``classes > 1`` (target holds class ids).
+    dice_weight : float
+        Weight of the Dice term in ``bce_dice``.
+    """
+
+    def __init__(self, kind='bce', dice_weight=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.dice_weight = kind, dice_weight
+        self._bce = gluon.loss.SigmoidBinaryCrossEntropyLoss(from_sigmoid=False)
+        self._ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=1, sparse_label=True)
+
+    def hybrid_forward(self, F, logits, target, weight):
+        # Losses are computed in float32 even under AMP: sums over 65k pixels in
+        # half precision lose the small gradients that matter at the end of training.
+        logits = F.cast(logits, 'float32')
+        if self.kind == 'ce':
+            return self._ce(logits, F.squeeze(target, axis=1), F.squeeze(weight, axis=1))
+        if self.kind == 'wbce':
+            return self._bce(logits, target, weight)
+        if self.kind == 'bce':
+            return self._bce(logits, target)
+        dice = soft_dice_loss(F, F.sigmoid(logits), target)
+        if self.kind == 'dice':
+            return dice
+        return self._bce(logits, target) + self.dice_weight * dice
+
+
+def soft_dice_loss(F, prob, target, smooth=1.0):
+    """``1 - (2 |P.T| + s) / (|P| + |T| + s)`` per sample; ``smooth`` keeps empty masks finite."""
+    inter = F.sum(prob * target, axis=(1, 2, 3))
+    total = F.sum(prob, axis=(1, 2, 3)) + F.sum(target, axis=(1, 2, 3))
+    return 1.0 - (2.0 * inter + smooth) / (total + smooth)

@@ -1,0 +1,153 @@
+"""The data-parallel training step: the one place that knows there are several devices.
+
+One step: split the global batch over the devices, run forward and loss on each
+device, backpropagate all device losses together, and let the ``gluon.Trainer`` (with
+its kvstore) sum the gradients across devices and apply one update. Nothing here reads
+a value back to the host, so the Python thread runs ahead of the devices and the next
+batch is queued while the current one computes.
+"""
+import threading
+
+import mxnet as mx
+from mxnet import autograd, gluon
+
+
+def split_batch(arrays, ctxs):
+    """Split arrays along axis 0 over the first ``min(n, len(ctxs))`` devices.
+
+    ``split_and_load(even_split=False)`` gives the first slices one extra sample for
+    uneven batches (10 on 4 devices -> 3, 3, 2, 2). A batch smaller than the device
+    count would produce empty slices, which MXNet rejects, so such a batch uses only
+    as many devices as it has samples.
+
+    Returns
+    -------
+    list of tuple
+        One tuple of NDArrays per device used, in device order.
+    """
+    n = arrays[0].shape[0]
+    used = ctxs[:max(1, min(n, len(ctxs)))]
+    parts = [gluon.utils.split_and_load(a, used, batch_axis=0, even_split=False) for a in arrays]
+    return list(zip(*parts))
+
+
+class DataParallelStep:
+    """Forward, backward and one optimizer update over all devices.
+
+    Parameters
+    ----------
+    net : HybridBlock
+        Initialized on ``ctxs``.
+    loss_fn : HybridBlock
+        ``loss_fn(logits, target, weight) -> (N,)`` per-sample losses.
+    trainer : gluon.Trainer
+        Over ``net``'s parameters; its kvstore aggregates gradients.
+    ctxs : list of mx.Context
+    clip_grad : float
+        Clip the global norm of the (batch-mean) gradient to this value; 0 = off.
+        Needs ``update_on_kvstore=False`` (the Trainer must give us the summed
+        gradients before it updates).
+    amp : bool
+        Losses are scaled through ``mxnet.contrib.amp`` (the trainer was passed to
+        ``amp.init_trainer``).
+    sync_bn : bool
+        Each device's forward runs in its own thread: SyncBatchNorm waits at a barrier
+        for all devices, so no device may wait for another's Python code.
+
+    Calling the step with ``(image, target, weight)`` NDArrays on the CPU returns
+    ``{'loss_sums': [NDArray per device], 'samples': int, 'per_device': [int]}``; the
+    loss sums stay on their devices until someone reads them.
+    """
+
+    def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, amp=False, sync_bn=False):
+        self.net, self.loss_fn, self.trainer, self.ctxs = net, loss_fn, trainer, list(ctxs)
+        self.clip_grad, self.amp, self.sync_bn = clip_grad, amp, sync_bn
+        self._params = None
+
+    def runnable(self, batch_samples):
+        """SyncBatchNorm's barrier needs every device: smaller batches must be skipped."""
+        return not self.sync_bn or batch_samples >= len(self.ctxs)
+
+    def __call__(self, image, target, weight):
+        n = image.shape[0]
+        parts = split_batch([image, target, weight], self.ctxs)
+        losses = self._forward_backward(parts)
+        if len(parts) < len(self.ctxs):
+            self._zero_unused_grads(len(parts))
+        if self.clip_grad > 0:
+            self.trainer.allreduce_grads()
+            self._clip(n)
+            self.trainer.update(n)
+        else:
+            # rescale_grad = 1 / n: gradients are summed over devices, so this is the
+            # mean over every sample of the global batch, whatever the split.
+            self.trainer.step(n)
+        return {'loss_sums': [l.sum() for l in losses], 'samples': n,
+                'per_device': [p[0].shape[0] for p in parts]}
+
+    def _forward_backward(self, parts):
+        if self.sync_bn and len(parts) > 1:
+            return self._threaded_forward_backward(parts)
+        with autograd.record():
+            losses = [self.loss_fn(self.net(x), y, w) for x, y, w in parts]
+        self._backward(losses)
+        return losses
+
+    def _threaded_forward_backward(self, parts):
+        losses, errors = [None] * len(parts), []
+
+        def run(i, x, y, w):
+            try:
+                with autograd.record():
+                    losses[i] = self.loss_fn(self.net(x), y, w)
+                self._backward([losses[i]])
+            except Exception as exc:  # surfaced in the main thread below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,) + tuple(p)) for i, p in enumerate(parts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return losses
+
+    def _zero_unused_grads(self, used):
+        """Devices left out of a short batch still hold last step's gradients, and the
+        kvstore would add them in: zero them, and mark them fresh so the Trainer keeps
+        every replica's weights in step."""
+        for p in self._trainable():
+            for data, grad in zip(p.list_data()[used:], p.list_grad()[used:]):
+                grad[:] = 0
+                data._fresh_grad = True
+
+    def _trainable(self):
+        if self._params is None:
+            self._params = [p for p in self.net.collect_params().values() if p.grad_req != 'null']
+        return self._params
+
+    def _backward(self, losses):
+        if self.amp:
+            from mxnet.contrib import amp
+            with amp.scale_loss(losses, self.trainer) as scaled:
+                autograd.backward(scaled)
+        else:
+            autograd.backward(losses)
+
+    def _clip(self, n):
+        """Scale gradients so that the norm of their batch mean is <= clip_grad.
+
+        The factor is computed on the device as an NDArray (no ``asscalar``), so
+        clipping adds no host synchronization to the step.
+        """
+        if self.amp:
+            from mxnet.contrib import amp
+            amp.unscale(self.trainer)
+        params = self._trainable()
+        grads0 = [p.list_grad()[0] for p in params]
+        norm = mx.nd.sqrt(mx.nd.add_n(*[(g.astype('float32') ** 2).sum() for g in grads0])) / n
+        scale = mx.nd.minimum(1.0, self.clip_grad / (norm + 1e-12))
+        for p in params:
+            for g in p.list_grad():
+                g *= scale.as_in_context(g.context)
