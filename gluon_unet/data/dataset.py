@@ -113,31 +113,46 @@ class _Subset:
 class EpochSampler(gluon.data.Sampler):
     """Seeded shuffling that also hands each sample its augmentation seed.
 
-    Yields ``(index, seed)`` pairs. With ``num_shards > 1`` (distributed training) each
-    shard gets a disjoint slice of the same shuffled order, padded by wrapping around so
-    all shards have the same length - every worker then runs the same number of steps.
+    Yields ``(index, seed)`` pairs. With ``num_shards > 1`` (distributed training) the
+    shuffled order is padded by wrapping around to a multiple of ``num_shards * block``
+    and dealt to the shards in blocks of ``block`` samples, round-robin: every shard has
+    the same length (every worker runs the same number of equal-size steps, so none
+    waits forever at the end of an epoch), and with ``block`` = the per-worker batch,
+    step k of all workers together is exactly batch k of one process using a
+    ``num_shards`` times larger batch - distributed and single-process runs see the same
+    global batches.
     """
 
-    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0):
+    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1):
         if not 0 <= shard < num_shards:
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
         self.length, self.shuffle, self.seed = length, shuffle, seed
         self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
+        self.block = max(1, int(block))
 
     def set_epoch(self, epoch, skip_samples=0):
         """Select the epoch's order; ``skip_samples`` resumes an interrupted epoch."""
         self.epoch, self.skip = epoch, skip_samples
 
+    def _per_shard(self):
+        if self.num_shards == 1:
+            return self.length
+        round_ = self.num_shards * self.block
+        return -(-self.length // round_) * self.block
+
     def __len__(self):
-        return -(-self.length // self.num_shards) - self.skip
+        return self._per_shard() - self.skip
 
     def order(self):
         """The indices this shard visits in the current epoch."""
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
-        per = -(-self.length // self.num_shards)
+        if self.num_shards == 1:
+            return order
+        per = self._per_shard()
         padded = np.resize(order, per * self.num_shards)  # wraps around to pad
-        return padded[self.shard * per:(self.shard + 1) * per]
+        blocks = padded.reshape(-1, self.num_shards, self.block)  # (round, shard, block)
+        return blocks[:, self.shard].reshape(-1)
 
     def __iter__(self):
         base = np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
@@ -169,7 +184,8 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
 
     Call :func:`set_loader_epoch` before each epoch to reshuffle.
     """
-    sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard)
+    sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
+                           block=batch_size)
     batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
     kwargs = {}
     if workers > 0:
