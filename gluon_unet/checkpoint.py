@@ -54,7 +54,7 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None):
         meta = json.loads(arrays['meta'].asnumpy().tobytes().decode())
     except (mx.MXNetError, KeyError, ValueError) as exc:
         raise UserError('checkpoint %s is not a gluon_unet checkpoint or is damaged (%s)'
-                        % (path, str(exc).splitlines()[0][:120])) from None
+                        % (path, _last_line(exc))) from None
     if net is not None:
         params = net._collect_params_with_prefix()
         saved = {k[len('param:'):]: v for k, v in arrays.items() if k.startswith('param:')}
@@ -98,7 +98,7 @@ class CheckpointSaver:
             return False
         if best is None:
             return True
-        return value > best + min_delta if self.mode == 'max' else value < best - min_delta
+        return bool(value > best + min_delta if self.mode == 'max' else value < best - min_delta)
 
     def save(self, net, trainer, meta, is_best, step_in_epoch=0):
         """Write the epoch checkpoint, update ``best.ckpt``, prune old ones; returns the path."""
@@ -152,6 +152,12 @@ def resolve_resume(resume, output):
     if not os.path.isfile(resume):
         raise UserError('--resume %s: no such checkpoint file' % resume)
     return resume
+
+
+def _last_line(exc):
+    # MXNet errors begin with 'Traceback ...'; the cause is on the last line.
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return lines[-1].replace('MXNetError: ', '')[:120]
 
 
 def _bytes_array(b):

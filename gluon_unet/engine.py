@@ -303,7 +303,7 @@ def _val_instances(dataset, i, truth_mask):
 
 # -- the whole run -------------------------------------------------------------------------
 
-def fit(cfg, train_ds=None, val_ds=None, verbose=True):
+def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     """Train a U-Net as configured; the Python API behind ``bin/train``.
 
     Parameters
@@ -313,6 +313,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True):
         Your own datasets; when omitted they come from ``cfg.data`` (or generated nuclei).
     verbose : bool
         Log to stderr (the run folder's ``train.log`` is always written).
+    callbacks : sequence of callable
+        Each is called as ``cb(record)`` after every epoch (once its checkpoint is
+        saved); a callback returning True ends training there, like early stopping.
 
     Returns
     -------
@@ -323,9 +326,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    from .distributed import kvstore_for
+    from .distributed import default_update_on_kvstore, from_rank0, grad_workers, kvstore_for
     kvstore, rank, num_workers = kvstore_for(cfg.kvstore, ctxs)
-    is_main = rank == 0
+    is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and is_main)
     resume_path = resolve_resume(cfg.resume, cfg.output)
@@ -336,11 +339,21 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True):
         cfg.model.in_channels = channels
     elif cfg.model.in_channels != channels:
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
+    resume_step = -1
     if resume_path:
-        saved = TrainConfig.from_dict(load_checkpoint(resume_path)['config']).model
+        resume_meta = load_checkpoint(resume_path)
+        saved = TrainConfig.from_dict(resume_meta['config']).model
         if saved != cfg.model:
             raise UserError('--resume %s: the checkpoint was trained with another model (%s); '
                             'use the same --width/--depth/--channels' % (resume_path, saved))
+        resume_step = resume_meta['step']
+    # Distributed: each worker resolved --resume on its own file system (no one writes
+    # before the first epoch ends, which needs every worker); all must start at the same step.
+    rank0_step = int(from_rank0(kvstore, [resume_step])[0])
+    if rank0_step != resume_step:
+        raise UserError('--resume: worker rank %d would resume at step %d but rank 0 at step %d; put '
+                        '--output on a shared file system or give every worker the same --resume file'
+                        % (rank, resume_step, rank0_step))
     attach_transforms(cfg, train_ds, val_ds)
     if is_main:
         log = setup_logging(cfg.output, verbose=verbose)
@@ -353,7 +366,10 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True):
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
                                  step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
-    update_on_kv = cfg.update_on_kvstore
+    update_on_kv = default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
+    if cfg.kvstore == 'dist_async' and (cfg.clip_grad > 0 or amp_dtype):
+        raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
+                        '--clip-grad or --amp (use dist_sync)')
     if (cfg.clip_grad > 0 or amp_dtype) and update_on_kv:
         raise UserError('--update-on-kvstore cannot be combined with --clip-grad or --amp '
                         '(they change gradients between reduction and update)')
@@ -365,47 +381,59 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True):
     if amp_dtype:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
+    # Trainer.save_states/load_states refuse when a dist kvstore's servers hold the
+    # optimizer state (--update-on-kvstore, dist_async): such checkpoints keep weights only.
+    ckpt_trainer = None if update_on_kv and cfg.kvstore.startswith('dist') else trainer
     state = RunState()
     if resume_path:
-        state = RunState.from_meta(load_checkpoint(resume_path, net, trainer, ctx=ctxs))
+        state = RunState.from_meta(load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs))
         log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
                  ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
     step = DataParallelStep(net, loss_fn, trainer, ctxs, clip_grad=cfg.clip_grad, amp=bool(amp_dtype),
-                            sync_bn=cfg.sync_bn and len(ctxs) > 1)
+                            sync_bn=cfg.sync_bn and len(ctxs) > 1,
+                            workers=grad_workers(cfg.kvstore, num_workers))
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints'), monitor,
-                            'min' if monitor.endswith('loss') else 'max', cfg.keep_last)
+                            'min' if monitor.endswith('loss') else 'max', cfg.keep_last) if is_main else None
     table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
-    log.info('training on %d device(s) %s, %d workers, %d train / %d val images, %d steps per epoch',
-             len(ctxs), ','.join(str(c) for c in ctxs), num_workers, len(train_ds),
+    log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch',
+             len(ctxs), ','.join(str(c) for c in ctxs),
+             ' (worker %d of %d)' % (rank, num_workers) if num_workers > 1 else '', len(train_ds),
              0 if val_ds is None else len(val_ds), steps_per_epoch)
 
     stop = _StopFlag().install()
     try:
         for epoch in range(state.epoch + 1, cfg.epochs + 1):
-            row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds, loss_fn, trainer,
-                             stop, steps_per_epoch, log)
+            # Validation runs on rank 0 only, over the whole validation set: the numbers
+            # are exactly those a single process would report for these weights (no
+            # shard padding, per-image DSB mean intact); the others wait at the next step.
+            row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds if is_main else None,
+                             loss_fn, trainer, stop, steps_per_epoch, log)
             if row is None:  # interrupted mid-epoch
-                path = saver.save(net, trainer, state.to_meta(cfg), False, state.step_in_epoch) \
+                path = saver.save(net, ckpt_trainer, state.to_meta(cfg), False, state.step_in_epoch) \
                     if is_main else None
                 name = signal.Signals(stop.signum).name
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
                                   % (name, epoch, state.step_in_epoch, path or 'auto'),
                                   128 + stop.signum)
             value = row.get(monitor)
-            is_best = saver.is_better(value, state.best, cfg.min_delta)
+            is_best = is_main and saver.is_better(value, state.best, cfg.min_delta)
             if is_best:
                 state.best, state.best_epoch, state.bad_epochs = value, epoch, 0
             else:
                 state.bad_epochs += 1
-            row['best'] = is_best
+            row['best'] = bool(is_best)
             if is_main:
-                saver.save(net, trainer, state.to_meta(cfg), is_best)
+                saver.save(net, ckpt_trainer, state.to_meta(cfg), is_best)
                 table.write(state.history)
                 _plot_quietly(state.history, os.path.join(cfg.output, 'curves.png'), log)
             log.info(_epoch_line(row, monitor, len(ctxs)))
-            if cfg.patience and state.bad_epochs >= cfg.patience:
+            if any([cb(row) for cb in callbacks]):
+                log.info('stopped by a callback after epoch %d', epoch)
+                break
+            # Rank 0 alone knows the validation numbers: its decision holds for everyone.
+            if from_rank0(kvstore, [bool(cfg.patience and state.bad_epochs >= cfg.patience)])[0]:
                 log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
                          monitor, cfg.patience, state.best, state.best_epoch)
                 break

@@ -76,7 +76,8 @@ def plot_curves(history, path):
             ax2.plot(epochs, [r.get(key, float('nan')) for r in history], marker='.', label=key)
     ax2.set_xlabel('epoch')
     ax2.set_ylim(0, 1)
-    ax2.legend()
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend()
     ax2.grid(alpha=0.3)
     fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(path))

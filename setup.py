@@ -1,0 +1,28 @@
+"""gluon_unet: data-parallel U-Net training on all the GPUs of a machine with MXNet Gluon."""
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, 'requirements.txt')) as f:
+    requirements = [line.split('#')[0].strip() for line in f if line.split('#')[0].strip()]
+
+setup(
+    name='gluon_unet',
+    version='0.1.0',
+    description=__doc__,
+    long_description=open(os.path.join(here, 'README.md')).read(),
+    long_description_content_type='text/markdown',
+    packages=find_packages(include=['gluon_unet', 'gluon_unet.*']),
+    python_requires='>=3.8',
+    install_requires=requirements,
+    extras_require={'test': ['pytest>=7']},
+    entry_points={'console_scripts': [
+        'gluon-unet-train=gluon_unet.cli:train_main',
+        'gluon-unet-predict=gluon_unet.predict:main',
+        'gluon-unet-evaluate=gluon_unet.evaluate:main',
+        'gluon-unet-export=gluon_unet.export:main',
+        'gluon-unet-launch=gluon_unet.launch:main',
+    ]},
+    license='Apache-2.0',
+)

@@ -1,0 +1,54 @@
+"""The U-Net block: shapes, hybridized == imperative, clear input errors, no NaNs."""
+import mxnet as mx
+import numpy as np
+import pytest
+
+from gluon_unet.config import ModelConfig
+from gluon_unet.errors import UserError
+from gluon_unet.model import build_model, flops_per_image
+
+
+@pytest.mark.parametrize('upsample, batch_norm, classes', [
+    ('deconv', True, 1), ('bilinear', False, 1), ('deconv', True, 3)])
+def test_shapes_and_hybridized_equals_imperative(upsample, batch_norm, classes):
+    cfg = ModelConfig(in_channels=3, classes=classes, width=4, depth=3, batch_norm=batch_norm,
+                      upsample=upsample, dropout=0.2)
+    net = build_model(cfg)
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.random.uniform(shape=(2, 3, 32, 48))
+    with mx.autograd.predict_mode():
+        imperative = net(x).asnumpy()
+        net.hybridize(static_alloc=True, static_shape=True)
+        hybrid = net(x).asnumpy()
+    assert imperative.shape == (2, classes, 32, 48)
+    assert np.isfinite(imperative).all()
+    np.testing.assert_allclose(hybrid, imperative, atol=1e-5)
+
+
+def test_training_mode_gradients_are_finite():
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2))
+    net.initialize(mx.init.Xavier())
+    x = mx.nd.random.uniform(shape=(2, 1, 16, 16))
+    with mx.autograd.record():
+        loss = net(x).mean()
+    loss.backward()
+    grads = [p.grad().asnumpy() for p in net.collect_params().values() if p.grad_req != 'null']
+    assert all(np.isfinite(g).all() for g in grads)
+    assert any(np.abs(g).sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize('shape, words', [((1, 1, 30, 32), 'divisible by 2**depth = 4'),
+                                          ((1, 3, 32, 32), 'expects input (N, 1, H, W)')])
+def test_bad_input_shapes_are_one_line_errors(shape, words):
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2))
+    net.initialize()
+    with pytest.raises(UserError, match=r'.*' + words.replace('(', r'\(').replace(')', r'\)').replace('*', r'\*')):
+        net(mx.nd.zeros(shape))
+
+
+def test_flops_count_matches_a_hand_count():
+    # depth 1, width 2, 1 input channel, 4x4, deconv: encoder 16*9*(1*2+2*2), bottom 4*9*(2*4+4*4),
+    # up-conv 16*4*(2*2*2), decoder 16*9*(2*2*2+2*2), head 16*2*1 -> x2 for multiply-add.
+    cfg = ModelConfig(in_channels=1, width=2, depth=1)
+    hand = 16 * 9 * 6 + 4 * 9 * 24 + 16 * 4 * 8 + 16 * 9 * 12 + 32
+    assert flops_per_image(cfg, 4) == 2 * hand
