@@ -89,6 +89,15 @@ def train_parser():
 
 def train_main(argv=None):
     """``bin/train``: parse flags, train, export. Returns the process exit code."""
+    if os.environ.get('DMLC_ROLE') in ('server', 'scheduler'):
+        # A kvstore server/scheduler started by bin/launch: it serves until the workers
+        # finish, then exits; nothing else of training runs in it (see distributed.serve).
+        from .distributed import serve
+        try:
+            return serve()
+        except UserError as exc:
+            print('error: %s' % exc, file=sys.stderr)
+            return exc.exit_code
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
     try:

@@ -53,15 +53,21 @@ class DataParallelStep:
     sync_bn : bool
         Each device's forward runs in its own thread: SyncBatchNorm waits at a barrier
         for all devices, so no device may wait for another's Python code.
+    workers : int
+        Processes whose equal-size batches a synchronous dist kvstore sums into one
+        gradient (``dist_sync``: the number of workers; 1 otherwise, also for
+        ``dist_async``, where each push is its own update). Gluon does not count them:
+        ``step(n)`` alone would make the update ``workers`` times too large.
 
     Calling the step with ``(image, target, weight)`` NDArrays on the CPU returns
     ``{'loss_sums': [NDArray per device], 'samples': int, 'per_device': [int]}``; the
     loss sums stay on their devices until someone reads them.
     """
 
-    def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, amp=False, sync_bn=False):
+    def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, amp=False, sync_bn=False, workers=1):
         self.net, self.loss_fn, self.trainer, self.ctxs = net, loss_fn, trainer, list(ctxs)
         self.clip_grad, self.amp, self.sync_bn = clip_grad, amp, sync_bn
+        self.workers = max(1, int(workers))
         self._params = None
 
     def runnable(self, batch_samples):
@@ -70,18 +76,21 @@ class DataParallelStep:
 
     def __call__(self, image, target, weight):
         n = image.shape[0]
+        # Samples behind the summed gradient: every worker's batch has the same size
+        # (EpochSampler pads the shards to whole batches).
+        total = n * self.workers
         parts = split_batch([image, target, weight], self.ctxs)
         losses = self._forward_backward(parts)
         if len(parts) < len(self.ctxs):
             self._zero_unused_grads(len(parts))
         if self.clip_grad > 0:
             self.trainer.allreduce_grads()
-            self._clip(n)
-            self.trainer.update(n)
+            self._clip(total)
+            self.trainer.update(total)
         else:
             # rescale_grad = 1 / n: gradients are summed over devices, so this is the
             # mean over every sample of the global batch, whatever the split.
-            self.trainer.step(n)
+            self.trainer.step(total)
         return {'loss_sums': [l.sum() for l in losses], 'samples': n,
                 'per_device': [p[0].shape[0] for p in parts]}
 
