@@ -429,11 +429,14 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
                 table.write(state.history)
                 _plot_quietly(state.history, os.path.join(cfg.output, 'curves.png'), log)
             log.info(_epoch_line(row, monitor, len(ctxs)))
-            if any([cb(row) for cb in callbacks]):
+            # Rank 0 alone knows the validation numbers: its decisions hold for every
+            # worker (one stopping alone would leave the others waiting for its gradients).
+            by_callback, early = from_rank0(kvstore, [any([cb(row) for cb in callbacks]),
+                                                      bool(cfg.patience and state.bad_epochs >= cfg.patience)])
+            if by_callback:
                 log.info('stopped by a callback after epoch %d', epoch)
                 break
-            # Rank 0 alone knows the validation numbers: its decision holds for everyone.
-            if from_rank0(kvstore, [bool(cfg.patience and state.bad_epochs >= cfg.patience)])[0]:
+            if early:
                 log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
                          monitor, cfg.patience, state.best, state.best_epoch)
                 break
