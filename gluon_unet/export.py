@@ -114,17 +114,49 @@ def load_exported(prefix_or_dir, ctx=None):
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = {}
     if os.path.isfile(sidecar_path):
-        with open(sidecar_path) as f:
-            meta = json.load(f)
+        try:
+            with open(sidecar_path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise UserError('export %s: cannot read %s (%s)' % (folder, SIDECAR, exc)) from None
     import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
-    except (mx.MXNetError, AssertionError, ValueError) as exc:
+        _check_param_shapes(net, params, meta)
+    except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
         raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
-                        % (folder, str(exc).strip().splitlines()[0][:160])) from None
+                        % (folder, mx_message(exc))) from None
     return net, meta
+
+
+def _check_param_shapes(net, params_file, meta):
+    """Raise MXNetError when the params file does not fit the symbol.
+
+    ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
+    nothing, so weights of a wider network load silently and fail at the first forward
+    deep inside an operator. Shape inference of the symbol from an input shape and the
+    saved shapes finds the mismatch at load time instead.
+    """
+    saved = {k.split(':', 1)[-1]: v.shape for k, v in mx.nd.load(params_file).items()}
+    sym = net._cached_graph[1]
+    inputs = {}
+    first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
+    channels = meta.get('in_channels') or (first[1] if first else None)
+    if channels:
+        side = meta.get('train_size') or 2 ** 7
+        inputs['data'] = (1, channels, side, side)
+    sym.infer_shape_partial(**inputs, **saved)
+
+
+def mx_message(exc):
+    """The informative line of an MXNet error (they start with 'Traceback ...')."""
+    lines = [l.strip() for l in str(exc).strip().splitlines() if l.strip()]
+    for line in reversed(lines):
+        if not line.startswith(('File ', 'Traceback', '[bt]', 'Stack trace')):
+            return line.replace('MXNetError: ', '')[:200]
+    return type(exc).__name__
 
 
 def find_export(path):
@@ -144,26 +176,44 @@ def find_export(path):
 
 def main(argv=None):
     """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
-    import argparse
-    parser = argparse.ArgumentParser(prog='export', description=main.__doc__)
-    parser.add_argument('run', help='run folder (uses checkpoints/best.ckpt) or a .ckpt file')
+    from .cli import OneLineParser
+    parser = OneLineParser(prog='export', description='Export a trained model for inference: '
+                           'model-symbol.json + model-0000.params + model.json, loadable with '
+                           'mx.gluon.SymbolBlock.imports alone.')
+    parser.add_argument('run', metavar='RUN_DIR|CHECKPOINT',
+                        help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
     parser.add_argument('--output', help='export folder (default: <run>/export)')
     args = parser.parse_args(argv)
     try:
-        if os.path.isdir(args.run):
-            ckpt = os.path.join(args.run, 'checkpoints', 'best.ckpt')
-            if not os.path.isfile(ckpt):
-                ckpt = resolve_resume(args.run, args.run)
-            out = args.output or os.path.join(args.run, 'export')
-        else:
-            ckpt = resolve_resume(args.run, '.')
-            out = args.output or os.path.join(os.path.dirname(os.path.abspath(args.run)), '..', 'export')
+        ckpt, out = _resolve_run(args.run, args.output)
         prefix = export_checkpoint(ckpt, out)
     except UserError as exc:
         print('error: %s' % exc, file=sys.stderr)
         return exc.exit_code
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     return 0
+
+
+def _resolve_run(run, output):
+    """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
+    from .checkpoint import list_checkpoints
+    if os.path.isdir(run):
+        folder = os.path.join(run, 'checkpoints')
+        ckpt = os.path.join(folder, 'best.ckpt')
+        if not os.path.isfile(ckpt):
+            found = list_checkpoints(folder) or list_checkpoints(run)
+            if not found:
+                raise UserError('export %s: no checkpoint there (expected checkpoints/best.ckpt '
+                                'or epoch*.ckpt; is it a run folder?)' % run)
+            ckpt = found[-1]
+        return ckpt, output or os.path.join(run, 'export')
+    if not os.path.isfile(run):
+        raise UserError('export %s: no such run folder or checkpoint file' % run)
+    # <run>/checkpoints/x.ckpt -> <run>/export; a checkpoint elsewhere -> export/ beside it
+    folder = os.path.dirname(os.path.abspath(run))
+    if os.path.basename(folder) == 'checkpoints':
+        folder = os.path.dirname(folder)
+    return run, output or os.path.join(folder, 'export')
 
 
 if __name__ == '__main__':
