@@ -10,7 +10,9 @@ Decoders
   files instead of failing) and handles non-ASCII paths.
 * TIFF: ``tifffile``. It reads every sample format microscopy produces (uint8/16/32,
   int, float32/64, multi-page, planar RGB) where OpenCV silently converts or refuses
-  some; it ships with scikit-image, so it adds no dependency.
+  some; it ships with scikit-image, so it adds no dependency. Compressed TIFFs (LZW,
+  deflate) need the optional ``imagecodecs`` package in tifffile, so when tifffile
+  fails the file goes to OpenCV's libtiff, which reads those.
 
 Normalization
 -------------
@@ -99,14 +101,27 @@ def read_raw(path):
         try:
             arr = tifffile.imread(io.BytesIO(data))
         except Exception as e:  # tifffile raises many types for bad files
-            raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
-                                                           type(e).__name__)) from None
+            # Compressed TIFFs (LZW, deflate, JPEG) need the optional imagecodecs package;
+            # OpenCV's libtiff reads those, so it is the fallback.
+            arr = _cv2_decode(data)
+            if arr is None:
+                raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
+                                                               type(e).__name__)) from None
+            return arr
         arr = np.asarray(arr)
         if arr.ndim == 3 and arr.shape[0] in (3, 4) and arr.shape[-1] not in (3, 4):
             arr = np.moveaxis(arr, 0, -1)  # planar RGB
         while arr.ndim > 3 or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)):
             arr = arr[0]  # multi-page / z-stack: first plane
         return arr
+    arr = _cv2_decode(data)
+    if arr is None:
+        raise UserError('%s: cannot decode image (corrupt, truncated or not an image)' % path)
+    return arr
+
+
+def _cv2_decode(data):
+    """OpenCV decode to RGB(A) order, or None."""
     # OpenCV logs its own warnings to stderr for bad files; we raise one clear line instead.
     level = cv2.getLogLevel()
     cv2.setLogLevel(0)  # 0 = silent
@@ -116,9 +131,7 @@ def read_raw(path):
         arr = None
     finally:
         cv2.setLogLevel(level)
-    if arr is None:
-        raise UserError('%s: cannot decode image (corrupt, truncated or not an image)' % path)
-    if arr.ndim == 3 and arr.shape[2] >= 3:
+    if arr is not None and arr.ndim == 3 and arr.shape[2] >= 3:
         arr = arr[..., [2, 1, 0] + list(range(3, arr.shape[2]))]  # BGR(A) -> RGB(A)
     return arr
 

@@ -21,11 +21,6 @@ from .io import is_colour, read_binary_mask, read_image, read_mask
 from .layouts import discover
 
 
-def _init_worker():
-    # One OpenCV thread per process: the pool already uses every core we were given.
-    cv2.setNumThreads(1)
-
-
 def _size_error(mask_path, mask_shape, image_path, image_shape):
     return UserError('mask %s is %dx%d (HxW) but its image %s is %dx%d'
                      % (mask_path, mask_shape[0], mask_shape[1], image_path, image_shape[0], image_shape[1]))
@@ -139,9 +134,11 @@ def _pool_map(fn, items, workers, progress, desc):
                 yield fn(it)
                 bar.update()
             return
-        # fork: workers inherit the imported modules, nothing is pickled but the tasks.
+        # fork: workers inherit the imported modules (no second mxnet import), nothing is
+        # pickled but the tasks. Do not call cv2.setNumThreads in a forked child: once the
+        # parent has used OpenCV's thread pool, that call deadlocks in the child.
         ctx = multiprocessing.get_context('fork')
-        with ctx.Pool(min(workers, len(items)), initializer=_init_worker) as pool:
+        with ctx.Pool(min(workers, len(items))) as pool:
             for res in pool.imap(fn, items, chunksize=2):
                 yield res
                 bar.update()
