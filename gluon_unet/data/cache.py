@@ -179,9 +179,16 @@ class CacheWriter:
         try:
             os.replace(self.tmp, self.final)
         except OSError:
-            # Another process committed the same key first (rename onto a non-empty
-            # folder fails); its entry is equivalent, so ours is discarded.
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            # The folder exists: a broken entry (truncated by hand, disk full) is replaced;
+            # a valid one was committed by another process meanwhile and is equivalent.
+            if load(self.cache_dir, self.key) is None:
+                shutil.rmtree(self.final, ignore_errors=True)
+                try:
+                    os.replace(self.tmp, self.final)
+                except OSError:
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+            else:
+                shutil.rmtree(self.tmp, ignore_errors=True)
         self._prune()
         return self.final
 
