@@ -360,6 +360,12 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         _write_text(os.path.join(cfg.output, 'config.json'), cfg.to_json())
     amp_dtype = init_amp(cfg, ctxs)
     net = build_network(cfg, ctxs)
+    if cfg.kvstore.startswith('dist'):
+        # The shape-resolving forward ran in inference mode, where oneDNN reorders conv
+        # weights in place into its own layout; a dist kvstore cannot send such arrays
+        # (the push fails inside the engine and the server never gets the key). Fresh
+        # copies on the same devices are in the default layout.
+        net.collect_params().reset_ctx(ctxs)
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=num_workers, shard=rank)
     steps_per_epoch = len(loader)
