@@ -177,7 +177,8 @@ class Job:
                 self.stop()
                 return code
             if all(p.poll() == 0 for p in workers):
-                # Servers and scheduler exit by themselves once every worker finished.
+                # Servers and scheduler exit by themselves once every worker finished;
+                # training succeeded either way, so a straggler is only reported.
                 if not self._wait(self.procs, self.grace):
                     self._say('servers did not exit %.0f s after the workers; stopping them' % self.grace)
                     self.stop()
