@@ -1,0 +1,320 @@
+"""Training (and inference) speed of gluon_unet's U-Net against the same U-Net in PyTorch.
+
+Each measured setup runs in its own worker process (MXNet and PyTorch ship different
+OpenMP runtimes, and peak memory must be per setup); the parent alternates the timed
+repetitions between the workers - ours on 1 context, ours on N contexts, PyTorch - so
+that load from other users of this machine hits all of them alike. Reported: the
+median images/s over the repetitions (steady state: after warm-up steps), the ratio
+ours/PyTorch, achieved GFLOP/s (``gluon_unet.model.flops_per_image``, training = 3
+forward passes) against the float32 peak, the data-parallel overhead (N contexts
+against 1 at the same global batch) and the peak resident memory per training image
+and per device.
+
+Ours is the trainer's own step (``gluon_unet.benchmark.make_training_step``: the
+network of ``engine.build_network``, ``SegmentationLoss('bce')``, Adam via
+``optim.make_trainer``, ``parallel.DataParallelStep``). PyTorch (``benchmarks/torch_unet.py``,
+benchmark-only: ``pip install torch``) trains the same architecture eagerly with
+``BCEWithLogitsLoss`` and ``torch.optim.Adam``; ``--amp`` compares MXNet's bfloat16 AMP
+with ``torch.autocast('cpu', torch.bfloat16)``.
+
+    python benchmarks/bench_train.py                         # both seed configs, float32
+    python benchmarks/bench_train.py --amp                   # bfloat16 rows
+    python benchmarks/bench_train.py --inference             # exported model vs eval()+no_grad()
+    python benchmarks/bench_train.py --configs 16:128:16 --cpus 1,2,4 --reps 7
+
+``--configs`` is a comma list of WIDTH:SIZE:BATCH (depth 4, 3 input channels).
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEAK_GFLOPS = 190.0  # float32 peak of this 2-core Zen-4 VM (issue 8)
+
+
+def _rss_kib(field):
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith(field + ':'):
+                return int(line.split()[1])
+    return 0
+
+
+# -- workers (run in their own process; import frameworks lazily) ---------------------------
+
+def _mx_train(spec):
+    sys.path.insert(0, ROOT)
+    from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
+    from gluon_unet.config import ModelConfig, TrainConfig
+    from gluon_unet.devices import make_contexts
+    from gluon_unet.engine import init_amp
+    from gluon_unet.runtime import configure_runtime
+    cfg = TrainConfig(model=ModelConfig(in_channels=spec['channels'], width=spec['width'],
+                                        depth=spec['depth']),
+                      size=spec['size'], batch_size=spec['batch'], cpus=spec['cpus'],
+                      amp=spec['amp'], optimizer='adam', loss='bce', lr=1e-3, progress=False)
+    ctxs = make_contexts('', cfg.cpus)
+    configure_runtime(len(ctxs))
+    init_amp(cfg, ctxs)
+    base = _rss_kib('VmRSS')
+    step = make_training_step(cfg, ctxs)
+    batch = synthetic_batch(cfg)
+    return base, lambda k: time_steps(step, batch, k)
+
+
+def _torch_train(spec):
+    import torch
+    sys.path.insert(0, HERE)
+    from torch_unet import TorchUNet
+    torch.manual_seed(0)
+    base = _rss_kib('VmRSS')
+    net = TorchUNet(spec['channels'], 1, spec['width'], spec['depth'])
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    n, s = spec['batch'], spec['size']
+    x = torch.rand(n, spec['channels'], s, s)
+    y = (torch.rand(n, 1, s, s) > 0.5).float()
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        if spec['amp']:
+            with torch.autocast('cpu', dtype=torch.bfloat16):
+                logits = net(x)
+            loss = loss_fn(logits.float(), y)
+        else:
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+
+    def run(k):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            one()
+        return time.perf_counter() - t0
+    return base, run
+
+
+def _mx_infer(spec):
+    sys.path.insert(0, ROOT)
+    import mxnet as mx
+    from gluon_unet.config import ModelConfig
+    from gluon_unet.export import load_exported
+    from gluon_unet.model import build_model
+    from gluon_unet.runtime import configure_runtime
+    configure_runtime(1)
+    base = _rss_kib('VmRSS')
+    net = build_model(ModelConfig(in_channels=spec['channels'], width=spec['width'], depth=spec['depth']))
+    net.initialize(mx.init.Xavier(magnitude=2))
+    x = mx.nd.random.uniform(shape=(spec['batch'], spec['channels'], spec['size'], spec['size']))
+    net.hybridize(static_alloc=True, static_shape=True)
+    net(x)
+    folder = tempfile.mkdtemp(prefix='bench-export-')
+    net.export(os.path.join(folder, 'model'), epoch=0)
+    exported, _ = load_exported(folder)
+    exported.hybridize(static_alloc=True, static_shape=True)
+
+    def run(k):
+        mx.nd.waitall()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            with mx.autograd.predict_mode():
+                out = exported(x)
+        out.wait_to_read()
+        return time.perf_counter() - t0
+    return base, run
+
+
+def _torch_infer(spec):
+    import torch
+    sys.path.insert(0, HERE)
+    from torch_unet import TorchUNet
+    base = _rss_kib('VmRSS')
+    net = TorchUNet(spec['channels'], 1, spec['width'], spec['depth']).eval()
+    x = torch.rand(spec['batch'], spec['channels'], spec['size'], spec['size'])
+
+    def run(k):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(k):
+                net(x)
+        return time.perf_counter() - t0
+    return base, run
+
+
+WORKERS = {'mx': _mx_train, 'torch': _torch_train, 'mx_infer': _mx_infer, 'torch_infer': _torch_infer}
+
+
+def _worker(kind, spec, env, conn):
+    os.environ.update(env)  # before any framework import: some settings are read at load
+    conn.recv()  # 'setup': the parent warms workers up one at a time
+    try:
+        base, run = WORKERS[kind](spec)
+        run(spec['warmup'])
+        per = max(1e-4, run(1))
+        k = int(min(20, max(1, round(spec['min_seconds'] / per))))
+        conn.send(('ready', k))
+        while True:
+            cmd = conn.recv()
+            if cmd == 'stop':
+                break
+            if cmd == 'run':
+                conn.send(k * spec['batch'] / run(k))
+            elif cmd == 'mem':
+                conn.send({'base_kib': base, 'peak_kib': _rss_kib('VmHWM')})
+    except Exception as exc:  # reported in the parent
+        import traceback
+        conn.send(('error', '%s\n%s' % (exc, traceback.format_exc())))
+
+
+# -- parent ----------------------------------------------------------------------------------
+
+class Worker:
+    def __init__(self, name, kind, spec, env):
+        ctx = mp.get_context('spawn')
+        self.name, self.kind, self.spec = name, kind, spec
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker, args=(kind, spec, env, child), daemon=True)
+        self.proc.start()
+        self.rates = []
+
+    def setup(self):
+        self.conn.send('setup')
+        msg = self.conn.recv()
+        if msg[0] == 'error':
+            raise RuntimeError('%s failed: %s' % (self.name, msg[1]))
+        self.steps = msg[1]
+
+    def run(self):
+        self.conn.send('run')
+        msg = self.conn.recv()
+        if isinstance(msg, tuple):
+            raise RuntimeError('%s failed: %s' % (self.name, msg[1]))
+        self.rates.append(msg)
+
+    def stop(self):
+        self.conn.send('mem')
+        self.mem = self.conn.recv()
+        self.conn.send('stop')
+        self.proc.join(30)
+
+    @property
+    def median(self):
+        return statistics.median(self.rates)
+
+
+def parse_env(items):
+    env = {}
+    for item in items or []:
+        key, _, value = item.partition('=')
+        env[key] = value
+    return env
+
+
+def run_config(width, size, batch, args):
+    """Measure one WIDTH:SIZE:BATCH setup; returns a list of result rows."""
+    sys.path.insert(0, ROOT)
+    from gluon_unet.config import ModelConfig
+    from gluon_unet.model import flops_per_image
+    base = dict(width=width, size=size, batch=batch, channels=args.channels, depth=args.depth,
+                amp=args.amp, warmup=args.warmup, min_seconds=args.min_seconds)
+    env = parse_env(args.env)
+    workers = []
+    if args.inference:
+        workers.append(Worker('ours', 'mx_infer', dict(base, cpus=1), env))
+        if not args.no_torch:
+            workers.append(Worker('pytorch', 'torch_infer', dict(base, cpus=1), {}))
+    else:
+        for n in args.cpus:
+            if n <= batch:
+                workers.append(Worker('ours x%d' % n, 'mx', dict(base, cpus=n), env))
+        if not args.no_torch:
+            workers.append(Worker('pytorch', 'torch', dict(base, cpus=1), {}))
+    # Warm up one at a time: warm-up is not timed, but two warm-ups at once would
+    # fight for the cores and pick too few steps per repetition.
+    for w in workers:
+        w.setup()
+    for _ in range(args.reps):
+        for w in workers:
+            w.run()
+    for w in workers:
+        w.stop()
+    flops = flops_per_image(ModelConfig(in_channels=args.channels, width=width, depth=args.depth), size)
+    flops *= 1 if args.inference else 3
+    torch_rate = next((w.median for w in workers if w.name == 'pytorch'), None)
+    one = next((w.median for w in workers if w.name == 'ours x1'), None)
+    rows = []
+    for w in workers:
+        n = w.spec['cpus']
+        used_kib = max(0, w.mem['peak_kib'] - w.mem['base_kib'])
+        row = {'setup': w.name, 'width': width, 'size': size, 'batch': batch, 'contexts': n,
+               'dtype': 'bfloat16' if args.amp else 'float32',
+               'mode': 'inference' if args.inference else 'training',
+               'images_per_s': w.median, 'all': w.rates, 'steps_per_rep': w.steps,
+               'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / PEAK_GFLOPS,
+               'peak_rss_mib': w.mem['peak_kib'] / 1024,
+               'mib_per_image': used_kib / 1024 / batch, 'mib_per_device': used_kib / 1024 / n}
+        if torch_rate and w.name != 'pytorch':
+            row['vs_pytorch'] = w.median / torch_rate
+        if one and w.name.startswith('ours x') and n > 1:
+            row['dp_overhead'] = 1.0 - w.median / one
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows):
+    head = ('%-10s %-9s %-8s %4s %5s %4s %10s %8s %8s %7s %9s %9s %8s'
+            % ('setup', 'mode', 'dtype', 'w', 'px', 'bs', 'images/s', 'vs torch', 'GFLOP/s',
+               '% peak', 'dp ovh', 'MiB/img', 'peak MiB'))
+    lines = [head, '-' * len(head)]
+    for r in rows:
+        lines.append('%-10s %-9s %-8s %4d %5d %4d %10.2f %8s %8.1f %6.0f%% %9s %9.0f %8.0f'
+                     % (r['setup'], r['mode'], r['dtype'], r['width'], r['size'], r['batch'],
+                        r['images_per_s'], '%.2fx' % r['vs_pytorch'] if 'vs_pytorch' in r else '-',
+                        r['gflops'], 100 * r['peak_fraction'],
+                        '%+.1f%%' % (100 * r['dp_overhead']) if 'dp_overhead' in r else '-',
+                        r['mib_per_image'], r['peak_rss_mib']))
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--configs', default='16:128:16,64:256:4', help='WIDTH:SIZE:BATCH,...')
+    p.add_argument('--cpus', default='1,4', help='CPU context counts for ours, e.g. 1,2,4')
+    p.add_argument('--reps', type=int, default=5, help='timed repetitions (median reported)')
+    p.add_argument('--warmup', type=int, default=2, help='untimed steps first')
+    p.add_argument('--min-seconds', type=float, default=1.0, help='least time of one repetition')
+    p.add_argument('--channels', type=int, default=3)
+    p.add_argument('--depth', type=int, default=4)
+    p.add_argument('--amp', action='store_true', help='bfloat16: MXNet AMP vs torch.autocast')
+    p.add_argument('--inference', action='store_true', help='exported model vs eval()+no_grad()')
+    p.add_argument('--no-torch', action='store_true', help='ours only')
+    p.add_argument('--env', action='append', help='KEY=VALUE for our workers (e.g. a knob to try)')
+    p.add_argument('--json', help='also write the rows here')
+    args = p.parse_args(argv)
+    args.cpus = [int(c) for c in args.cpus.split(',')]
+    if args.inference:
+        args.cpus = [1]
+    rows = []
+    t0 = time.time()
+    for item in args.configs.split(','):
+        width, size, batch = (int(v) for v in item.split(':'))
+        rows += run_config(width, size, batch, args)
+        print(format_rows(rows[-len(args.cpus) - 1:]), flush=True)
+    print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s float32):'
+          % (time.time() - t0, args.reps, PEAK_GFLOPS))
+    print(format_rows(rows))
+    if args.json:
+        with open(args.json + '.tmp', 'w') as f:
+            json.dump(rows, f, indent=1)
+        os.replace(args.json + '.tmp', args.json)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
