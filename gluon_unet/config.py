@@ -77,7 +77,8 @@ class TrainConfig:
 
     # optimization
     epochs: int = _opt(50, 'maximum number of epochs')
-    batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist kvstore: per worker, the global batch is workers x this)')
+    batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
+                                'kvstore: per worker; the global batch is workers x this)')
     optimizer: str = _opt('adam', 'optimizer')
     lr: float = _opt(1e-3, 'peak learning rate')
     momentum: float = _opt(0.9, 'SGD momentum')
