@@ -125,7 +125,11 @@ def build_network(cfg, ctxs):
     mx.random.seed(cfg.seed)
     net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
     if cfg.hybridize:
-        net.hybridize(static_alloc=True, static_shape=True)
+        # static_alloc is the fast path, but with SyncBatchNorm MXNet 1.9's static
+        # CachedOp loses the running-statistics update of each step (measured: they lag
+        # one step behind plain BatchNorm); the dynamic CachedOp keeps them right.
+        static = not (cfg.sync_bn and len(ctxs) > 1)
+        net.hybridize(static_alloc=static, static_shape=static)
     # Resolve deferred parameter shapes now, once, from the main thread: the threaded
     # SyncBatchNorm step must not race to initialize them.
     side = cfg.crop or cfg.size
@@ -359,6 +363,12 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         log = setup_logging(cfg.output, verbose=verbose)
         _write_text(os.path.join(cfg.output, 'config.json'), cfg.to_json())
     amp_dtype = init_amp(cfg, ctxs)
+    if amp_dtype == 'bfloat16' and cfg.model.upsample == 'deconv' and cfg.hybridize:
+        # MXNet 1.9 crashes (SIGSEGV) in the backward pass of a hybridized bfloat16
+        # graph containing Deconvolution; the imperative graph trains fine.
+        log.info('bfloat16 AMP with --upsample deconv: running imperatively (MXNet 1.9 cannot '
+                 'backpropagate a hybridized bf16 Deconvolution); --upsample bilinear hybridizes')
+        cfg.hybridize = False
     net = build_network(cfg, ctxs)
     if cfg.kvstore.startswith('dist'):
         # The shape-resolving forward ran in inference mode, where oneDNN reorders conv

@@ -34,12 +34,23 @@ class _Up(nn.HybridBlock):
             # Resize + conv avoids the checkerboard artefacts of transposed convs.
             self.up = nn.Conv2D(channels, 3, padding=1)
         self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs)
+        # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
+        # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
+        # an explicit multicast does (only then, so float32 graphs stay unchanged).
+        self.multicast = _amp_active()
 
     def hybrid_forward(self, F, x, skip):
         if self.mode == 'bilinear':
             x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
         x = self.up(x)
+        if self.multicast:
+            x, skip = F.amp_multicast(x, skip, num_outputs=2)
         return self.conv(F.concat(x, skip, dim=1))
+
+
+def _amp_active():
+    from mxnet.contrib.amp import amp
+    return bool(getattr(amp, '_amp_initialized', False))
 
 
 class UNet(nn.HybridBlock):

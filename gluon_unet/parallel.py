@@ -99,7 +99,8 @@ class DataParallelStep:
             return self._threaded_forward_backward(parts)
         with autograd.record():
             losses = [self.loss_fn(self.net(x), y, w) for x, y, w in parts]
-        self._backward(losses)
+            scaled = self._scaled(losses)
+        autograd.backward(scaled)
         return losses
 
     def _threaded_forward_backward(self, parts):
@@ -109,7 +110,8 @@ class DataParallelStep:
             try:
                 with autograd.record():
                     losses[i] = self.loss_fn(self.net(x), y, w)
-                self._backward([losses[i]])
+                    scaled = self._scaled([losses[i]])
+                autograd.backward(scaled)
             except Exception as exc:  # surfaced in the main thread below
                 errors.append(exc)
 
@@ -136,13 +138,13 @@ class DataParallelStep:
             self._params = [p for p in self.net.collect_params().values() if p.grad_req != 'null']
         return self._params
 
-    def _backward(self, losses):
-        if self.amp:
-            from mxnet.contrib import amp
-            with amp.scale_loss(losses, self.trainer) as scaled:
-                autograd.backward(scaled)
-        else:
-            autograd.backward(losses)
+    def _scaled(self, losses):
+        """AMP's loss scaling; must run inside ``autograd.record`` to be differentiated."""
+        if not self.amp:
+            return losses
+        from mxnet.contrib import amp
+        with amp.scale_loss(losses, self.trainer) as scaled:
+            return scaled
 
     def _clip(self, n):
         """Scale gradients so that the norm of their batch mean is <= clip_grad.
