@@ -13,7 +13,8 @@ from .errors import UserError
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
 DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size': 16,
-                 'synthetic_count': 320, 'output': 'runs/demo', 'lr': 2e-3, 'patience': 0}
+                 'synthetic_count': 320, 'output': 'runs/demo', 'lr': 3e-3, 'lr_schedule': 'cosine',
+                 'loss': 'bce_dice', 'patience': 0}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -107,7 +108,9 @@ def train_main(argv=None):
             return benchmark_main(cfg)
         from .engine import Diverged, Interrupted, fit
         try:
-            fit(cfg)
+            history = fit(cfg)
+            if cfg.data is None and history:
+                demo_predictions(cfg)
         except Interrupted as exc:
             print(str(exc), file=sys.stderr)
             return exc.exit_code
@@ -121,6 +124,30 @@ def train_main(argv=None):
         print('interrupted', file=sys.stderr)
         return 130
     return 0
+
+
+def demo_predictions(cfg, count=8):
+    """End the demo like a real job: segment new generated images with the export.
+
+    Writes ``<output>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
+    ``<output>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
+    """
+    import cv2
+
+    from .data.synthetic import synthetic_nuclei
+    from .predict import predict_paths
+    from .runlog import get_logger
+    images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
+                                    seed=cfg.seed + 1)
+    inputs = os.path.join(cfg.output, 'demo_inputs')
+    os.makedirs(inputs, exist_ok=True)
+    for i, image in enumerate(images):
+        cv2.imwrite(os.path.join(inputs, 'demo%02d.png' % i), image)
+    out = os.path.join(cfg.output, 'predictions')
+    records = predict_paths(cfg.output, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
+                            rle=os.path.join(out, 'submission.csv'), progress=False)
+    get_logger().info('demo: segmented %d new images (%d nuclei) into %s', len(records),
+                      sum(r['objects'] for r in records), out)
 
 
 def run(main):

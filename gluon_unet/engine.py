@@ -105,7 +105,9 @@ def attach_transforms(cfg, train_ds, val_ds):
         from .data.augment import make_transform
         train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
         if cfg.crop:
-            val_tf = make_transform(augment=False, crop=cfg.crop, center=True)
+            # validate() draws per-sample seeds from a fixed sampler seed, so these
+            # crops are the same every epoch: comparable numbers across epochs.
+            val_tf = make_transform(augment=False, crop=cfg.crop)
     train_ds.transform, train_ds.weight_fn = train_tf, weight_fn
     if val_ds is not None:
         val_ds.transform, val_ds.weight_fn = val_tf, weight_fn
