@@ -1,0 +1,132 @@
+"""Losses, schedules, optimizers, checkpoints and early stopping, one piece at a time."""
+import os
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from gluon_unet.checkpoint import CheckpointSaver, list_checkpoints, load_checkpoint, save_checkpoint
+from gluon_unet.config import ModelConfig
+from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
+from gluon_unet.losses import SegmentationLoss
+from gluon_unet.model import build_model
+from gluon_unet.optim import make_lr_scheduler, make_trainer
+
+
+def _loss(kind, logits, target, weight=None, **kw):
+    logits, target = mx.nd.array(logits), mx.nd.array(target)
+    weight = mx.nd.ones_like(target) if weight is None else mx.nd.array(weight)
+    return SegmentationLoss(kind, **kw)(logits, target, weight).asnumpy()
+
+
+def test_bce_from_logits_is_stable_and_exact():
+    logits = np.array([[[[-100.0, 100.0], [0.0, 3.0]]]], np.float32)
+    target = np.array([[[[0.0, 1.0], [1.0, 0.0]]]], np.float32)
+    got = _loss('bce', logits, target)
+    expected = np.mean([0.0, 0.0, np.log(2.0), 3.0 + np.log1p(np.exp(-3.0))])
+    assert got.shape == (1,) and np.isfinite(got).all()
+    np.testing.assert_allclose(got[0], expected, rtol=1e-5)
+
+
+def test_dice_bce_dice_and_weighted_bce():
+    target = np.zeros((2, 1, 4, 4), np.float32)
+    target[0, 0, :2] = 1
+    perfect = np.where(target > 0, 20.0, -20.0).astype(np.float32)
+    dice = _loss('dice', perfect, target)
+    assert dice.shape == (2,) and dice.max() < 1e-3  # empty-vs-empty scores perfect too
+    wrong = -perfect
+    assert _loss('dice', wrong, target)[0] > 0.9
+    combo = _loss('bce_dice', wrong, target, dice_weight=2.0)
+    np.testing.assert_allclose(combo, _loss('bce', wrong, target) + 2 * _loss('dice', wrong, target), rtol=1e-5)
+    weight = np.ones_like(target)
+    weight[:, :, 0] = 10  # heavier first row
+    assert (_loss('wbce', wrong, target, weight) > _loss('bce', wrong, target)).all()
+
+
+def test_softmax_ce_for_several_classes():
+    target = np.array([[[[0, 1], [2, 1]]]], np.float32)
+    logits = np.zeros((1, 3, 2, 2), np.float32)
+    np.testing.assert_allclose(_loss('ce', logits, target), [np.log(3.0)], rtol=1e-5)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    sched = make_lr_scheduler('cosine', 0.1, total_steps=100, warmup_steps=10)
+    lrs = [sched(i) for i in range(0, 101)]
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(0.05) and lrs[10] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[100] == pytest.approx(0.0, abs=1e-9)
+    step = make_lr_scheduler('step', 1.0, total_steps=100, step_fractions=(0.5,))
+    assert step(10) == 1.0 and step(60) == pytest.approx(0.1)
+    assert make_lr_scheduler('constant', 0.1, 100) is None
+
+
+def test_adamw_decay_is_decoupled_from_the_gradient():
+    net = build_model(ModelConfig(in_channels=1, width=2, depth=1))
+    net.initialize(mx.init.Constant(1.0))
+    net(mx.nd.zeros((1, 1, 4, 4)))
+    trainer = make_trainer(net.collect_params(), 'adamw', 0.1, [mx.cpu()], weight_decay=0.5)
+    for p in net.collect_params().values():
+        if p.grad_req != 'null':
+            p.grad()[:] = 0  # no gradient: Adam moves nothing, only the decay acts
+            p.data()._fresh_grad = True
+    trainer.step(1)
+    w = net.head.weight.data().asnumpy()
+    np.testing.assert_allclose(w, 1.0 * (1 - 0.1 * 0.5), rtol=1e-5)
+
+
+def test_nccl_and_float16_need_gpus(tiny):
+    with pytest.raises(UserError, match='--kvstore nccl needs GPUs'):
+        make_trainer(build_model(ModelConfig(in_channels=1)).collect_params(), 'sgd', 0.1,
+                     [mx.cpu(0), mx.cpu(1)], kvstore='nccl')
+    with pytest.raises(UserError, match='float16 needs GPUs'):
+        fit(tiny(amp=True, amp_dtype='float16'), verbose=False)
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    net = build_model(ModelConfig(in_channels=1, width=2, depth=1))
+    net.initialize()
+    net(mx.nd.zeros((1, 1, 4, 4)))
+    path = str(tmp_path / 'epoch0001.ckpt')
+    save_checkpoint(path, net, None, {'epoch': 1, 'config': {}})
+    before = open(path, 'rb').read()
+
+    def crash(fname, data):
+        with open(fname, 'wb') as f:
+            f.write(b'half a checkpoint')
+        raise OSError('disk full')
+    monkeypatch.setattr(mx.nd, 'save', crash)
+    with pytest.raises(OSError):
+        save_checkpoint(path, net, None, {'epoch': 2, 'config': {}})
+    assert open(path, 'rb').read() == before  # the old checkpoint survives untouched
+    assert os.listdir(str(tmp_path)) == ['epoch0001.ckpt']  # and no temporary file is left
+    monkeypatch.undo()
+    assert load_checkpoint(path)['epoch'] == 1
+    with open(path, 'wb') as f:
+        f.write(b'garbage')
+    with pytest.raises(UserError, match='damaged'):
+        load_checkpoint(path)
+
+
+def test_saver_keeps_best_and_last_n(tmp_path):
+    net = build_model(ModelConfig(in_channels=1, width=2, depth=1))
+    net.initialize()
+    net(mx.nd.zeros((1, 1, 4, 4)))
+    saver = CheckpointSaver(str(tmp_path), 'val_iou', 'max', keep_last=2)
+    best = None
+    for epoch, value in enumerate([0.1, 0.5, 0.3, 0.4, 0.2], start=1):
+        is_best = saver.is_better(value, best)
+        best = value if is_best else best
+        saver.save(net, None, {'epoch': epoch, 'value': value, 'config': {}}, is_best)
+    names = [os.path.basename(p) for p in list_checkpoints(str(tmp_path))]
+    assert names == ['epoch0004.ckpt', 'epoch0005.ckpt']
+    assert load_checkpoint(str(tmp_path / 'best.ckpt'))['value'] == 0.5
+    assert not saver.is_better(float('nan'), 0.1)
+    assert CheckpointSaver(str(tmp_path), 'val_loss', 'min').is_better(0.1, 0.2)
+
+
+def test_early_stopping_stops_after_patience(tiny):
+    # A learning rate of ~0 means nothing improves after the first epoch.
+    history = fit(tiny(epochs=10, patience=2, lr=1e-12, monitor='val_loss', min_delta=1e-3),
+                  verbose=False)
+    assert len(history) == 3
+    assert [r['best'] for r in history] == [True, False, False]
