@@ -21,6 +21,7 @@ _CHOICES = {
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
+    'normalize': ('none', 'invert', 'percentile', 'auto'),
 }
 
 
@@ -63,6 +64,9 @@ class TrainConfig:
     workers: int = _opt(2, 'data loader worker processes (0 = in the main process)')
     cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: <data>/.gluon_unet_cache '
                                           'or ~/.cache/gluon_unet)')
+    normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
+                                  '(bright-background images become dark-background), percentile '
+                                  '(stretch 0.5..99.8th percentile to 0..255), auto (both), none')
     skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
     augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
     elastic: bool = _opt(False, 'elastic deformation augmentation')

@@ -85,7 +85,7 @@ def build_datasets(cfg):
         from .data import readers
         opts = dict(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
                     channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
-                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress)
+                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize)
         full = readers.load_dataset(cfg.data, masks=cfg.masks, **opts)
         val = readers.load_dataset(cfg.val_data, **opts) if cfg.val_data else None
     if val is None and cfg.val_split > 0:

@@ -60,6 +60,7 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
             'resize_mode': 'crop' if cfg.crop else 'resize',
             'normalization': 'uint8 / 255 per channel (16-bit and float images: '
                              'percentile-scaled to uint8 first)',
+            'normalize': cfg.normalize,
             'threshold': cfg.threshold,
             'epoch': meta.get('epoch'),
             'metrics': meta.get('metrics', {}),

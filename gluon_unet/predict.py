@@ -21,7 +21,8 @@ probability map at the image's original resolution:
 ``auto`` (the default) tiles images larger than the training size and treats smaller
 ones like training did: resized, or padded whole for models trained on native-resolution
 crops. Inputs are the uint8 image / 255, as in training (16-bit and float images are
-percentile-scaled to uint8 first by :mod:`gluon_unet.data.io`).
+percentile-scaled to uint8 first by :mod:`gluon_unet.data.io`), after the model's
+``--normalize`` (read from the export's sidecar) is applied to the whole image.
 
 Work is streamed as fixed-shape jobs (tiles, TTA variants, resized images, across
 images) batched over the devices with :func:`~gluon_unet.parallel.split_batch`, so the
@@ -41,6 +42,8 @@ from .errors import UserError
 from .parallel import split_batch
 
 MODES = ('auto', 'resize', 'tile', 'whole')
+#: Instance separation choices of ``--split`` (see postprocess.instances_from_prob).
+SPLITS = ('watershed', 'none')
 #: The 8 symmetries of the square: (quarter turns, horizontal flip).
 DIHEDRAL = tuple((k, flip) for flip in (False, True) for k in range(4))
 #: Name endings of our outputs (and of masks in a paired folder): such a file is not an
@@ -416,7 +419,8 @@ def write_submission(path, rows):
 # -- the whole run -------------------------------------------------------------------------
 
 def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=False, threshold=None,
-                  min_size=0, overlay=False, rle=None, batch_size=8, overlap=0.25, progress=True):
+                  min_size=0, overlay=False, rle=None, batch_size=8, overlap=0.25, progress=True,
+                  split='watershed'):
     """Segment image files and write masks, instance labels, overlays and a submission.
 
     Parameters
@@ -436,6 +440,8 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
         Foreground cut; default the model's training threshold.
     min_size : int
         Objects smaller than this many pixels are dropped.
+    split : {'watershed', 'none'}
+        Instance separation: distance watershed, or plain connected components.
     rle : str, optional
         Path of a Data Science Bowl submission CSV, written once every image is done.
     progress : bool
@@ -447,12 +453,14 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
         Per image: ``id``, ``image``, ``height``, ``width``, ``mode``, ``objects`` and
         the paths written (``mask``, ``labels``, ``overlay``).
     """
-    from .data.io import read_image
+    from .data.io import normalize_image, read_image
     from .devices import make_contexts
     from .export import load_exported
     from .postprocess import instances_from_prob, overlay as draw_overlay, submission_rows
 
     _check_options(mode, batch_size, overlap, threshold, min_size)
+    if split not in SPLITS:
+        raise UserError('--split must be one of %s (got %r)' % (', '.join(SPLITS), split))
     ctxs = make_contexts(gpus, cpus)
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):
@@ -463,13 +471,15 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
     net.hybridize(static_alloc=True)
     channels = model_channels(net, meta)
     thr = float(meta.get('threshold', 0.5) if threshold is None else threshold)
+    # Exports from before --normalize existed have no key: they were trained without it.
+    normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
 
     records, rows = [], []
     bar = _progress_bar(len(files), progress)
     t0 = time.time()
 
     def done(rec, image, prob, used):
-        labels = instances_from_prob(prob, threshold=thr, min_size=min_size)
+        labels = instances_from_prob(prob, threshold=thr, min_size=min_size, split=split)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         os.makedirs(output_dir, exist_ok=True)
@@ -488,8 +498,9 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
     def jobs():
         for image_id, path in files:
             image = match_channels(read_image(path), channels, path)
+            net_input = normalize_image(image, normalize)
             rec = {'id': image_id, 'image': path, 'height': image.shape[0], 'width': image.shape[1]}
-            yield from image_jobs(image, meta, mode, tta, overlap,
+            yield from image_jobs(net_input, meta, mode, tta, overlap,
                                   on_done=lambda prob, used, rec=rec, image=image: done(rec, image, prob, used))
 
     try:
@@ -552,6 +563,9 @@ def main(argv=None):
     parser.add_argument('--threshold', type=float, default=None,
                         help="foreground probability cut (default: the model's training threshold)")
     parser.add_argument('--min-size', type=int, default=0, help='drop objects under N pixels (default 0)')
+    parser.add_argument('--split', default='watershed', choices=SPLITS,
+                        help='separate touching nuclei with a distance watershed (default) or keep '
+                             'plain connected components (none)')
     parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')
@@ -562,7 +576,8 @@ def main(argv=None):
     try:
         predict_paths(args.model, args.input, args.output, gpus=args.gpus, cpus=args.cpus, mode=args.mode,
                       tta=args.tta, threshold=args.threshold, min_size=args.min_size, overlay=args.overlay,
-                      rle=args.rle, batch_size=args.batch_size, overlap=args.overlap, progress=args.progress)
+                      rle=args.rle, batch_size=args.batch_size, overlap=args.overlap, progress=args.progress,
+                      split=args.split)
     except UserError as exc:
         print('error: %s' % exc, file=sys.stderr)
         return exc.exit_code

@@ -22,6 +22,15 @@ uint8 images are used as they are. Anything else (16-bit, 32-bit, float) is scal
 Microscopy 16-bit images rarely use the full range, so dividing by 65535 would leave
 them nearly black; percentiles also ignore a few hot pixels. A constant image becomes 0.
 
+Input normalization (``--normalize``)
+-------------------------------------
+Applied to the uint8 image after the channel conversion, in training and in prediction
+alike. ``none`` keeps it; ``invert`` turns an image whose background is bright (median
+luma above :data:`BRIGHT_BACKGROUND`: brightfield, H&E tissue) into its negative, so
+nuclei are bright on a dark background like in fluorescence; ``percentile`` stretches each image so that its
+0.5th and 99.8th percentiles map to 0 and 255 (dim and bright exposures look alike);
+``auto`` does both, in that order.
+
 Channels
 --------
 Grey stays 1 channel, colour becomes RGB (OpenCV's BGR order is converted), alpha is
@@ -49,6 +58,17 @@ from ..errors import UserError
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.tif', '.tiff', '.bmp')
 #: Percentiles mapped to 0 and 255 when normalizing 16-bit and float images.
 PERCENTILES = (0.5, 99.5)
+
+#: ``--normalize`` choices, see :func:`normalize_image`.
+NORMALIZE_MODES = ('none', 'invert', 'percentile', 'auto')
+#: Percentiles mapped to 0 and 255 by ``--normalize percentile|auto`` (uint8 inputs: the
+#: upper one is high because nuclei may cover only a few percent of a fluorescence image).
+STRETCH_PERCENTILES = (0.5, 99.8)
+#: Median luma above which ``--normalize invert|auto`` inverts an image. The median is the
+#: background (nuclei cover a minority of pixels). On DSB 2018 stage1_train the medians
+#: are 0..44 for fluorescence and 104..231 for H&E tissue and brightfield (whose nuclei
+#: are darker than the background), so the cut sits in the gap, not at mid-grey.
+BRIGHT_BACKGROUND = 80
 
 _TIFF = ('.tif', '.tiff')
 _JPEG = ('.jpg', '.jpeg')
@@ -177,6 +197,37 @@ def to_channels(img, channels):
     if channels == 3:
         return np.repeat(img, 3, axis=2)
     raise ValueError('channels must be 0, 1 or 3 (got %r)' % (channels,))
+
+
+def normalize_image(img, mode='none'):
+    """Per-image input normalization of an (H, W, C) uint8 image (see the module doc).
+
+    Parameters
+    ----------
+    img : (H, W, C) uint8
+    mode : {'none', 'invert', 'percentile', 'auto'}
+
+    Returns
+    -------
+    (H, W, C) uint8
+        A new array unless ``mode == 'none'``; all channels share one scale.
+    """
+    if mode not in NORMALIZE_MODES:
+        raise UserError('--normalize must be one of %s (got %r)' % (', '.join(NORMALIZE_MODES), mode))
+    if mode == 'none':
+        return img
+    out = img
+    if mode in ('invert', 'auto'):
+        grey = out[..., 0] if out.shape[2] == 1 else cv2.cvtColor(np.ascontiguousarray(out[..., :3]),
+                                                                    cv2.COLOR_RGB2GRAY)
+        if np.median(grey) > BRIGHT_BACKGROUND:  # bright background: make nuclei bright on dark
+            out = 255 - out
+    if mode in ('percentile', 'auto'):
+        lo, hi = np.percentile(out, STRETCH_PERCENTILES)
+        if hi > lo:
+            scaled = (out.astype(np.float32) - lo) * (255.0 / (hi - lo))
+            out = np.clip(np.rint(scaled), 0, 255).astype(np.uint8)
+    return np.ascontiguousarray(out)
 
 
 def read_image(path, channels=0):

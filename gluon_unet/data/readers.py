@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UserError
 from . import cache as _cache
 from .dataset import SegmentationDataset
-from .io import is_colour, read_binary_mask, read_image, read_mask
+from .io import NORMALIZE_MODES, is_colour, normalize_image, read_binary_mask, read_image, read_mask
 from .layouts import discover
 
 
@@ -26,8 +26,8 @@ def _size_error(mask_path, mask_shape, image_path, image_shape):
                      % (mask_path, mask_shape[0], mask_shape[1], image_path, image_shape[0], image_shape[1]))
 
 
-def decode_sample(sample, size=128, crop=0, channels=0):
-    """Decode one sample (in a worker process).
+def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
+    """Decode one sample (in a worker process); ``normalize``: see :func:`~.io.normalize_image`.
 
     Returns
     -------
@@ -43,6 +43,7 @@ def decode_sample(sample, size=128, crop=0, channels=0):
     image = read_image(sample.image, channels)
     h, w = image.shape[:2]
     colour = is_colour(image)
+    image = normalize_image(image, normalize)
     if channels == 0 and image.shape[2] == 1:
         image = np.repeat(image, 3, axis=2)
     if sample.merge:  # DSB: one file per object -> union mask + one id per file
@@ -169,7 +170,7 @@ def _build(entry_arrays, meta, names, channels, crop):
 
 
 def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128, crop=0, channels=0,
-                 cache_dir=None, workers=2, skip_unpaired=False, progress=True):
+                 cache_dir=None, workers=2, skip_unpaired=False, progress=True, normalize='none'):
     """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
 
     Parameters
@@ -199,6 +200,9 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
         Warn about images without masks instead of raising.
     progress : bool
         tqdm progress bar while decoding.
+    normalize : {'none', 'invert', 'percentile', 'auto'}
+        Per-image input normalization (``--normalize``), see :func:`~.io.normalize_image`;
+        applied before resizing and stored in the cache.
 
     Returns
     -------
@@ -216,6 +220,8 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
     """
     if channels not in (0, 1, 3):
         raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % (channels,))
+    if normalize not in NORMALIZE_MODES:
+        raise UserError('--normalize must be one of %s (got %r)' % (', '.join(NORMALIZE_MODES), normalize))
     if crop < 0:
         raise UserError('--crop must be >= 0 (got %r)' % (crop,))
     if not crop and (not isinstance(size, int) or size <= 0):
@@ -232,6 +238,8 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
         options = {'size': 0 if crop else int(size), 'crop_mode': bool(crop), 'channels': int(channels),
                    'layout': layout,
                    'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
+        if normalize != 'none':  # only then, so existing cache entries keep their keys
+            options['normalize'] = normalize
         key = _cache.cache_key(files, options, files_hash=files_hash)
         entry = _cache.load(cache_dir, key)
         if entry is not None:
@@ -243,7 +251,7 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
     sink = _DiskSink(writer) if writer is not None else _MemorySink()
     sizes, any_colour = [], False
     with writer if writer is not None else contextlib.nullcontext():
-        tasks = [(s, size, crop, channels) for s in samples]
+        tasks = [(s, size, crop, channels, normalize) for s in samples]
         for image, mask, inst, hw, colour in _pool_map(_decode_star, tasks, workers, progress,
                                                        'decoding %s' % os.path.basename(os.path.normpath(path))):
             sink.add(image, mask, inst)
