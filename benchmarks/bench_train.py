@@ -164,7 +164,10 @@ def _worker(kind, spec, env, conn):
             if cmd == 'stop':
                 break
             if cmd == 'run':
-                conn.send(k * spec['batch'] / run(k))
+                cpu0 = time.process_time()
+                wall = run(k)
+                cpu = time.process_time() - cpu0
+                conn.send((k * spec['batch'] / wall, k * spec['batch'] / max(cpu, 1e-9)))
             elif cmd == 'mem':
                 conn.send({'base_kib': base, 'peak_kib': _rss_kib('VmHWM')})
     except Exception as exc:  # reported in the parent
@@ -181,7 +184,7 @@ class Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(kind, spec, env, child), daemon=True)
         self.proc.start()
-        self.rates = []
+        self.rates, self.cpu_rates = [], []
 
     def setup(self):
         self.conn.send('setup')
@@ -193,9 +196,10 @@ class Worker:
     def run(self):
         self.conn.send('run')
         msg = self.conn.recv()
-        if isinstance(msg, tuple):
+        if msg[0] == 'error':
             raise RuntimeError('%s failed: %s' % (self.name, msg[1]))
-        self.rates.append(msg)
+        self.rates.append(msg[0])
+        self.cpu_rates.append(msg[1])
 
     def stop(self):
         self.conn.send('mem')
@@ -206,6 +210,10 @@ class Worker:
     @property
     def median(self):
         return statistics.median(self.rates)
+
+    @property
+    def cpu_median(self):
+        return statistics.median(self.cpu_rates)
 
 
 def parse_env(items):
@@ -233,6 +241,10 @@ def run_config(width, size, batch, args):
         for n in args.cpus:
             if n <= batch:
                 workers.append(Worker('ours x%d' % n, 'mx', dict(base, cpus=n), env))
+        for i, variant in enumerate(args.variant or []):
+            venv = dict(env, **parse_env(variant.split(',')))
+            n = int(venv.pop('CONTEXTS', 1))
+            workers.append(Worker('ours v%d' % (i + 1), 'mx', dict(base, cpus=n), venv))
         if not args.no_torch:
             workers.append(Worker('pytorch', 'torch', dict(base, cpus=1), {}))
     # Warm up one at a time: warm-up is not timed, but two warm-ups at once would
@@ -246,8 +258,8 @@ def run_config(width, size, batch, args):
         w.stop()
     flops = flops_per_image(ModelConfig(in_channels=args.channels, width=width, depth=args.depth), size)
     flops *= 1 if args.inference else 3
-    torch_rate = next((w.median for w in workers if w.name == 'pytorch'), None)
-    one = next((w.median for w in workers if w.name == 'ours x1'), None)
+    torch_w = next((w for w in workers if w.name == 'pytorch'), None)
+    one = next((w for w in workers if w.name == 'ours x1'), None)
     rows = []
     for w in workers:
         n = w.spec['cpus']
@@ -256,29 +268,36 @@ def run_config(width, size, batch, args):
                'dtype': 'bfloat16' if args.amp else 'float32',
                'mode': 'inference' if args.inference else 'training',
                'images_per_s': w.median, 'all': w.rates, 'steps_per_rep': w.steps,
+               'images_per_cpu_s': w.cpu_median, 'all_cpu': w.cpu_rates,
                'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / PEAK_GFLOPS,
                'peak_rss_mib': w.mem['peak_kib'] / 1024,
                'mib_per_image': used_kib / 1024 / batch, 'mib_per_device': used_kib / 1024 / n}
-        if torch_rate and w.name != 'pytorch':
-            row['vs_pytorch'] = w.median / torch_rate
-        if one and w.name.startswith('ours x') and n > 1:
-            row['dp_overhead'] = 1.0 - w.median / one
+        if torch_w and w is not torch_w:
+            row['vs_pytorch'] = w.median / torch_w.median
+            row['vs_pytorch_cpu'] = w.cpu_median / torch_w.cpu_median
+        if one and w.name.startswith('ours') and n > 1:
+            row['dp_overhead'] = 1.0 - w.median / one.median
+            row['dp_overhead_cpu'] = 1.0 - w.cpu_median / one.cpu_median
         rows.append(row)
     return rows
 
 
+def _fmt(row, key, fmt, scale=1):
+    return fmt % (scale * row[key]) if key in row else '-'
+
+
 def format_rows(rows):
-    head = ('%-10s %-9s %-8s %4s %5s %4s %10s %8s %8s %7s %9s %9s %8s'
+    head = ('%-10s %-9s %-8s %4s %5s %4s %9s %8s %8s %7s %8s %9s %8s %8s %8s %8s'
             % ('setup', 'mode', 'dtype', 'w', 'px', 'bs', 'images/s', 'vs torch', 'GFLOP/s',
-               '% peak', 'dp ovh', 'MiB/img', 'peak MiB'))
+               '% peak', 'dp ovh', 'img/CPU-s', 'vs torch', 'dp ovh', 'MiB/img', 'peak MiB'))
     lines = [head, '-' * len(head)]
     for r in rows:
-        lines.append('%-10s %-9s %-8s %4d %5d %4d %10.2f %8s %8.1f %6.0f%% %9s %9.0f %8.0f'
+        lines.append('%-10s %-9s %-8s %4d %5d %4d %9.2f %8s %8.1f %6.0f%% %8s %9.2f %8s %8s %8.0f %8.0f'
                      % (r['setup'], r['mode'], r['dtype'], r['width'], r['size'], r['batch'],
-                        r['images_per_s'], '%.2fx' % r['vs_pytorch'] if 'vs_pytorch' in r else '-',
-                        r['gflops'], 100 * r['peak_fraction'],
-                        '%+.1f%%' % (100 * r['dp_overhead']) if 'dp_overhead' in r else '-',
-                        r['mib_per_image'], r['peak_rss_mib']))
+                        r['images_per_s'], _fmt(r, 'vs_pytorch', '%.2fx'),
+                        r['gflops'], 100 * r['peak_fraction'], _fmt(r, 'dp_overhead', '%+.1f%%', 100),
+                        r['images_per_cpu_s'], _fmt(r, 'vs_pytorch_cpu', '%.2fx'),
+                        _fmt(r, 'dp_overhead_cpu', '%+.1f%%', 100), r['mib_per_image'], r['peak_rss_mib']))
     return '\n'.join(lines)
 
 
@@ -295,6 +314,10 @@ def main(argv=None):
     p.add_argument('--inference', action='store_true', help='exported model vs eval()+no_grad()')
     p.add_argument('--no-torch', action='store_true', help='ours only')
     p.add_argument('--env', action='append', help='KEY=VALUE for our workers (e.g. a knob to try)')
+    p.add_argument('--variant', action='append',
+                   help='KEY=VALUE[,KEY=VALUE]: an extra worker of ours on 1 context with these '
+                        'settings, measured alongside (to try a knob); rows "ours v1", "ours v2"...; '
+                        'CONTEXTS=N runs the variant on N CPU contexts')
     p.add_argument('--json', help='also write the rows here')
     args = p.parse_args(argv)
     args.cpus = [int(c) for c in args.cpus.split(',')]
@@ -305,7 +328,7 @@ def main(argv=None):
     for item in args.configs.split(','):
         width, size, batch = (int(v) for v in item.split(':'))
         rows += run_config(width, size, batch, args)
-        print(format_rows(rows[-len(args.cpus) - 1:]), flush=True)
+        print(format_rows(rows), flush=True)
     print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s float32):'
           % (time.time() - t0, args.reps, PEAK_GFLOPS))
     print(format_rows(rows))
