@@ -17,6 +17,7 @@ import mxnet as mx
 import numpy as np
 
 from .errors import UserError
+from .utils import atomic_path
 
 _EPOCH_FILE = re.compile(r'epoch(\d+)(?:-step(\d+))?\.ckpt$')
 
@@ -27,16 +28,8 @@ def save_checkpoint(path, net, trainer, meta):
     if trainer is not None:
         arrays['trainer_states'] = _bytes_array(_trainer_state_bytes(trainer))
     arrays['meta'] = _bytes_array(json.dumps(meta).encode())
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix='.tmp-', suffix='.ckpt', dir=folder)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         mx.nd.save(tmp, arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def load_checkpoint(path, net=None, trainer=None, ctx=None):

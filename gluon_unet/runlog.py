@@ -3,7 +3,8 @@ import csv
 import logging
 import os
 import sys
-import tempfile
+
+from .utils import atomic_open, atomic_path
 
 LOGGER_NAME = 'gluon_unet'
 
@@ -45,14 +46,11 @@ class MetricsTable:
         columns = []
         for row in history:
             columns += [k for k in row if k not in columns and not isinstance(row[k], (list, dict))]
-        folder = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix='.tmp-', suffix='.csv', dir=folder)
-        with os.fdopen(fd, 'w', newline='') as f:
+        with atomic_open(self.path, 'w', newline='') as f:
             writer = csv.DictWriter(f, columns, extrasaction='ignore')
             writer.writeheader()
             for row in history:
                 writer.writerow({k: _fmt(row.get(k)) for k in columns})
-        os.replace(tmp, self.path)
 
 
 def plot_curves(history, path):
@@ -80,12 +78,11 @@ def plot_curves(history, path):
         ax2.legend()
     ax2.grid(alpha=0.3)
     fig.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix='.tmp-', suffix='.png', dir=folder)
-    os.close(fd)
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=80, format='png')
+    finally:
+        plt.close(fig)
 
 
 def _fmt(v):
