@@ -8,7 +8,7 @@ import sys
 import typing
 
 from .config import ModelConfig, TrainConfig, flag_name
-from .errors import UserError
+from .errors import UserError, reports_errors
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -88,41 +88,26 @@ def train_parser():
     return add_config_arguments(parser)
 
 
+@reports_errors
 def train_main(argv=None):
     """``bin/train``: parse flags, train, export. Returns the process exit code."""
-    if os.environ.get('DMLC_ROLE') in ('server', 'scheduler'):
-        # A kvstore server/scheduler started by bin/launch: it serves until the workers
-        # finish, then exits; nothing else of training runs in it (see distributed.serve).
-        from .distributed import serve
-        try:
-            return serve()
-        except UserError as exc:
-            print('error: %s' % exc, file=sys.stderr)
-            return exc.exit_code
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
+    cfg = config_from_args(args, config_file)
+    if cfg.benchmark:
+        from .benchmark import benchmark_main
+        return benchmark_main(cfg)
+    from .engine import Diverged, Interrupted, fit
     try:
-        cfg = config_from_args(args, config_file)
-        if cfg.benchmark:
-            from .benchmark import benchmark_main
-            return benchmark_main(cfg)
-        from .engine import Diverged, Interrupted, fit
-        try:
-            history = fit(cfg)
-            if cfg.data is None and history:
-                demo_predictions(cfg)
-        except Interrupted as exc:
-            print(str(exc), file=sys.stderr)
-            return exc.exit_code
-        except Diverged as exc:
-            print('error: %s' % exc, file=sys.stderr)
-            return Diverged.exit_code
-    except UserError as exc:
-        print('error: %s' % exc, file=sys.stderr)
+        history = fit(cfg)
+    except Interrupted as exc:
+        print(str(exc), file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print('interrupted', file=sys.stderr)
-        return 130
+    except Diverged as exc:
+        print('error: %s' % exc, file=sys.stderr)
+        return Diverged.exit_code
+    if cfg.data is None and history:
+        demo_predictions(cfg)
     return 0
 
 

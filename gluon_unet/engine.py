@@ -26,7 +26,7 @@ from .losses import SegmentationLoss
 from .model import build_model
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
-from .runlog import MetricsTable, get_logger, plot_curves, setup_logging
+from .runlog import MetricsTable, plot_curves, setup_logging
 
 
 class Interrupted(Exception):

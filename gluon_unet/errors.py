@@ -4,6 +4,8 @@ Anything the user can fix (a bad flag, a missing file, a corrupt image) is raise
 :class:`UserError`; the CLI entry points turn it into a single line on stderr and a
 non-zero exit code instead of a traceback.
 """
+import functools
+import sys
 
 
 class UserError(Exception):
@@ -20,3 +22,19 @@ class UserError(Exception):
     def __init__(self, message, exit_code=2):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def reports_errors(main):
+    """Decorator for CLI entry points: a :class:`UserError` becomes ``error: <message>``
+    on stderr and its exit code, Ctrl-C becomes exit 130 - never a traceback."""
+    @functools.wraps(main)
+    def wrapper(argv=None):
+        try:
+            return main(argv)
+        except UserError as exc:
+            print('error: %s' % exc, file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt:
+            print('interrupted', file=sys.stderr)
+            return 130
+    return wrapper

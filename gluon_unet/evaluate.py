@@ -11,12 +11,11 @@ import argparse
 import csv
 import glob
 import os
-import sys
 import tempfile
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, reports_errors
 from .metrics import dsb_image_score, pixel_scores
 
 IMAGE_EXTS = ('.png', '.tif', '.tiff', '.bmp', '.jpg', '.jpeg')
@@ -242,19 +241,16 @@ def build_parser():
     return p
 
 
+@reports_errors
 def main(argv=None):
     """Entry point of ``bin/evaluate``; returns the exit code."""
     args = build_parser().parse_args(argv)
-    try:
-        if not 0 < args.threshold < 1:
-            raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
-        rows, extra = evaluate(args.pred, args.truth, args.threshold)
-        mean = mean_row(rows)
-        if args.csv:
-            write_csv(args.csv, rows)
-    except UserError as e:
-        print('error: %s' % e, file=sys.stderr)
-        return e.exit_code
+    if not 0 < args.threshold < 1:
+        raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
+    rows, extra = evaluate(args.pred, args.truth, args.threshold)
+    mean = mean_row(rows)
+    if args.csv:
+        write_csv(args.csv, rows)
     print(format_table(rows, mean))
     missing = [r['image_id'] for r in rows if r['status'] == 'missing']
     if missing:

@@ -14,9 +14,9 @@ import tempfile
 
 import mxnet as mx
 
-from .checkpoint import load_checkpoint, resolve_resume
+from .checkpoint import load_checkpoint
 from .config import TrainConfig
-from .errors import UserError
+from .errors import UserError, reports_errors
 from .model import build_model
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
@@ -175,6 +175,7 @@ def find_export(path):
     raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
 
 
+@reports_errors
 def main(argv=None):
     """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
     from .cli import OneLineParser
@@ -185,12 +186,8 @@ def main(argv=None):
                         help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
     parser.add_argument('--output', help='export folder (default: <run>/export)')
     args = parser.parse_args(argv)
-    try:
-        ckpt, out = _resolve_run(args.run, args.output)
-        prefix = export_checkpoint(ckpt, out)
-    except UserError as exc:
-        print('error: %s' % exc, file=sys.stderr)
-        return exc.exit_code
+    ckpt, out = _resolve_run(args.run, args.output)
+    prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     return 0
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from .errors import UserError
+from .errors import UserError, reports_errors
 
 ROLES = ('scheduler', 'server', 'worker')
 
@@ -229,32 +229,30 @@ def _parse(argv):
     return args
 
 
+@reports_errors
 def main(argv=None):
     """``bin/launch``: run the job; returns the exit code (0 when every worker succeeded)."""
-    try:
-        args = _parse(argv)
-        extra = {k: v for k, v in os.environ.items() if k.startswith(('PS_', 'MXNET_', 'OMP_'))}
-        if args.interface:
-            extra['DMLC_INTERFACE'] = args.interface
-        if args.launcher == 'local':
-            # Bind ps-lite to loopback explicitly: left alone it picks the first
-            # non-loopback interface, which may not exist (containers) or be firewalled.
-            extra.update(DMLC_NODE_HOST='127.0.0.1')
-            extra.setdefault('DMLC_INTERFACE', 'lo')
-            plan = job_plan(args.num_workers, args.num_servers, ['127.0.0.1'], '127.0.0.1',
-                            args.port or free_port(), extra)
+    args = _parse(argv)
+    extra = {k: v for k, v in os.environ.items() if k.startswith(('PS_', 'MXNET_', 'OMP_'))}
+    if args.interface:
+        extra['DMLC_INTERFACE'] = args.interface
+    if args.launcher == 'local':
+        # Bind ps-lite to loopback explicitly: left alone it picks the first
+        # non-loopback interface, which may not exist (containers) or be firewalled.
+        extra.update(DMLC_NODE_HOST='127.0.0.1')
+        extra.setdefault('DMLC_INTERFACE', 'lo')
+        plan = job_plan(args.num_workers, args.num_servers, ['127.0.0.1'], '127.0.0.1',
+                        args.port or free_port(), extra)
 
-            def argv_for(p):
-                return args.command, dict(os.environ, **p['env']), subprocess.DEVNULL
-        else:
-            hosts = read_hostfile(args.hostfile)
-            plan = job_plan(args.num_workers, args.num_servers, hosts, hosts[0],
-                            args.port or free_port('0.0.0.0'), extra)
-            cwd = os.getcwd()
+        def argv_for(p):
+            return args.command, dict(os.environ, **p['env']), subprocess.DEVNULL
+    else:
+        hosts = read_hostfile(args.hostfile)
+        plan = job_plan(args.num_workers, args.num_servers, hosts, hosts[0],
+                        args.port or free_port('0.0.0.0'), extra)
+        cwd = os.getcwd()
 
-            def argv_for(p):
-                return ssh_command(p['host'], p['env'], args.command, cwd), None, subprocess.PIPE
-        return Job(plan, argv_for, grace=args.grace).run()
-    except UserError as exc:
-        print('error: %s' % exc, file=sys.stderr)
-        return exc.exit_code
+        def argv_for(p):
+            return ssh_command(p['host'], p['env'], args.command, cwd), None, subprocess.PIPE
+    return Job(plan, argv_for, grace=args.grace).run()
+

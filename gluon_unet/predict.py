@@ -38,7 +38,7 @@ import cv2
 import mxnet as mx
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, reports_errors
 from .parallel import split_batch
 
 MODES = ('auto', 'resize', 'tile', 'whole')
@@ -543,6 +543,7 @@ def _progress_bar(total, enabled):
     return tqdm(total=total, unit='img', desc='predict', disable=not enabled or total <= 1, file=sys.stderr)
 
 
+@reports_errors
 def main(argv=None):
     """``bin/predict``: segment images with an exported model. Returns the exit code."""
     from .cli import OneLineParser
@@ -573,17 +574,10 @@ def main(argv=None):
     parser.add_argument('--progress', action=__import__('argparse').BooleanOptionalAction, default=True,
                         help='progress bar and summary line')
     args = parser.parse_args(argv)
-    try:
-        predict_paths(args.model, args.input, args.output, gpus=args.gpus, cpus=args.cpus, mode=args.mode,
-                      tta=args.tta, threshold=args.threshold, min_size=args.min_size, overlay=args.overlay,
-                      rle=args.rle, batch_size=args.batch_size, overlap=args.overlap, progress=args.progress,
-                      split=args.split)
-    except UserError as exc:
-        print('error: %s' % exc, file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print('interrupted', file=sys.stderr)
-        return 130
+    predict_paths(args.model, args.input, args.output, gpus=args.gpus, cpus=args.cpus, mode=args.mode,
+                  tta=args.tta, threshold=args.threshold, min_size=args.min_size, overlay=args.overlay,
+                  rle=args.rle, batch_size=args.batch_size, overlap=args.overlap, progress=args.progress,
+                  split=args.split)
     return 0
 
 
