@@ -27,6 +27,7 @@ from .model import build_model
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .runlog import MetricsTable, plot_curves, setup_logging
+from .utils import atomic_open
 
 
 class Interrupted(Exception):
@@ -363,7 +364,8 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     attach_transforms(cfg, train_ds, val_ds)
     if is_main:
         log = setup_logging(cfg.output, verbose=verbose)
-        _write_text(os.path.join(cfg.output, 'config.json'), cfg.to_json())
+        with atomic_open(os.path.join(cfg.output, 'config.json')) as f:
+            f.write(cfg.to_json())
     amp_dtype = init_amp(cfg, ctxs)
     if amp_dtype == 'bfloat16' and cfg.model.upsample == 'deconv' and cfg.hybridize:
         # MXNet 1.9 crashes (SIGSEGV) in the backward pass of a hybridized bfloat16
@@ -548,9 +550,3 @@ def _plot_quietly(history, path, log):
     except Exception as exc:  # a plotting problem must never cost a training run
         log.info('could not draw %s: %s', path, exc)
 
-
-def _write_text(path, text):
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -11,12 +11,12 @@ import argparse
 import csv
 import glob
 import os
-import tempfile
 
 import numpy as np
 
 from .errors import UserError, reports_errors
 from .metrics import dsb_image_score, pixel_scores
+from .utils import atomic_open
 
 IMAGE_EXTS = ('.png', '.tif', '.tiff', '.bmp', '.jpg', '.jpeg')
 _JPEG = ('.jpg', '.jpeg')
@@ -196,18 +196,11 @@ def write_csv(path, rows):
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError('--csv %s: folder %s does not exist' % (path, folder))
-    fd, tmp = tempfile.mkstemp(prefix='.evaluate-', suffix='.csv', dir=folder)
-    try:
-        with os.fdopen(fd, 'w', newline='') as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            for r in rows:
-                writer.writerow({k: ('%.6f' % r[k] if isinstance(r[k], float) else r[k]) for k in COLUMNS})
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ('%.6f' % r[k] if isinstance(r[k], float) else r[k]) for k in COLUMNS})
 
 
 def format_table(rows, mean):

@@ -31,7 +31,6 @@ devices stay busy and memory stays at one batch whatever the image size.
 import csv
 import os
 import sys
-import tempfile
 import time
 
 import cv2
@@ -40,6 +39,7 @@ import numpy as np
 
 from .errors import UserError, reports_errors
 from .parallel import split_batch
+from .utils import atomic_open
 
 MODES = ('auto', 'resize', 'tile', 'whole')
 #: Instance separation choices of ``--split`` (see postprocess.instances_from_prob).
@@ -384,16 +384,8 @@ def model_channels(net, meta):
 
 def _atomic_write(path, data):
     """Write bytes under a temporary name in the same folder, then rename into place."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix='.tmp-', suffix=os.path.splitext(path)[1], dir=folder)
-    try:
-        with os.fdopen(fd, 'wb') as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    with atomic_open(path, 'wb') as f:
+        f.write(data)
 
 
 def write_png(path, array):
