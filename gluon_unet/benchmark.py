@@ -118,9 +118,7 @@ def run_benchmark(cfg, warmup=None, repeats=None):
         ``per_device_batch``, ``global_batch``.
     """
     from .engine import init_amp
-    from .runtime import configure_runtime
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    configure_runtime(len(ctxs))
     init_amp(cfg, ctxs)
     n_dev = min(len(ctxs), cfg.batch_size)
     ctxs = ctxs[:n_dev]

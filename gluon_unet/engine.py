@@ -124,6 +124,8 @@ def data_channels(ds):
 
 def build_network(cfg, ctxs):
     """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized."""
+    from .runtime import configure_runtime
+    configure_runtime(len(ctxs), ctxs[0].device_type)  # process-wide knobs: one place
     net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0)
     mx.random.seed(cfg.seed)
     net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
