@@ -28,6 +28,8 @@ them for you.
 """
 import os
 
+_TOO_LATE = False  # apply_thread_defaults ran after mxnet was already loaded
+
 
 def cpu_cores():
     """CPU cores this process may run on (the affinity mask, not the machine's total)."""
@@ -35,6 +37,47 @@ def cpu_cores():
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def physical_cores():
+    """Physical cores among :func:`cpu_cores` (SMT siblings counted once), from sysfs."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else []
+    cores = set()
+    for cpu in cpus:
+        path = '/sys/devices/system/cpu/cpu%d/topology/thread_siblings_list' % cpu
+        try:
+            with open(path) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            return cpu_cores()
+    return max(1, len(cores)) if cores else cpu_cores()
+
+
+def apply_thread_defaults(environ=None):
+    """Set ``OMP_NUM_THREADS`` to the physical core count unless the user set it.
+
+    Without it, MXNet 1.9 assumes two hyper-threads per core and runs its operators on
+    ``cores / 2`` OpenMP threads (``src/engine/openmp.cc`` halves
+    ``omp_get_num_procs()``). On machines without SMT - most cloud VMs, including the
+    2-core development machine - that leaves half the cores idle: oneDNN convolutions
+    ran on one thread of two. MXNet reads the variable once, when ``libmxnet`` loads,
+    so ``gluon_unet/__init__.py`` calls this before its first ``import mxnet``; it has
+    no effect if mxnet was imported earlier (``configure_runtime`` then warns).
+
+    Returns
+    -------
+    bool
+        True when this call set the variable.
+    """
+    global _TOO_LATE
+    env = os.environ if environ is None else environ
+    if 'OMP_NUM_THREADS' in env:
+        return False
+    env['OMP_NUM_THREADS'] = str(physical_cores())
+    if environ is None:
+        import sys
+        _TOO_LATE = 'mxnet' in sys.modules
+    return True
 
 
 def runtime_settings():
@@ -70,4 +113,10 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
     dict
         :func:`runtime_settings` plus ``contexts`` and ``device_type``.
     """
-    return dict(runtime_settings(), contexts=num_contexts, device_type=device_type)
+    settings = dict(runtime_settings(), contexts=num_contexts, device_type=device_type)
+    if _TOO_LATE:
+        import warnings
+        warnings.warn('mxnet was imported before gluon_unet with OMP_NUM_THREADS unset: MXNet '
+                      'uses half the cores on machines without hyper-threading; set '
+                      'OMP_NUM_THREADS=%d or import gluon_unet first' % physical_cores())
+    return settings
