@@ -53,6 +53,27 @@ def from_rank0(kv, values):
     return out.asnumpy().tolist()
 
 
+def init_kvstore(trainer):
+    """Join ``trainer``'s dist kvstore now: rank 0's weights are on every worker on return.
+
+    Gluon does this lazily inside the first ``trainer.step()``, after that step's
+    forward and backward were queued: each parameter is pushed by rank 0 and pulled
+    into every worker (``kv.broadcast``) while the engine is still running the step
+    that reads those weights. On a loaded machine this intermittently started one
+    worker from a wrong value in one or more parameters - not noise but the same
+    values every time, as if read from another live array (seen: ``head.bias`` 2.83,
+    BatchNorm gammas near 0 instead of 1) - and the workers trained apart from step
+    one on. ``Trainer.load_states`` (resume) initializes eagerly and never showed it.
+    Doing the same before any training op, then waiting until every pulled value has
+    landed, costs one round trip per parameter, once per run.
+    """
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+    mx.nd.waitall()
+
+
 def grad_workers(kvstore, num_workers):
     """How many workers' batches are summed into one update (see DataParallelStep)."""
     return num_workers if kvstore in ('dist_sync', 'dist_device_sync') else 1

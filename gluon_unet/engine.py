@@ -335,7 +335,8 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    from .distributed import default_update_on_kvstore, from_rank0, grad_workers, kvstore_for
+    from .distributed import (default_update_on_kvstore, from_rank0, grad_workers, init_kvstore,
+                              kvstore_for)
     kvstore, rank, num_workers = kvstore_for(cfg.kvstore, ctxs)
     is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
     # Console only until the input is known to be good: bad input writes nothing.
@@ -411,6 +412,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         state = RunState.from_meta(load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs))
         log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
                  ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
+    if cfg.kvstore.startswith('dist'):
+        # Not lazily inside the first step, racing with it: see init_kvstore.
+        init_kvstore(trainer)
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
     step = DataParallelStep(net, loss_fn, trainer, ctxs, clip_grad=cfg.clip_grad, amp=bool(amp_dtype),
                             sync_bn=cfg.sync_bn and len(ctxs) > 1,
