@@ -4,17 +4,11 @@ The Python API in one import::
 
     from gluon_unet import TrainConfig, ModelConfig, fit, synthetic_dataset
 """
-# Before anything imports mxnet: MXNet 1.9 would run on half the cores of a machine
-# without hyper-threading (see runtime.apply_thread_defaults; a user's setting wins).
-from .runtime import apply_thread_defaults
-
-apply_thread_defaults()
-
-from .config import ModelConfig, TrainConfig  # noqa: E402
-from .data import SegmentationDataset, synthetic_dataset  # noqa: E402
-from .engine import fit  # noqa: E402
-from .model import UNet, build_model  # noqa: E402
-from .parallel import DataParallelStep  # noqa: E402
+from .config import ModelConfig, TrainConfig
+from .data import SegmentationDataset, synthetic_dataset
+from .engine import fit
+from .model import UNet, build_model
+from .parallel import DataParallelStep
 
 __version__ = '0.1.0'
 

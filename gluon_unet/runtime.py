@@ -3,15 +3,18 @@
 Every knob below was measured on the 2-core development machine with
 ``benchmarks/bench_train.py --variant KEY=VALUE`` (alternated with the default in the
 same run, U-Net width 16 at 128 px, batch 16). Measured in images per CPU-second (the
-wall-clock rate on this shared machine swings 2x with other users' load), none moved
-the cost of a training image by more than 3 %, so gluon_unet keeps MXNet's defaults:
-this module reports them, and ``docs/performance.md`` has the figures.
+wall-clock rate on this shared machine swings 2x with other users' load), none but
+the thread count moved the cost of a training image by more than 3 %, and more threads
+lost here, so gluon_unet keeps MXNet's defaults: this module reports them, and
+``docs/performance.md`` has the figures.
 
 ======================================  ===================  ================================
 variable                                read                 measured (img/CPU-s vs default)
 ======================================  ===================  ================================
-OMP_NUM_THREADS                         at ``import mxnet``  1 thread: +3 % (1 context);
-                                                             4 contexts x 1 thread: -0.7 %
+OMP_NUM_THREADS                         at ``import mxnet``  unset = half the cores (1 here);
+                                                             2 (all cores): -43 % (10.5 vs
+                                                             18.4) on this loaded machine,
+                                                             see apply_thread_defaults
 MXNET_CPU_WORKER_NTHREADS               at ``import mxnet``  2 with 4 contexts (16 threads on
                                                              2 cores): -1.5 %
 MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 %
@@ -27,8 +30,6 @@ set them in the shell (``OMP_NUM_THREADS=1 bin/train ...``). gluon_unet sets non
 them for you.
 """
 import os
-
-_TOO_LATE = False  # apply_thread_defaults ran after mxnet was already loaded
 
 
 def cpu_cores():
@@ -58,25 +59,26 @@ def apply_thread_defaults(environ=None):
 
     Without it, MXNet 1.9 assumes two hyper-threads per core and runs its operators on
     ``cores / 2`` OpenMP threads (``src/engine/openmp.cc`` halves
-    ``omp_get_num_procs()``). On machines without SMT - most cloud VMs, including the
-    2-core development machine - that leaves half the cores idle: oneDNN convolutions
-    ran on one thread of two. MXNet reads the variable once, when ``libmxnet`` loads,
-    so ``gluon_unet/__init__.py`` calls this before its first ``import mxnet``; it has
-    no effect if mxnet was imported earlier (``configure_runtime`` then warns).
+    ``omp_get_num_procs()``): on machines without SMT (most cloud VMs, including the
+    2-core development machine) oneDNN kernels use half the cores. MXNet reads the
+    variable once, when ``libmxnet`` loads, so call this before the first
+    ``import mxnet`` (or export the variable in the shell).
+
+    Not called by default: on the shared development machine, two threads per process
+    were measured *slower* than one (width 64 at 256 px: 0.14 vs 0.21 images/s; width
+    16 at 128 px: 5.7 vs 9.0), because other jobs hold the second core and each kernel's
+    threads wait for each other. Use it on a machine you have to yourself
+    (docs/performance.md, finding 1).
 
     Returns
     -------
     bool
         True when this call set the variable.
     """
-    global _TOO_LATE
     env = os.environ if environ is None else environ
     if 'OMP_NUM_THREADS' in env:
         return False
     env['OMP_NUM_THREADS'] = str(physical_cores())
-    if environ is None:
-        import sys
-        _TOO_LATE = 'mxnet' in sys.modules
     return True
 
 
@@ -93,7 +95,8 @@ def runtime_settings():
     env = os.environ
     cores = cpu_cores()
     return {'cores': cores,
-            'omp_threads': int(env.get('OMP_NUM_THREADS', cores)),
+            # MXNet's default without the variable: half the logical CPUs (it assumes SMT).
+            'omp_threads': int(env.get('OMP_NUM_THREADS', max(1, cores // 2))),
             'cpu_worker_threads': int(env.get('MXNET_CPU_WORKER_NTHREADS', 1)),
             'engine': env.get('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice'),
             'bulk_train_fwd': int(env.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD', 15)),
@@ -113,10 +116,4 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
     dict
         :func:`runtime_settings` plus ``contexts`` and ``device_type``.
     """
-    settings = dict(runtime_settings(), contexts=num_contexts, device_type=device_type)
-    if _TOO_LATE:
-        import warnings
-        warnings.warn('mxnet was imported before gluon_unet with OMP_NUM_THREADS unset: MXNet '
-                      'uses half the cores on machines without hyper-threading; set '
-                      'OMP_NUM_THREADS=%d or import gluon_unet first' % physical_cores())
-    return settings
+    return dict(runtime_settings(), contexts=num_contexts, device_type=device_type)

@@ -54,15 +54,3 @@ def test_thread_defaults_respect_the_user():
     env = {'OMP_NUM_THREADS': '3'}
     assert apply_thread_defaults(env) is False and env['OMP_NUM_THREADS'] == '3'
 
-
-def test_import_sets_omp_threads_before_mxnet_loads():
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != 'OMP_NUM_THREADS'}
-    code = ('import gluon_unet, os, sys; from gluon_unet.runtime import physical_cores; '
-            'print(os.environ["OMP_NUM_THREADS"] == str(physical_cores()))')
-    out = subprocess.run([sys.executable, '-c', code], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.stdout.strip() == 'True', out.stderr[-500:]
