@@ -489,11 +489,14 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
 
     def jobs():
         for image_id, path in files:
-            image = match_channels(read_image(path), channels, path)
+            stored = read_image(path)
+            image = match_channels(stored, channels, path)
             net_input = normalize_image(image, normalize)
+            # Overlays are drawn on the image as stored (colour stays colour for a grey model).
+            shown = stored if overlay else None
             rec = {'id': image_id, 'image': path, 'height': image.shape[0], 'width': image.shape[1]}
             yield from image_jobs(net_input, meta, mode, tta, overlap,
-                                  on_done=lambda prob, used, rec=rec, image=image: done(rec, image, prob, used))
+                                  on_done=lambda prob, used, rec=rec, shown=shown: done(rec, shown, prob, used))
 
     try:
         run_jobs(net, ctxs, jobs(), batch_size)

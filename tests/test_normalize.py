@@ -118,6 +118,13 @@ def test_predict_applies_the_models_normalization_to_brightfield_images(tmp_path
     predict_paths(str(tmp_path / 'invert'), path, out, mode='whole', overlay=True, progress=False)
     ov = cv2.imread(os.path.join(out, 'bf_overlay.png'))
     assert ov[0, 0].min() > 200
+    # ... and in colour when the file has colour, although the model sees grey
+    colour = np.dstack([255 - dark[..., 0], 255 - dark[..., 0] // 2, np.full(dark.shape[:2], 250, np.uint8)])
+    cv2.imwrite(str(tmp_path / 'he.png'), colour[..., ::-1])
+    predict_paths(str(tmp_path / 'invert'), str(tmp_path / 'he.png'), out, mode='whole', overlay=True,
+                  progress=False)
+    ov = cv2.imread(os.path.join(out, 'he_overlay.png'))[..., ::-1]
+    assert np.array_equal(ov[0, 0], colour[0, 0]) and not np.array_equal(ov[..., 0], ov[..., 2])
 
 
 def test_predict_split_none_keeps_touching_nuclei_as_one_component(tmp_path):
