@@ -7,8 +7,14 @@ import os
 import sys
 import typing
 
+import cv2
+
 from .config import ModelConfig, TrainConfig, flag_name
+from .data.synthetic import synthetic_nuclei
+from .engine import Diverged, Interrupted, fit
 from .errors import UserError, reports_errors
+from .predict import predict_paths
+from .runlog import get_logger
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -97,7 +103,6 @@ def train_main(argv=None):
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)
-    from .engine import Diverged, Interrupted, fit
     try:
         history = fit(cfg)
     except Interrupted as exc:
@@ -117,11 +122,6 @@ def demo_predictions(cfg, count=8):
     Writes ``<output>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
     ``<output>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
-    import cv2
-
-    from .data.synthetic import synthetic_nuclei
-    from .predict import predict_paths
-    from .runlog import get_logger
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(cfg.output, 'demo_inputs')

@@ -15,18 +15,27 @@ from dataclasses import dataclass, field
 import mxnet as mx
 import numpy as np
 
+# Everything fit() may need is imported up front: a run that trains for an hour must not
+# fail at its last step because the code on disk changed underneath it.
 from . import metrics as M
+from . import postprocess
 from .checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
 from .config import TrainConfig
+from .data import readers
+from .data.augment import make_transform
 from .data.dataset import make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
+from .data.weights import unet_weight_map
 from .devices import has_gpu, make_contexts
+from .distributed import default_update_on_kvstore, from_rank0, grad_workers, init_kvstore, kvstore_for
 from .errors import UserError
+from .export import export_checkpoint, export_in_subprocess
 from .losses import SegmentationLoss
 from .model import build_model
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .runlog import MetricsTable, plot_curves, setup_logging
+from .runtime import configure_runtime
 from .utils import atomic_open
 
 
@@ -83,7 +92,6 @@ def build_datasets(cfg):
                                  seed=cfg.seed)
         val = None
     else:
-        from .data import readers
         opts = dict(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
                     channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
                     skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize)
@@ -99,11 +107,9 @@ def attach_transforms(cfg, train_ds, val_ds):
     """Augmentation (and crops) for training; deterministic crops for validation."""
     weight_fn = None
     if cfg.loss == 'wbce':
-        from .data.weights import unet_weight_map
         weight_fn = unet_weight_map
     train_tf = val_tf = None
     if cfg.augment or cfg.crop or cfg.elastic:
-        from .data.augment import make_transform
         train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
         if cfg.crop:
             # validate() draws per-sample seeds from a fixed sampler seed, so these
@@ -124,7 +130,6 @@ def data_channels(ds):
 
 def build_network(cfg, ctxs):
     """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized."""
-    from .runtime import configure_runtime
     configure_runtime(len(ctxs), ctxs[0].device_type)  # process-wide knobs: one place
     net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0)
     mx.random.seed(cfg.seed)
@@ -273,7 +278,6 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     Pixel metrics are summed over the whole set (not averaged per batch), so the
     numbers do not depend on the batch size or on how batches fall on devices.
     """
-    from . import postprocess
     pixel, dsb = M.PixelMetrics(), M.DSBMetric()
     loss_total, offset = 0.0, 0
     t0 = time.time()
@@ -335,8 +339,6 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    from .distributed import (default_update_on_kvstore, from_rank0, grad_workers, init_kvstore,
-                              kvstore_for)
     kvstore, rank, num_workers = kvstore_for(cfg.kvstore, ctxs)
     is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
     # Console only until the input is known to be good: bad input writes nothing.
@@ -534,7 +536,6 @@ def _epoch_line(row, monitor, ndev):
 
 
 def _export_best(cfg, saver, amp_dtype, log):
-    from .export import export_checkpoint, export_in_subprocess
     best = os.path.join(saver.folder, 'best.ckpt')
     out = os.path.join(cfg.output, 'export')
     prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best, out)
