@@ -64,11 +64,12 @@ def apply_thread_defaults(environ=None):
     variable once, when ``libmxnet`` loads, so call this before the first
     ``import mxnet`` (or export the variable in the shell).
 
-    Not called by default: on the shared development machine, two threads per process
-    were measured *slower* than one (width 64 at 256 px: 0.14 vs 0.21 images/s; width
-    16 at 128 px: 5.7 vs 9.0), because other jobs hold the second core and each kernel's
-    threads wait for each other. Use it on a machine you have to yourself
-    (docs/performance.md, finding 1).
+    Not called by default: on the shared development machine, while another job holds
+    the second core, two threads per process are *slower* than one (width 64 at 256 px:
+    0.14 vs 0.21 images/s; width 16 at 128 px: 5.7 vs 9.0) because each kernel's threads
+    wait for each other. With the machine to itself two threads are 1.8x faster (width
+    16 at 128 px: 32.5 vs 18.1 images/s, 1.35x PyTorch), so use it on a machine you have
+    to yourself (docs/performance.md, finding 1).
 
     Returns
     -------
