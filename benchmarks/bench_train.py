@@ -380,6 +380,11 @@ def main(argv=None):
     print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s float32):'
           % (time.time() - t0, args.reps, PEAK_GFLOPS))
     print(format_rows(rows))
+    for r in rows:
+        if r['foreign_cores'] > args.max_foreign:
+            print('warning: %s (width %d) ran while other processes used %.2f cores (median, after '
+                  'retries): not a fair figure, measure again on a quiet machine'
+                  % (r['setup'], r['width'], r['foreign_cores']), flush=True)
     if args.json:
         with open(args.json + '.tmp', 'w') as f:
             json.dump(rows, f, indent=1)
