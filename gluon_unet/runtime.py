@@ -64,12 +64,13 @@ def apply_thread_defaults(environ=None):
     variable once, when ``libmxnet`` loads, so call this before the first
     ``import mxnet`` (or export the variable in the shell).
 
-    Not called by default: on the shared development machine, while another job holds
-    the second core, two threads per process are *slower* than one (width 64 at 256 px:
-    0.14 vs 0.21 images/s; width 16 at 128 px: 5.7 vs 9.0) because each kernel's threads
-    wait for each other. With the machine to itself two threads are 1.8x faster (width
-    16 at 128 px: 32.5 vs 18.1 images/s, 1.35x PyTorch), so use it on a machine you have
-    to yourself (docs/performance.md, finding 1).
+    Called by ``import gluon_unet``. With the machine to itself, two threads on the
+    2-core development machine train 1.8x faster than MXNet's one (width 16 at 128 px:
+    32.5 vs 18.1 images/s, 1.35x PyTorch; docs/performance.md, finding 1). The price:
+    while another job holds a core, each kernel's threads wait for each other and a
+    process runs slower than with one thread (width 16: 5.7 vs 9.0 images/s), and
+    several CPU contexts in one process oversubscribe the cores. On a shared machine,
+    or for ``--cpus N`` runs, export ``OMP_NUM_THREADS=1`` (cores / N) yourself.
 
     Returns
     -------

@@ -5,6 +5,10 @@ import warnings
 
 import pytest
 
+# Tests check correctness, not speed: one OpenMP thread per process keeps the multi-process
+# tests (launcher jobs of 4 processes, subprocess CLIs) from oversubscribing small CI
+# machines. Set before gluon_unet (and so mxnet) is imported; inherited by subprocesses.
+os.environ.setdefault('OMP_NUM_THREADS', '1')
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), '..')))
 warnings.filterwarnings('ignore', category=DeprecationWarning)
 
