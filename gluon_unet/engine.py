@@ -17,6 +17,7 @@ import numpy as np
 
 # Everything fit() may need is imported up front: a run that trains for an hour must not
 # fail at its last step because the code on disk changed underneath it.
+from . import distributed
 from . import metrics as M
 from . import postprocess
 from .checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
@@ -27,7 +28,6 @@ from .data.dataset import make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
 from .data.weights import unet_weight_map
 from .devices import has_gpu, make_contexts
-from .distributed import default_update_on_kvstore, from_rank0, grad_workers, init_kvstore, kvstore_for
 from .errors import UserError
 from .export import export_checkpoint, export_in_subprocess
 from .losses import SegmentationLoss
@@ -339,7 +339,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    kvstore, rank, num_workers = kvstore_for(cfg.kvstore, ctxs)
+    kvstore, rank, num_workers = distributed.kvstore_for(cfg.kvstore, ctxs)
     is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and is_main)
@@ -361,7 +361,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         resume_step = resume_meta['step']
     # Distributed: each worker resolved --resume on its own file system (no one writes
     # before the first epoch ends, which needs every worker); all must start at the same step.
-    rank0_step = int(from_rank0(kvstore, [resume_step])[0])
+    rank0_step = int(distributed.from_rank0(kvstore, [resume_step])[0])
     if rank0_step != resume_step:
         raise UserError('--resume: worker rank %d would resume at step %d but rank 0 at step %d; put '
                         '--output on a shared file system or give every worker the same --resume file'
@@ -391,7 +391,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
                                  step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
-    update_on_kv = default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
+    update_on_kv = distributed.default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
     if cfg.kvstore == 'dist_async' and (cfg.clip_grad > 0 or amp_dtype):
         raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
                         '--clip-grad or --amp (use dist_sync)')
@@ -416,11 +416,11 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
                  ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
     if cfg.kvstore.startswith('dist'):
         # Not lazily inside the first step, racing with it: see init_kvstore.
-        init_kvstore(trainer)
+        distributed.init_kvstore(trainer)
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
     step = DataParallelStep(net, loss_fn, trainer, ctxs, clip_grad=cfg.clip_grad, amp=bool(amp_dtype),
                             sync_bn=cfg.sync_bn and len(ctxs) > 1,
-                            workers=grad_workers(cfg.kvstore, num_workers))
+                            workers=distributed.grad_workers(cfg.kvstore, num_workers))
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints'), monitor,
                             'min' if monitor.endswith('loss') else 'max', cfg.keep_last) if is_main else None
@@ -459,7 +459,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
             log.info(_epoch_line(row, monitor, len(ctxs)))
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
-            by_callback, early = from_rank0(kvstore, [any([cb(row) for cb in callbacks]),
+            by_callback, early = distributed.from_rank0(kvstore, [any([cb(row) for cb in callbacks]),
                                                       bool(cfg.patience and state.bad_epochs >= cfg.patience)])
             if by_callback:
                 log.info('stopped by a callback after epoch %d', epoch)
