@@ -31,7 +31,7 @@ from .devices import has_gpu, make_contexts
 from .errors import UserError
 from .export import export_checkpoint, export_in_subprocess
 from .losses import SegmentationLoss
-from .model import build_model
+from .model import build_model, foreground_probability
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .runlog import MetricsTable, plot_curves, setup_logging
@@ -248,28 +248,18 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
             'interrupted': stop.signum is not None}
 
 
-def predict_probabilities(net, ctxs, images):
-    """Sigmoid/softmax probabilities for a batch of images, split over the devices.
-
-    Returns
-    -------
-    np.ndarray (N, C, H, W) float32
-    """
-    return _forward_eval(net, ctxs, [images])[0]
-
-
-def _forward_eval(net, ctxs, arrays, loss_fn=None):
-    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``; with ``loss_fn`` also
-    the summed loss against ``arrays[1:]`` (target, weight), computed on the devices."""
+def _forward_eval(net, ctxs, arrays, loss_fn):
+    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: foreground probability
+    ``(N, H, W)`` and the summed loss against ``arrays[1:]`` (target, weight), computed on
+    the devices; also whether the model is binary (one output class)."""
     probs, losses = [], []
     with mx.autograd.predict_mode():
         for part in split_batch(arrays, ctxs):
             logits = net(part[0])
-            if loss_fn is not None:
-                losses.append(loss_fn(logits, *part[1:]).sum())
-            probs.append(mx.nd.sigmoid(logits) if logits.shape[1] == 1 else mx.nd.softmax(logits, axis=1))
+            losses.append(loss_fn(logits, *part[1:]).sum())
+            probs.append(foreground_probability(logits))
     prob = np.concatenate([p.asnumpy() for p in probs], axis=0)
-    return prob, sum(float(l.asscalar()) for l in losses)
+    return prob, sum(float(l.asscalar()) for l in losses), logits.shape[1] == 1
 
 
 def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True):
@@ -284,18 +274,14 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
     binary = True
     for image, target, weight in loader:
-        prob, loss_sum = _forward_eval(net, ctxs, [image, target, weight], loss_fn)
+        prob, loss_sum, binary = _forward_eval(net, ctxs, [image, target, weight], loss_fn)
         loss_total += loss_sum
         truth = target.asnumpy()[:, 0]
-        binary = prob.shape[1] == 1
-        if binary:
-            pixel.update(prob[:, 0], truth > 0)
-            if instance_metric:
-                for k in range(len(prob)):
-                    pred_labels = postprocess.instances_from_prob(prob[k, 0], threshold)
-                    dsb.update(pred_labels, _val_instances(dataset, offset + k, truth[k]))
-        else:
-            pixel.update(1.0 - prob[:, 0], truth > 0)  # foreground = any non-background class
+        pixel.update(prob, truth > 0)  # foreground = any non-background class
+        if binary and instance_metric:
+            for k in range(len(prob)):
+                pred_labels = postprocess.instances_from_prob(prob[k], threshold)
+                dsb.update(pred_labels, _val_instances(dataset, offset + k, truth[k]))
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],

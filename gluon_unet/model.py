@@ -1,4 +1,5 @@
 """The U-Net (Ronneberger et al. 2015) as a pure Gluon HybridBlock: config in, block out."""
+import mxnet as mx
 from mxnet.gluon import nn
 from mxnet.gluon.contrib.nn import SyncBatchNorm
 
@@ -125,6 +126,14 @@ class UNet(nn.HybridBlock):
         for block, skip in zip(self.up, reversed(skips)):
             x = block(x, skip)
         return self.head(x)
+
+
+def foreground_probability(logits):
+    """Foreground probability ``(N, H, W)`` from U-Net logits ``(N, C, H, W)``: the
+    sigmoid of a single class, else 1 - P(background) under a softmax."""
+    if logits.shape[1] == 1:
+        return mx.nd.sigmoid(logits)[:, 0]
+    return 1 - mx.nd.softmax(logits, axis=1)[:, 0]
 
 
 def build_model(model_cfg, sync_bn_devices=0):

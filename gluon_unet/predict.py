@@ -38,6 +38,7 @@ import mxnet as mx
 import numpy as np
 
 from .errors import UserError, reports_errors
+from .model import foreground_probability
 from .parallel import split_batch
 from .utils import atomic_open
 
@@ -222,13 +223,6 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None):
     yield _Done(lambda: on_done(np.ascontiguousarray(finish(canvas.result()), np.float32), mode))
 
 
-def _foreground(logits):
-    """Foreground probability (N, H, W): sigmoid of 1 class, 1 - P(background) of several."""
-    if logits.shape[1] == 1:
-        return mx.nd.sigmoid(logits)[:, 0]
-    return 1 - mx.nd.softmax(logits, axis=1)[:, 0]
-
-
 def run_jobs(net, ctxs, jobs, batch_size=8):
     """Run a stream of jobs in batches of equal-shape inputs split over ``ctxs``.
 
@@ -241,7 +235,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8):
     def issue(batch):
         x = mx.nd.array(np.stack([j.input for j in batch]))
         with mx.autograd.predict_mode():
-            return [_foreground(net(part)) for (part,) in split_batch([x], ctxs)]
+            return [foreground_probability(net(part)) for (part,) in split_batch([x], ctxs)]
 
     def collect(entry):
         jobs_, outs, fins = entry
