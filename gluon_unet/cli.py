@@ -1,5 +1,10 @@
 """Command-line entry points. Flags are generated from the config dataclasses, so every
-option has one name (``batch_size`` <-> ``--batch-size``) and one default."""
+option has one name (``batch_size`` <-> ``--batch-size``) and one default.
+
+Importing this module does not import mxnet: ``train_main`` reads its flags first, then
+sets ``OMP_NUM_THREADS`` for the number of CPU contexts, which libmxnet reads only when
+it loads. Modules that need mxnet are imported inside the functions that use them.
+"""
 import argparse
 import dataclasses
 import json
@@ -7,14 +12,11 @@ import os
 import sys
 import typing
 
-import cv2
-
 from .config import ModelConfig, TrainConfig, flag_name
-from .data.synthetic import synthetic_nuclei
-from .engine import Diverged, Interrupted, fit
+from .devices import cpu_context_count
 from .errors import UserError, reports_errors
-from .predict import predict_paths
 from .runlog import get_logger
+from .runtime import apply_thread_defaults
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -97,12 +99,22 @@ def train_parser():
 @reports_errors
 def train_main(argv=None):
     """``bin/train``: parse flags, train, export. Returns the process exit code."""
+    if os.environ.get('DMLC_ROLE') in ('server', 'scheduler'):
+        # bin/launch runs this same command as the parameter servers and the scheduler:
+        # importing mxnet serves the job and exits there (mxnet's kvstore_server), so
+        # they never parse the workers' flags.
+        import mxnet  # noqa: F401
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
     cfg = config_from_args(args, config_file)
+    # Each CPU context has its own engine worker running operators on OMP_NUM_THREADS
+    # threads: N contexts x all cores oversubscribe the machine (12-23 % slower,
+    # docs/performance.md). Only now is N known, and mxnet is not loaded yet.
+    apply_thread_defaults(contexts=max(1, cpu_context_count(cfg.gpus, cfg.cpus)))
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)
+    from .engine import Diverged, Interrupted, fit
     try:
         history = fit(cfg)
     except Interrupted as exc:
@@ -122,6 +134,9 @@ def demo_predictions(cfg, count=8):
     Writes ``<output>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
     ``<output>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
+    import cv2
+    from .data.synthetic import synthetic_nuclei
+    from .predict import predict_paths
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(cfg.output, 'demo_inputs')

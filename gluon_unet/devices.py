@@ -1,7 +1,13 @@
-"""Turning ``--gpus`` / ``--cpus`` into a list of MXNet contexts, with one-line errors."""
-import mxnet as mx
+"""Turning ``--gpus`` / ``--cpus`` into a list of MXNet contexts, with one-line errors.
 
+mxnet is imported inside the functions that need it: ``bin/train`` asks
+:func:`cpu_context_count` how many CPU contexts it will train on before libmxnet loads,
+because the OpenMP thread count can only be chosen then (``runtime.py``).
+"""
 from .errors import UserError
+
+# --gpus values that mean "no GPU: train on --cpus CPU contexts".
+_NO_GPU_SPECS = ('', 'none', 'cpu')
 
 
 def parse_gpu_ids(spec, available=None):
@@ -20,7 +26,7 @@ def parse_gpu_ids(spec, available=None):
         Sorted, de-duplicated GPU indices (empty for CPU).
     """
     spec = (spec or '').strip().lower()
-    if spec in ('', 'none', 'cpu'):
+    if spec in _NO_GPU_SPECS:
         return []
     if available is None:
         available = num_gpus()
@@ -61,6 +67,7 @@ def make_contexts(gpus='', cpus=1):
     MXNet, so the whole multi-device path (split, kvstore reduce, SyncBatchNorm) runs
     for real on a machine without GPUs.
     """
+    import mxnet as mx
     ids = parse_gpu_ids(gpus)
     if ids:
         return [mx.gpu(i) for i in ids]
@@ -69,8 +76,14 @@ def make_contexts(gpus='', cpus=1):
     return [mx.cpu(i) for i in range(cpus)]
 
 
+def cpu_context_count(gpus='', cpus=1):
+    """How many CPU contexts :func:`make_contexts` will create (0 with GPUs), without mxnet."""
+    return cpus if (gpus or '').strip().lower() in _NO_GPU_SPECS else 0
+
+
 def num_gpus():
     """GPUs MXNet can use (0 on a CPU build of mxnet)."""
+    import mxnet as mx
     if not mx.runtime.Features().is_enabled('CUDA'):
         return 0
     try:
@@ -84,6 +97,7 @@ def has_gpu(ctxs):
 
 
 def _no_gpu_reason():
+    import mxnet as mx
     if not mx.runtime.Features().is_enabled('CUDA'):
         return ('this mxnet build has no CUDA support (available: cpu); install mxnet-cu117 '
                 'for GPUs, or drop --gpus and use --cpus N')
