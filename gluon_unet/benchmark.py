@@ -48,32 +48,14 @@ def make_training_step(cfg, ctxs):
     Call :func:`~gluon_unet.engine.init_amp` first when ``cfg.amp`` is on (it must
     precede model construction and patches MXNet process-wide).
     """
-    from .engine import build_network
-    from .losses import SegmentationLoss
-    from .optim import make_trainer
-    from .parallel import DataParallelStep
-    amp = bool(cfg.amp)
+    from .engine import build_network, make_step
     if not cfg.model.in_channels:  # 0 = from the data; the synthetic batch has one channel
         cfg = type(cfg).from_dict(cfg.to_dict())
         cfg.model.in_channels = 1
-    if amp and cfg.model.upsample == 'deconv' and cfg.hybridize and not any(
-            c.device_type == 'gpu' for c in ctxs):
-        # As fit(): MXNet 1.9 crashes in the backward of a hybridized bfloat16 graph
-        # with Deconvolution, so that combination trains imperatively.
-        cfg = type(cfg).from_dict(cfg.to_dict())
-        cfg.hybridize = False
-    net = build_network(cfg, ctxs)
-    update_on_kv = cfg.update_on_kvstore
-    if cfg.clip_grad > 0 or amp:
-        update_on_kv = False
-    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs, kvstore=cfg.kvstore,
-                           update_on_kvstore=update_on_kv, weight_decay=cfg.weight_decay,
-                           momentum=cfg.momentum, nesterov=cfg.nesterov)
-    if amp:
-        from mxnet.contrib import amp as mx_amp
-        mx_amp.init_trainer(trainer)
-    return DataParallelStep(net, SegmentationLoss(cfg.loss, cfg.dice_weight), trainer, ctxs,
-                            clip_grad=cfg.clip_grad, amp=amp, sync_bn=cfg.sync_bn and len(ctxs) > 1)
+    amp_dtype = None
+    if cfg.amp:
+        amp_dtype = 'float16' if any(c.device_type == 'gpu' for c in ctxs) else 'bfloat16'
+    return make_step(cfg, build_network(cfg, ctxs), ctxs, amp_dtype)
 
 
 def time_steps(step, batch, steps):

@@ -164,6 +164,58 @@ def init_amp(cfg, ctxs):
     return dtype
 
 
+def resolve_update_on_kvstore(cfg, amp_dtype):
+    """Whether the kvstore applies the optimizer (``Trainer(update_on_kvstore=...)``).
+
+    Off when something must touch the summed gradients before the update: clipping, or
+    float16 loss scaling (unscale and overflow check).
+    """
+    update_on_kv = distributed.default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
+    between = cfg.clip_grad > 0 or amp_dtype == 'float16'
+    if between and cfg.kvstore == 'dist_async':
+        raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
+                        '--clip-grad or float16 --amp (use dist_sync)')
+    if between and update_on_kv:
+        raise UserError('--update-on-kvstore cannot be combined with --clip-grad or float16 --amp '
+                        '(they change gradients between reduction and update)')
+    return False if between else update_on_kv
+
+
+def make_step(cfg, net, ctxs, amp_dtype=None, kvstore=None, lr_scheduler=None, workers=1):
+    """The training step of ``cfg`` for ``net`` on ``ctxs``: trainer, loss, AMP.
+
+    Used by :func:`fit` and by the benchmarks, so both measure the same step.
+
+    Parameters
+    ----------
+    amp_dtype : {None, 'float16', 'bfloat16'}
+        From :func:`init_amp`. Only float16 scales the loss: bfloat16 has float32's
+        exponent range, so nothing underflows, and the dynamic scaler's overflow check
+        costs a host synchronization and a pass over all gradients every step
+        (``multi_all_finite``).
+    kvstore : str or KVStore, optional
+        Defaults to ``cfg.kvstore``.
+    workers : int
+        See :class:`~gluon_unet.parallel.DataParallelStep`.
+
+    Returns
+    -------
+    DataParallelStep
+    """
+    scaling = amp_dtype == 'float16'
+    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs,
+                           kvstore=cfg.kvstore if kvstore is None else kvstore,
+                           update_on_kvstore=resolve_update_on_kvstore(cfg, amp_dtype),
+                           weight_decay=cfg.weight_decay, momentum=cfg.momentum,
+                           nesterov=cfg.nesterov, lr_scheduler=lr_scheduler)
+    if scaling:
+        from mxnet.contrib import amp
+        amp.init_trainer(trainer)
+    return DataParallelStep(net, SegmentationLoss(cfg.loss, cfg.dice_weight), trainer, ctxs,
+                            clip_grad=cfg.clip_grad, loss_scaling=scaling,
+                            sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=workers)
+
+
 # -- one epoch -----------------------------------------------------------------------------
 
 class _StopFlag:
@@ -358,12 +410,6 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         with atomic_open(os.path.join(cfg.output, 'config.json')) as f:
             f.write(cfg.to_json())
     amp_dtype = init_amp(cfg, ctxs)
-    if amp_dtype == 'bfloat16' and cfg.model.upsample == 'deconv' and cfg.hybridize:
-        # MXNet 1.9 crashes (SIGSEGV) in the backward pass of a hybridized bfloat16
-        # graph containing Deconvolution; the imperative graph trains fine.
-        log.info('bfloat16 AMP with --upsample deconv: running imperatively (MXNet 1.9 cannot '
-                 'backpropagate a hybridized bf16 Deconvolution); --upsample bilinear hybridizes')
-        cfg.hybridize = False
     net = build_network(cfg, ctxs)
     if cfg.kvstore.startswith('dist'):
         # The shape-resolving forward ran in inference mode, where oneDNN reorders conv
@@ -377,21 +423,10 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
                                  step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
-    update_on_kv = distributed.default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
-    if cfg.kvstore == 'dist_async' and (cfg.clip_grad > 0 or amp_dtype):
-        raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
-                        '--clip-grad or --amp (use dist_sync)')
-    if (cfg.clip_grad > 0 or amp_dtype) and update_on_kv:
-        raise UserError('--update-on-kvstore cannot be combined with --clip-grad or --amp '
-                        '(they change gradients between reduction and update)')
-    if cfg.clip_grad > 0 or amp_dtype:
-        update_on_kv = False
-    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs, kvstore=kvstore,
-                           update_on_kvstore=update_on_kv, weight_decay=cfg.weight_decay,
-                           momentum=cfg.momentum, nesterov=cfg.nesterov, lr_scheduler=lr_sched)
-    if amp_dtype:
-        from mxnet.contrib import amp
-        amp.init_trainer(trainer)
+    step = make_step(cfg, net, ctxs, amp_dtype, kvstore=kvstore, lr_scheduler=lr_sched,
+                     workers=distributed.grad_workers(cfg.kvstore, num_workers))
+    trainer = step.trainer
+    update_on_kv = resolve_update_on_kvstore(cfg, amp_dtype)
     # Trainer.save_states/load_states refuse when a dist kvstore's servers hold the
     # optimizer state (--update-on-kvstore, dist_async): such checkpoints keep weights only.
     ckpt_trainer = None if update_on_kv and cfg.kvstore.startswith('dist') else trainer
@@ -403,10 +438,6 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     if cfg.kvstore.startswith('dist'):
         # Not lazily inside the first step, racing with it: see init_kvstore.
         distributed.init_kvstore(trainer)
-    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
-    step = DataParallelStep(net, loss_fn, trainer, ctxs, clip_grad=cfg.clip_grad, amp=bool(amp_dtype),
-                            sync_bn=cfg.sync_bn and len(ctxs) > 1,
-                            workers=distributed.grad_workers(cfg.kvstore, num_workers))
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints'), monitor,
                             'min' if monitor.endswith('loss') else 'max', cfg.keep_last) if is_main else None
@@ -423,7 +454,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
             # are exactly those a single process would report for these weights (no
             # shard padding, per-image DSB mean intact); the others wait at the next step.
             row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds if is_main else None,
-                             loss_fn, trainer, stop, steps_per_epoch, log)
+                             step.loss_fn, trainer, stop, steps_per_epoch, log)
             if row is None:  # interrupted mid-epoch
                 path = saver.save(net, ckpt_trainer, state.to_meta(cfg), False, state.step_in_epoch) \
                     if is_main else None

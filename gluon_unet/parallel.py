@@ -47,9 +47,11 @@ class DataParallelStep:
         Clip the global norm of the (batch-mean) gradient to this value; 0 = off.
         Needs ``update_on_kvstore=False`` (the Trainer must give us the summed
         gradients before it updates).
-    amp : bool
-        Losses are scaled through ``mxnet.contrib.amp`` (the trainer was passed to
-        ``amp.init_trainer``).
+    loss_scaling : bool
+        float16 AMP: losses are scaled through ``mxnet.contrib.amp`` (the trainer was
+        passed to ``amp.init_trainer``). Not for bfloat16, which has float32's exponent
+        range: its gradients cannot underflow, and the scaler's overflow check would
+        cost a host synchronization every step.
     sync_bn : bool
         Each device's forward runs in its own thread: SyncBatchNorm waits at a barrier
         for all devices, so no device may wait for another's Python code.
@@ -64,9 +66,10 @@ class DataParallelStep:
     loss sums stay on their devices until someone reads them.
     """
 
-    def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, amp=False, sync_bn=False, workers=1):
+    def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, loss_scaling=False, sync_bn=False,
+                 workers=1):
         self.net, self.loss_fn, self.trainer, self.ctxs = net, loss_fn, trainer, list(ctxs)
-        self.clip_grad, self.amp, self.sync_bn = clip_grad, amp, sync_bn
+        self.clip_grad, self.loss_scaling, self.sync_bn = clip_grad, loss_scaling, sync_bn
         self.workers = max(1, int(workers))
         self._params = None
 
@@ -140,7 +143,7 @@ class DataParallelStep:
 
     def _scaled(self, losses):
         """AMP's loss scaling; must run inside ``autograd.record`` to be differentiated."""
-        if not self.amp:
+        if not self.loss_scaling:
             return losses
         from mxnet.contrib import amp
         with amp.scale_loss(losses, self.trainer) as scaled:
@@ -152,7 +155,7 @@ class DataParallelStep:
         The factor is computed on the device as an NDArray (no ``asscalar``), so
         clipping adds no host synchronization to the step.
         """
-        if self.amp:
+        if self.loss_scaling:
             from mxnet.contrib import amp
             amp.unscale(self.trainer)
         params = self._trainable()

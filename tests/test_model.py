@@ -52,3 +52,34 @@ def test_flops_count_matches_a_hand_count():
     cfg = ModelConfig(in_channels=1, width=2, depth=1)
     hand = 16 * 9 * 6 + 4 * 9 * 24 + 16 * 4 * 8 + 16 * 9 * 12 + 32
     assert flops_per_image(cfg, 4) == 2 * hand
+
+
+@pytest.mark.parametrize('hybridize', [False, True])
+def test_transposed_conv_as_1x1_conv_equals_conv2d_transpose(hybridize):
+    # The bfloat16 stand-in for Conv2DTranspose(k=2, s=2): same function, same gradients,
+    # and the same parameters, so a checkpoint loads into either.
+    from gluon_unet.model import _TransposedConv2x2
+    x = mx.nd.random.uniform(shape=(2, 6, 5, 7))
+    ref = mx.gluon.nn.Conv2DTranspose(3, 2, strides=2, in_channels=6)
+    ours = _TransposedConv2x2(3, in_channels=6)
+    ref.initialize(mx.init.Xavier())
+    ours.initialize()
+    ref.bias.set_data(mx.nd.random.uniform(shape=(3,)))
+    for name in ('weight', 'bias'):
+        assert getattr(ours, name).shape == getattr(ref, name).shape
+        getattr(ours, name).set_data(getattr(ref, name).data())
+    if hybridize:
+        ours.hybridize(static_alloc=True)
+    results = []
+    for block in (ref, ours):
+        xg = x.copy()
+        xg.attach_grad()
+        with mx.autograd.record():
+            y = block(xg)
+            loss = (y * mx.nd.arange(y.size).reshape(y.shape)).sum()  # position-dependent
+        loss.backward()
+        results.append((y.asnumpy(), xg.grad.asnumpy(), block.weight.grad().asnumpy(),
+                        block.bias.grad().asnumpy()))
+    assert results[0][0].shape == (2, 3, 10, 14)
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)
