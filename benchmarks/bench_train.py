@@ -66,6 +66,10 @@ def _rss_kib(field):
 
 def _mx_train(spec):
     sys.path.insert(0, ROOT)
+    # As bin/train --cpus N: OpenMP threads and MXNet scratch buffers per context
+    # (runtime.apply_runtime_defaults) unless --env sets them.
+    from gluon_unet.runtime import apply_runtime_defaults
+    apply_runtime_defaults(contexts=spec['cpus'])
     from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.devices import make_contexts
@@ -170,6 +174,8 @@ WORKERS = {'mx': _mx_train, 'torch': _torch_train, 'mx_infer': _mx_infer, 'torch
 
 def _worker(kind, spec, env, conn):
     os.environ.update(env)  # before any framework import: some settings are read at load
+    for key in env:  # a --env/--variant value is the user's, not gluon_unet's default
+        os.environ.pop('_GLUON_UNET_' + key, None)
     conn.recv()  # 'setup': the parent warms workers up one at a time
     try:
         base, run = WORKERS[kind](spec)

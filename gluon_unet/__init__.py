@@ -9,15 +9,15 @@ import importlib
 # Before anything imports mxnet: MXNet 1.9 assumes two hyper-threads per core and runs on
 # half the cores of a machine without SMT. Measured side by side on 2 cores: 1.8x faster
 # training (docs/performance.md). The user's own OMP_NUM_THREADS always wins.
-from .runtime import apply_thread_defaults
+from .runtime import apply_runtime_defaults
 
-apply_thread_defaults()
+apply_runtime_defaults()
 
 __version__ = '0.1.0'
 
 # The public names, imported on first use (PEP 562) rather than here: most of them load
 # mxnet, and bin/train must read --cpus first to choose the OpenMP thread count, which
-# libmxnet reads once, when it loads (runtime.apply_thread_defaults).
+# libmxnet reads once, when it loads (runtime.apply_runtime_defaults).
 _EXPORTS = {'ModelConfig': 'config', 'TrainConfig': 'config', 'SegmentationDataset': 'data',
             'synthetic_dataset': 'data', 'fit': 'engine', 'UNet': 'model', 'build_model': 'model',
             'DataParallelStep': 'parallel'}

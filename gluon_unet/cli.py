@@ -16,7 +16,7 @@ from .config import ModelConfig, TrainConfig, flag_name
 from .devices import cpu_context_count
 from .errors import UserError, reports_errors
 from .runlog import get_logger
-from .runtime import apply_thread_defaults
+from .runtime import apply_runtime_defaults
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -110,7 +110,7 @@ def train_main(argv=None):
     # Each CPU context has its own engine worker running operators on OMP_NUM_THREADS
     # threads: N contexts x all cores oversubscribe the machine (12-23 % slower,
     # docs/performance.md). Only now is N known, and mxnet is not loaded yet.
-    apply_thread_defaults(contexts=max(1, cpu_context_count(cfg.gpus, cfg.cpus)))
+    apply_runtime_defaults(contexts=max(1, cpu_context_count(cfg.gpus, cfg.cpus)))
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)

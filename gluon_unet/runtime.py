@@ -2,23 +2,22 @@
 
 Every knob below was measured on the 2-core development machine with
 ``benchmarks/bench_train.py --variant KEY=VALUE`` (alternated with the default in the
-same run, U-Net width 16 at 128 px, batch 16). Measured in images per CPU-second (the
-wall-clock rate on this shared machine swings 2x with other users' load), none but
-the thread count moved the cost of a training image by more than 3 %, so gluon_unet
-sets only that one (:func:`apply_thread_defaults`) and keeps MXNet's defaults for the
-rest: this module reports them, and ``docs/performance.md`` has the figures.
+same run, U-Net width 16 at 128 px, batch 16). Two paid off and gluon_unet sets them
+(:func:`apply_runtime_defaults`); the others stay at MXNet's defaults, which this module
+reports. ``docs/performance.md`` has the figures.
 
 ======================================  ===================  ================================
-variable                                read                 measured (img/CPU-s vs default)
+variable                                read                 measured
 ======================================  ===================  ================================
 OMP_NUM_THREADS                         at ``import mxnet``  unset = half the cores (1 here);
-                                                             2 (all cores): -43 % (10.5 vs
-                                                             18.4) on this loaded machine,
-                                                             see apply_thread_defaults
+                                                             all cores: 1.8x faster (set)
+MXNET_CPU_TEMP_COPY                     at ``import mxnet``  4 contexts: 18.8 -> 32-35 img/s
+                                                             with 64-256 (set: 32 x contexts
+                                                             for 2+ contexts)
 MXNET_CPU_WORKER_NTHREADS               at ``import mxnet``  2 with 4 contexts (16 threads on
-                                                             2 cores): -1.5 %
-MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 %
-OMP_WAIT_POLICY=PASSIVE                 at ``import mxnet``  +3 %
+                                                             2 cores): -1.5 % img/CPU-s
+MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 % img/CPU-s
+OMP_WAIT_POLICY=PASSIVE                 at ``import mxnet``  +3 % img/CPU-s
 MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_*   first hybridized     200 instead of 15: -1 %
                                         forward
 MXNET_SUBGRAPH_BACKEND=MKLDNN           graph binding        inference/quantization only; the
@@ -26,21 +25,20 @@ MXNET_SUBGRAPH_BACKEND=MKLDNN           graph binding        inference/quantizat
 ======================================  ===================  ================================
 
 "Read at ``import mxnet``" means that setting ``os.environ`` afterwards has no effect:
-set them in the shell (``OMP_NUM_THREADS=1 bin/train ...``). gluon_unet sets only
-``OMP_NUM_THREADS``, and only when you did not: to the physical core count at
-``import gluon_unet``, then divided by the number of CPU contexts in ``bin/train``
-(which reads its flags before mxnet loads). The Python API learns the contexts too
-late for that; :func:`configure_runtime` then logs what to export.
+set them in the shell (``OMP_NUM_THREADS=1 bin/train ...``). gluon_unet sets its two only
+when you did not: at ``import gluon_unet`` for one context, then again for the number of
+CPU contexts in ``bin/train`` (which reads its flags before mxnet loads). The Python API
+learns the contexts too late for that; :func:`configure_runtime` then logs what to export.
 """
 import os
 import sys
 
 from .runlog import get_logger
 
-# The OMP_NUM_THREADS value apply_thread_defaults() set, kept in the environment rather than
-# in a module flag so that child processes (export, bin/launch's workers) inherit it too: an
-# OMP_NUM_THREADS equal to it is gluon_unet's default, anything else is the user's choice.
-_OURS = '_GLUON_UNET_OMP_NUM_THREADS'
+# _OURS + NAME holds the value apply_runtime_defaults() gave NAME, kept in the environment
+# rather than in a module flag so that child processes (export, bin/launch's workers) inherit
+# it too: a NAME equal to it is gluon_unet's default, anything else is the user's choice.
+_OURS = '_GLUON_UNET_'
 
 
 def cpu_cores():
@@ -65,49 +63,61 @@ def physical_cores():
     return max(1, len(cores)) if cores else cpu_cores()
 
 
-def apply_thread_defaults(environ=None, contexts=1):
-    """Set ``OMP_NUM_THREADS`` to the physical cores per CPU context unless the user set it.
+TEMP_COPIES_PER_CONTEXT = 32
 
-    Without it, MXNet 1.9 assumes two hyper-threads per core and runs its operators on
-    ``cores / 2`` OpenMP threads (``src/engine/openmp.cc`` halves
-    ``omp_get_num_procs()``): on machines without SMT (most cloud VMs, including the
-    2-core development machine) oneDNN kernels use half the cores. MXNet reads the
-    variable once, when ``libmxnet`` loads, so call this before the first
-    ``import mxnet`` (or export the variable in the shell).
 
-    Called by ``import gluon_unet`` (one context), and again by ``bin/train`` with the
-    number of CPU contexts before it imports mxnet. With the machine to itself, two
-    threads on the 2-core development machine train 1.8x faster than MXNet's one (width
-    16 at 128 px: 32.5 vs 18.1 images/s, 1.35x PyTorch; docs/performance.md, finding 1).
-    Each CPU context has its own engine worker thread running operators on this many
-    threads, so N contexts share the cores: 4 contexts x 2 threads on 2 cores cost
-    12-23 % more time per image than 1 thread each (finding 6). While another job holds
-    a core, each kernel's threads wait for each other (width 16: 5.7 vs 9.0 images/s);
-    on a shared machine export ``OMP_NUM_THREADS=1`` yourself.
+def apply_runtime_defaults(environ=None, contexts=1):
+    """Set MXNet's load-time variables for ``contexts`` CPU contexts, unless the user did.
+
+    MXNet reads both once, when ``libmxnet`` loads, so call this before the first
+    ``import mxnet`` (or export them in the shell). ``import gluon_unet`` calls it for
+    one context; ``bin/train`` calls it again with the number of CPU contexts, before it
+    imports mxnet. A value gluon_unet set earlier may be replaced; the user's never.
+
+    ``OMP_NUM_THREADS`` = physical cores / contexts. Without it, MXNet 1.9 assumes two
+    hyper-threads per core and runs operators on ``cores / 2`` OpenMP threads
+    (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): on machines without SMT
+    (most cloud VMs, including the 2-core development machine) oneDNN used half the
+    cores; with both, width 16 at 128 px trains 1.8x faster (docs/performance.md,
+    finding 1). Each CPU context has its own engine worker running operators on this many
+    threads, hence the division. While another job holds a core, a kernel's threads wait
+    for each other (width 16: 5.7 vs 9.0 images/s); on a shared machine export
+    ``OMP_NUM_THREADS=1`` yourself.
+
+    ``MXNET_CPU_TEMP_COPY`` = 32 x contexts, for 2 or more contexts only. MXNet keeps
+    one pool of CPU scratch buffers (default 4) for *all* CPU contexts
+    (``src/resource.cc``), and an operator holding a buffer blocks every operator
+    assigned the same one, on any context: BatchNorm and the convolutions' backward take
+    one, so 4 contexts ran one at a time (18.8 images/s with 4 contexts against 33.8 with
+    one). With 32 copies per context they run side by side (finding 6); each copy costs
+    memory (43 -> 59-74 MiB per image), which is why one context keeps the default.
 
     Parameters
     ----------
     environ : dict, optional
-        The environment to change (default ``os.environ``).
+        The environment to change (default ``os.environ``; left alone once mxnet is
+        loaded, when a change would only make the logged settings lie).
     contexts : int
         CPU contexts that will train in this process.
 
     Returns
     -------
-    bool
-        True when this call set the variable. It does not when the user set it (a value
-        other than the one gluon_unet set earlier), nor in ``os.environ`` once mxnet is
-        loaded.
+    dict
+        The variables this call set.
     """
     env = os.environ if environ is None else environ
-    if 'OMP_NUM_THREADS' in env and env['OMP_NUM_THREADS'] != env.get(_OURS):
-        return False  # the user's own value always wins
     if environ is None and 'mxnet' in sys.modules:
-        # libmxnet has read the variable already; changing it now would only make
-        # runtime_settings() report a thread count MXNet does not use.
-        return False
-    env['OMP_NUM_THREADS'] = env[_OURS] = str(max(1, physical_cores() // max(1, contexts)))
-    return True
+        return {}
+    contexts = max(1, contexts)
+    wanted = {'OMP_NUM_THREADS': max(1, physical_cores() // contexts)}
+    if contexts > 1:
+        wanted['MXNET_CPU_TEMP_COPY'] = TEMP_COPIES_PER_CONTEXT * contexts
+    done = {}
+    for key, value in wanted.items():
+        if key in env and env[key] != env.get(_OURS + key):
+            continue  # the user's own value always wins
+        env[key] = env[_OURS + key] = done[key] = str(value)
+    return done
 
 
 def thread_source(environ=None):
@@ -115,7 +125,7 @@ def thread_source(environ=None):
     env = os.environ if environ is None else environ
     if 'OMP_NUM_THREADS' not in env:
         return 'mxnet default'
-    return 'gluon_unet' if env['OMP_NUM_THREADS'] == env.get(_OURS) else 'user'
+    return 'gluon_unet' if env['OMP_NUM_THREADS'] == env.get(_OURS + 'OMP_NUM_THREADS') else 'user'
 
 
 def runtime_settings():
@@ -136,6 +146,7 @@ def runtime_settings():
             'omp_threads': int(env.get('OMP_NUM_THREADS', max(1, cores // 2))),
             'omp_source': thread_source(env),
             'cpu_worker_threads': int(env.get('MXNET_CPU_WORKER_NTHREADS', 1)),
+            'cpu_temp_copy': int(env.get('MXNET_CPU_TEMP_COPY', 4)),
             'engine': env.get('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice'),
             'bulk_train_fwd': int(env.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD', 15)),
             'bulk_train_bwd': int(env.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD', 15))}
@@ -146,10 +157,10 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
 
     Called at the start of ``fit()`` (from ``build_network``) and of ``bin/train
     --benchmark``. It logs the effective settings in one line, and a warning when
-    several CPU contexts oversubscribe the cores: by now mxnet is loaded and the thread
-    count is fixed (``bin/train`` chose it before; ``fit()`` from Python cannot), so the
-    warning says what to export. It changes no setting: the thread count is chosen
-    before mxnet loads, and no other knob measured here paid off (module docstring).
+    several CPU contexts would train slower than they could (too many threads, too few
+    scratch buffers: :func:`apply_runtime_defaults`): by now mxnet is loaded and both are
+    fixed (``bin/train`` chose them before; ``fit()`` from Python cannot), so the
+    warning says what to export. It changes no setting.
 
     Returns
     -------
@@ -159,13 +170,20 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
     settings = dict(runtime_settings(), contexts=num_contexts, device_type=device_type)
     log = get_logger()
     log.info('runtime: %d %s context(s), OMP_NUM_THREADS=%d (%s), %d physical core(s), '
-             'MXNET_CPU_WORKER_NTHREADS=%d, engine %s', num_contexts, device_type,
-             settings['omp_threads'], settings['omp_source'], settings['physical_cores'],
-             settings['cpu_worker_threads'], settings['engine'])
-    best = max(1, settings['physical_cores'] // num_contexts)
-    if device_type == 'cpu' and num_contexts > 1 and settings['omp_threads'] > best:
-        log.warning('warning: %d CPU contexts x OMP_NUM_THREADS=%d threads oversubscribe %d cores '
-                    '(slower training); export OMP_NUM_THREADS=%d before importing mxnet or '
-                    'gluon_unet (bin/train --cpus N does it unless you set it)', num_contexts,
-                    settings['omp_threads'], settings['physical_cores'], best)
+             'MXNET_CPU_TEMP_COPY=%d, MXNET_CPU_WORKER_NTHREADS=%d, engine %s', num_contexts,
+             device_type, settings['omp_threads'], settings['omp_source'], settings['physical_cores'],
+             settings['cpu_temp_copy'], settings['cpu_worker_threads'], settings['engine'])
+    if device_type == 'cpu' and num_contexts > 1:
+        wanted = apply_runtime_defaults({}, num_contexts)
+        fix = ['OMP_NUM_THREADS=%s' % wanted['OMP_NUM_THREADS']] \
+            if settings['omp_threads'] > int(wanted['OMP_NUM_THREADS']) else []
+        if settings['cpu_temp_copy'] < int(wanted['MXNET_CPU_TEMP_COPY']):
+            fix.append('MXNET_CPU_TEMP_COPY=%s' % wanted['MXNET_CPU_TEMP_COPY'])
+        if fix:
+            log.warning('warning: %d CPU contexts with OMP_NUM_THREADS=%d and MXNET_CPU_TEMP_COPY=%d '
+                        'on %d cores train slower (oversubscribed cores, contexts waiting for '
+                        'shared scratch buffers); export %s before importing mxnet or gluon_unet '
+                        '(bin/train --cpus N does it unless you set them)', num_contexts,
+                        settings['omp_threads'], settings['cpu_temp_copy'], settings['physical_cores'],
+                        ' '.join(fix))
     return settings

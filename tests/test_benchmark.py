@@ -48,11 +48,3 @@ def test_uneven_batch_uses_the_trainer_split(tiny):
     assert abs(rec['per_device'][0] / rec['per_device'][1] - 1.5) < 1e-9
 
 
-def test_thread_defaults_respect_the_user():
-    from gluon_unet.runtime import apply_thread_defaults, physical_cores
-    env = {}
-    assert apply_thread_defaults(env) is True
-    assert env['OMP_NUM_THREADS'] == str(physical_cores()) and physical_cores() >= 1
-    env = {'OMP_NUM_THREADS': '3'}
-    assert apply_thread_defaults(env) is False and env['OMP_NUM_THREADS'] == '3'
-

@@ -1,4 +1,5 @@
-"""OpenMP threads per CPU context: chosen before mxnet loads, the user's value always wins."""
+"""Threads and scratch buffers per CPU context: chosen before mxnet loads, the user's value
+always wins."""
 import logging
 import os
 import subprocess
@@ -19,32 +20,38 @@ def eight_cores(monkeypatch):
     monkeypatch.setattr(runtime, 'physical_cores', lambda: 8)
 
 
-def test_thread_defaults_divide_the_cores_among_cpu_contexts(eight_cores):
+def test_runtime_defaults_divide_the_cores_among_cpu_contexts(eight_cores):
     env = {}
-    assert runtime.apply_thread_defaults(env) is True and env['OMP_NUM_THREADS'] == '8'
-    assert runtime.thread_source(env) == 'gluon_unet'
+    assert runtime.apply_runtime_defaults(env) == {'OMP_NUM_THREADS': '8'}
+    assert runtime.thread_source(env) == 'gluon_unet' and 'MXNET_CPU_TEMP_COPY' not in env
     # Our own earlier value (import gluon_unet) is overridden once the contexts are known.
-    assert runtime.apply_thread_defaults(env, contexts=4) is True and env['OMP_NUM_THREADS'] == '2'
-    assert runtime.apply_thread_defaults(env, contexts=3) is True and env['OMP_NUM_THREADS'] == '2'
-    assert runtime.apply_thread_defaults(env, contexts=16) is True and env['OMP_NUM_THREADS'] == '1'
+    assert runtime.apply_runtime_defaults(env, contexts=4) == {
+        'OMP_NUM_THREADS': '2', 'MXNET_CPU_TEMP_COPY': '128'}
+    assert runtime.apply_runtime_defaults(env, contexts=3)['OMP_NUM_THREADS'] == '2'
+    assert runtime.apply_runtime_defaults(env, contexts=16) == {
+        'OMP_NUM_THREADS': '1', 'MXNET_CPU_TEMP_COPY': '512'}
+    assert env['MXNET_CPU_TEMP_COPY'] == '512'
 
 
-def test_thread_defaults_never_override_the_user(eight_cores):
-    env = {'OMP_NUM_THREADS': '3'}
-    assert runtime.apply_thread_defaults(env, contexts=4) is False and env['OMP_NUM_THREADS'] == '3'
+def test_runtime_defaults_never_override_the_user(eight_cores):
+    env = {'OMP_NUM_THREADS': '3', 'MXNET_CPU_TEMP_COPY': '4'}
+    assert runtime.apply_runtime_defaults(env, contexts=4) == {}
+    assert env == {'OMP_NUM_THREADS': '3', 'MXNET_CPU_TEMP_COPY': '4'}
     assert runtime.thread_source(env) == 'user'
     # The user changed it after gluon_unet had set it (e.g. in a child process's env).
-    env = {'OMP_NUM_THREADS': '3', runtime._OURS: '8'}
-    assert runtime.apply_thread_defaults(env, contexts=4) is False and env['OMP_NUM_THREADS'] == '3'
+    env = {'OMP_NUM_THREADS': '3', runtime._OURS + 'OMP_NUM_THREADS': '8'}
+    assert runtime.apply_runtime_defaults(env, contexts=4) == {'MXNET_CPU_TEMP_COPY': '128'}
+    assert env['OMP_NUM_THREADS'] == '3'
     assert runtime.thread_source({}) == 'mxnet default'
 
 
-def test_thread_defaults_leave_the_process_alone_once_mxnet_is_loaded(monkeypatch, eight_cores):
+def test_runtime_defaults_leave_the_process_alone_once_mxnet_is_loaded(monkeypatch, eight_cores):
     # Too late to take effect; changing os.environ would only make the log lie.
     monkeypatch.setenv('OMP_NUM_THREADS', '8')
-    monkeypatch.setenv(runtime._OURS, '8')
-    assert runtime.apply_thread_defaults(contexts=4) is False
-    assert os.environ['OMP_NUM_THREADS'] == '8'
+    monkeypatch.setenv(runtime._OURS + 'OMP_NUM_THREADS', '8')
+    monkeypatch.delenv('MXNET_CPU_TEMP_COPY', raising=False)
+    assert runtime.apply_runtime_defaults(contexts=4) == {}
+    assert os.environ['OMP_NUM_THREADS'] == '8' and 'MXNET_CPU_TEMP_COPY' not in os.environ
 
 
 def test_cpu_context_count_needs_no_mxnet():
@@ -78,18 +85,23 @@ def _warnings(lines):
     return [msg for level, msg in lines if level >= logging.WARNING]
 
 
-@pytest.mark.parametrize('omp, contexts, device, warns', [
-    ('8', 4, 'cpu', True), ('2', 4, 'cpu', False), ('1', 16, 'cpu', False),
-    ('8', 1, 'cpu', False), ('8', 4, 'gpu', False)])
-def test_configure_runtime_warns_when_cpu_contexts_oversubscribe(monkeypatch, eight_cores, log_lines,
-                                                                  omp, contexts, device, warns):
+@pytest.mark.parametrize('omp, copies, contexts, device, fix', [
+    ('8', '128', 4, 'cpu', 'OMP_NUM_THREADS=2'),
+    ('2', '4', 4, 'cpu', 'MXNET_CPU_TEMP_COPY=128'),
+    ('8', '4', 4, 'cpu', 'OMP_NUM_THREADS=2 MXNET_CPU_TEMP_COPY=128'),
+    ('2', '128', 4, 'cpu', None), ('1', '512', 16, 'cpu', None),
+    ('8', '4', 1, 'cpu', None), ('8', '4', 4, 'gpu', None)])
+def test_configure_runtime_warns_when_cpu_contexts_would_train_slower(
+        monkeypatch, eight_cores, log_lines, omp, copies, contexts, device, fix):
     monkeypatch.setenv('OMP_NUM_THREADS', omp)
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', copies)
     settings = runtime.configure_runtime(contexts, device)
     assert settings['omp_threads'] == int(omp) and settings['contexts'] == contexts
+    assert settings['cpu_temp_copy'] == int(copies)
     assert any(msg.startswith('runtime: ') and 'OMP_NUM_THREADS=%s' % omp in msg for _, msg in log_lines)
     found = _warnings(log_lines)
-    if warns:
-        assert len(found) == 1 and 'export OMP_NUM_THREADS=2 before importing' in found[0], found
+    if fix:
+        assert len(found) == 1 and 'export %s before importing' % fix in found[0], found
     else:
         assert not found
 
@@ -97,7 +109,9 @@ def test_configure_runtime_warns_when_cpu_contexts_oversubscribe(monkeypatch, ei
 def _child_env():
     env = dict(os.environ)
     env.pop('OMP_NUM_THREADS', None)  # conftest pins it; here gluon_unet must choose
-    env.pop(runtime._OURS, None)
+    for key in ('OMP_NUM_THREADS', 'MXNET_CPU_TEMP_COPY'):
+        env.pop(runtime._OURS + key, None)
+    env.pop('MXNET_CPU_TEMP_COPY', None)
     return env
 
 
@@ -121,4 +135,5 @@ def test_bin_train_gives_each_cpu_context_its_share_of_the_cores(tmp_path):
     expected = max(1, runtime.physical_cores() // 2)
     line = [l for l in (out / 'train.log').read_text().splitlines() if ' runtime: ' in l]
     assert len(line) == 1 and '2 cpu context(s), OMP_NUM_THREADS=%d (gluon_unet)' % expected in line[0], line
-    assert 'oversubscribe' not in done.stderr
+    assert 'MXNET_CPU_TEMP_COPY=64,' in line[0], line
+    assert 'train slower' not in done.stderr
