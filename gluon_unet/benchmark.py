@@ -144,8 +144,9 @@ def format_table(record, cfg):
                  % (record['per_device_batch'], record['single_device_images_per_s'],
                     100 * record['scaling_efficiency']))
     if record['device_kind'] == 'cpu' and record['devices'] > 1:
-        lines.append('note: CPU contexts share the same cores, so their scaling efficiency is '
-                     'about 1/N by construction; on GPUs it measures real scaling.')
+        lines.append('note: CPU contexts share the machine\'s cores (the one-device figure ran on '
+                     'cores/N threads, as each context does), so their efficiency is at most '
+                     'cores/N; on GPUs it measures real scaling.')
     return '\n'.join(lines)
 
 
