@@ -22,6 +22,7 @@ import threading
 import time
 
 from .errors import UserError, reports_errors
+from .runtime import LOCAL_WORKERS, is_default
 
 ROLES = ('scheduler', 'server', 'worker')
 
@@ -67,6 +68,11 @@ def job_plan(num_workers, num_servers, hosts, root_uri, port, extra_env=None):
     plan += [{'role': 'worker', 'index': i, 'host': hosts[i % len(hosts)]} for i in range(num_workers)]
     for p in plan:
         p['env'] = dict(base, DMLC_ROLE=p['role'])
+        if p['role'] == 'worker':
+            # Workers on one machine share its cores: each takes its part of the OpenMP
+            # threads (runtime.apply_runtime_defaults) instead of all of them.
+            p['env'][LOCAL_WORKERS] = str(sum(q['role'] == 'worker' and q['host'] == p['host']
+                                              for q in plan))
     return plan
 
 
@@ -233,7 +239,11 @@ def _parse(argv):
 def main(argv=None):
     """``bin/launch``: run the job; returns the exit code (0 when every worker succeeded)."""
     args = _parse(argv)
-    extra = {k: v for k, v in os.environ.items() if k.startswith(('PS_', 'MXNET_', 'OMP_'))}
+    # The user's settings travel to every process; the defaults gluon_unet chose for this
+    # machine (import gluon_unet sets OMP_NUM_THREADS to its core count) do not: each
+    # process chooses its own on its host.
+    extra = {k: v for k, v in os.environ.items()
+             if k.startswith(('PS_', 'MXNET_', 'OMP_')) and not is_default(k)}
     if args.interface:
         extra['DMLC_INTERFACE'] = args.interface
     if args.launcher == 'local':

@@ -64,6 +64,8 @@ def physical_cores():
 
 
 TEMP_COPIES_PER_CONTEXT = 32
+# Set by bin/launch for each worker: how many worker processes share this machine's cores.
+LOCAL_WORKERS = 'GLUON_UNET_LOCAL_WORKERS'
 
 
 def apply_runtime_defaults(environ=None, contexts=1):
@@ -74,7 +76,8 @@ def apply_runtime_defaults(environ=None, contexts=1):
     one context; ``bin/train`` calls it again with the number of CPU contexts, before it
     imports mxnet. A value gluon_unet set earlier may be replaced; the user's never.
 
-    ``OMP_NUM_THREADS`` = physical cores / contexts. Without it, MXNet 1.9 assumes two
+    ``OMP_NUM_THREADS`` = physical cores / contexts (and / the worker processes that
+    ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it, MXNet 1.9 assumes two
     hyper-threads per core and runs operators on ``cores / 2`` OpenMP threads
     (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): on machines without SMT
     (most cloud VMs, including the 2-core development machine) oneDNN used half the
@@ -109,15 +112,25 @@ def apply_runtime_defaults(environ=None, contexts=1):
     if environ is None and 'mxnet' in sys.modules:
         return {}
     contexts = max(1, contexts)
-    wanted = {'OMP_NUM_THREADS': max(1, physical_cores() // contexts)}
+    try:
+        local_workers = max(1, int(env.get(LOCAL_WORKERS, 1)))
+    except ValueError:
+        local_workers = 1
+    wanted = {'OMP_NUM_THREADS': max(1, physical_cores() // (contexts * local_workers))}
     if contexts > 1:
         wanted['MXNET_CPU_TEMP_COPY'] = TEMP_COPIES_PER_CONTEXT * contexts
     done = {}
     for key, value in wanted.items():
-        if key in env and env[key] != env.get(_OURS + key):
+        if key in env and not is_default(key, env):
             continue  # the user's own value always wins
         env[key] = env[_OURS + key] = done[key] = str(value)
     return done
+
+
+def is_default(name, environ=None):
+    """True when environment variable ``name`` holds the value gluon_unet chose for it."""
+    env = os.environ if environ is None else environ
+    return name in env and env[name] == env.get(_OURS + name)
 
 
 def thread_source(environ=None):
@@ -125,7 +138,7 @@ def thread_source(environ=None):
     env = os.environ if environ is None else environ
     if 'OMP_NUM_THREADS' not in env:
         return 'mxnet default'
-    return 'gluon_unet' if env['OMP_NUM_THREADS'] == env.get(_OURS + 'OMP_NUM_THREADS') else 'user'
+    return 'gluon_unet' if is_default('OMP_NUM_THREADS', env) else 'user'
 
 
 def runtime_settings():

@@ -136,7 +136,41 @@ def test_job_plan_environment():
     assert [(p['role'], p['index'], p['host']) for p in plan] == [
         ('scheduler', 0, 'a'), ('server', 0, 'a'), ('worker', 0, 'a'), ('worker', 1, 'b')]
     assert plan[3]['env'] == {'DMLC_ROLE': 'worker', 'DMLC_PS_ROOT_URI': 'a', 'DMLC_PS_ROOT_PORT': '9000',
-                              'DMLC_NUM_SERVER': '1', 'DMLC_NUM_WORKER': '2', 'PS_VERBOSE': '1'}
+                              'DMLC_NUM_SERVER': '1', 'DMLC_NUM_WORKER': '2', 'PS_VERBOSE': '1',
+                              'GLUON_UNET_LOCAL_WORKERS': '1'}
+    # Three workers on two hosts: two share host a's cores.
+    plan = launch.job_plan(3, 1, ['a', 'b'], 'a', 9000)
+    assert [p['env'].get('GLUON_UNET_LOCAL_WORKERS') for p in plan] == [None, None, '2', '1', '2']
+
+
+def test_workers_sharing_a_machine_split_its_cores(monkeypatch):
+    from gluon_unet import runtime
+    monkeypatch.setattr(runtime, 'physical_cores', lambda: 8)
+    env = {'GLUON_UNET_LOCAL_WORKERS': '2'}
+    assert runtime.apply_runtime_defaults(env, contexts=1) == {'OMP_NUM_THREADS': '4'}
+    assert runtime.apply_runtime_defaults(env, contexts=2)['OMP_NUM_THREADS'] == '2'
+
+
+def test_launch_forwards_the_users_settings_but_not_gluon_unets_defaults(monkeypatch):
+    # ssh workers run on other machines: the launcher's own core count must not travel.
+    seen = {}
+
+    class FakeJob:
+        def __init__(self, plan, argv_for, grace):
+            seen['env'] = plan[-1]['env']
+
+        def run(self):
+            return 0
+
+    monkeypatch.setattr(launch, 'Job', FakeJob)
+    monkeypatch.setenv('OMP_NUM_THREADS', '2')
+    monkeypatch.setenv('_GLUON_UNET_OMP_NUM_THREADS', '2')  # chosen by import gluon_unet
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '64')  # the user's
+    assert launch.main(['-n', '1', '--port', '9000', '--', 'bin/train']) == 0
+    assert 'OMP_NUM_THREADS' not in seen['env'] and seen['env']['MXNET_CPU_TEMP_COPY'] == '64'
+    monkeypatch.setenv('OMP_NUM_THREADS', '3')  # now the user's
+    launch.main(['-n', '1', '--port', '9000', '--', 'bin/train'])
+    assert seen['env']['OMP_NUM_THREADS'] == '3'
 
 
 def test_ssh_command_carries_env_cwd_and_quoting(tmp_path):
