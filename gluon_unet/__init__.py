@@ -16,8 +16,8 @@ apply_runtime_defaults()
 __version__ = '0.1.0'
 
 # The public names, imported on first use (PEP 562) rather than here: most of them load
-# mxnet, and bin/train must read --cpus first to choose the OpenMP thread count, which
-# libmxnet reads once, when it loads (runtime.apply_runtime_defaults).
+# mxnet, and bin/train must read --cpus first to choose the thread count and scratch
+# buffers, which libmxnet reads once, when it loads (runtime.apply_runtime_defaults).
 _EXPORTS = {'ModelConfig': 'config', 'TrainConfig': 'config', 'SegmentationDataset': 'data',
             'synthetic_dataset': 'data', 'fit': 'engine', 'UNet': 'model', 'build_model': 'model',
             'DataParallelStep': 'parallel'}

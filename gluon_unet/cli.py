@@ -2,8 +2,8 @@
 option has one name (``batch_size`` <-> ``--batch-size``) and one default.
 
 Importing this module does not import mxnet: ``train_main`` reads its flags first, then
-sets ``OMP_NUM_THREADS`` for the number of CPU contexts, which libmxnet reads only when
-it loads. Modules that need mxnet are imported inside the functions that use them.
+sets ``OMP_NUM_THREADS`` and ``MXNET_CPU_TEMP_COPY`` for the number of CPU contexts,
+which libmxnet reads only when it loads. Modules that need mxnet are imported inside the functions that use them.
 """
 import argparse
 import dataclasses
@@ -107,9 +107,10 @@ def train_main(argv=None):
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
     cfg = config_from_args(args, config_file)
-    # Each CPU context has its own engine worker running operators on OMP_NUM_THREADS
-    # threads: N contexts x all cores oversubscribe the machine (12-23 % slower,
-    # docs/performance.md). Only now is N known, and mxnet is not loaded yet.
+    # N CPU contexts need cores / N OpenMP threads each and more of MXNet's shared CPU
+    # scratch buffers, or they oversubscribe the cores and take turns (4 contexts: +44 %
+    # time per step; docs/performance.md, finding 6). Only now is N known, and mxnet,
+    # which reads both settings once when it loads, is not loaded yet.
     apply_runtime_defaults(contexts=max(1, cpu_context_count(cfg.gpus, cfg.cpus)))
     if cfg.benchmark:
         from .benchmark import benchmark_main
