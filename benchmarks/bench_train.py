@@ -392,9 +392,10 @@ def main(argv=None):
                   'retries): not a fair figure, measure again on a quiet machine'
                   % (r['setup'], r['width'], r['foreign_cores']), flush=True)
     if args.json:
-        with open(args.json + '.tmp', 'w') as f:
+        sys.path.insert(0, ROOT)
+        from gluon_unet.utils import atomic_open
+        with atomic_open(args.json) as f:
             json.dump(rows, f, indent=1)
-        os.replace(args.json + '.tmp', args.json)
     return 0
 
 

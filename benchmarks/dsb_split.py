@@ -28,6 +28,8 @@ import cv2
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from gluon_unet.utils import atomic_open  # noqa: E402  (the repository root is on the path now)
 DEFAULT_DATA = os.path.join(HERE, '..', '..', 'shared', 'data', 'dsb2018', 'stage1_train')
 IDS_FILE = os.path.join(HERE, 'dsb_holdout_ids.txt')
 KINDS = ('fluorescence', 'brightfield', 'he')
@@ -104,10 +106,8 @@ def main(argv=None):
         if committed != hold:
             raise SystemExit('error: recomputed hold-out differs from %s' % args.ids)
     else:
-        tmp = args.ids + '.tmp'
-        with open(tmp, 'w') as f:
+        with atomic_open(args.ids) as f:
             f.write('\n'.join(hold) + '\n')
-        os.replace(tmp, args.ids)
     materialize(args.data, args.out, kinds, hold)
     for kind in KINDS:
         n = sum(1 for k in kinds.values() if k == kind)

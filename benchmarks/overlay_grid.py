@@ -13,6 +13,9 @@ import sys
 import cv2
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from gluon_unet.utils import atomic_path  # noqa: E402  (the repository root is on the path now)
+
 
 def central_square(img):
     h, w = img.shape[:2]
@@ -50,9 +53,9 @@ def main(argv=None):
         cells.append(np.zeros_like(cells[0]))
     rows = [np.concatenate(cells[i:i + cols], axis=1) for i in range(0, len(cells), cols)]
     grid = np.concatenate(rows, axis=0)
-    tmp = args.out + '.tmp.png'
-    cv2.imwrite(tmp, grid, [cv2.IMWRITE_PNG_COMPRESSION, 9])
-    os.replace(tmp, args.out)
+    with atomic_path(args.out) as tmp:
+        if not cv2.imwrite(tmp, grid, [cv2.IMWRITE_PNG_COMPRESSION, 9]):
+            raise SystemExit('error: %s: cannot write the image' % args.out)
     print('%s: %d images, %dx%d px, %.0f KB' % (args.out, len(cells), grid.shape[1], grid.shape[0],
                                                os.path.getsize(args.out) / 1024))
     return 0
