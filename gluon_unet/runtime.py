@@ -77,8 +77,9 @@ def apply_runtime_defaults(environ=None, contexts=1):
     imports mxnet. A value gluon_unet set earlier may be replaced; the user's never.
 
     ``OMP_NUM_THREADS`` = physical cores / contexts (and / the worker processes that
-    ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it, MXNet 1.9 assumes two
-    hyper-threads per core and runs operators on ``cores / 2`` OpenMP threads
+    ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it,
+    MXNet 1.9 assumes two hyper-threads per core and runs operators on ``cores / 2``
+    OpenMP threads
     (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): on machines without SMT
     (most cloud VMs, including the 2-core development machine) oneDNN used half the
     cores; with both, width 16 at 128 px trains 1.8x faster (docs/performance.md,
@@ -92,8 +93,9 @@ def apply_runtime_defaults(environ=None, contexts=1):
     (``src/resource.cc``), and an operator holding a buffer blocks every operator
     assigned the same one, on any context: BatchNorm and the convolutions' backward take
     one, so 4 contexts ran one at a time (18.8 images/s with 4 contexts against 33.8 with
-    one). With 32 copies per context they run side by side (finding 6); each copy costs
-    memory (43 -> 59-74 MiB per image), which is why one context keeps the default.
+    one). With 32 copies per context they run side by side (4 contexts: +1.1 % time per
+    image against one context; finding 6); the buffers cost memory (width 16: 42 -> 68
+    MiB per image), which is why one context keeps the default.
 
     Parameters
     ----------
