@@ -79,8 +79,7 @@ def apply_runtime_defaults(environ=None, contexts=1):
     ``OMP_NUM_THREADS`` = physical cores / contexts (and / the worker processes that
     ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it,
     MXNet 1.9 assumes two hyper-threads per core and runs operators on ``cores / 2``
-    OpenMP threads
-    (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): on machines without SMT
+    OpenMP threads (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): without SMT
     (most cloud VMs, including the 2-core development machine) oneDNN used half the
     cores; with both, width 16 at 128 px trains 1.8x faster (docs/performance.md,
     finding 1). Each CPU context has its own engine worker running operators on this many
