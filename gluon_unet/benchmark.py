@@ -45,16 +45,15 @@ def synthetic_batch(cfg, batch_size=None, seed=0):
 def make_training_step(cfg, ctxs):
     """The trainer's own :class:`DataParallelStep` for ``cfg`` on ``ctxs``.
 
-    Call :func:`~gluon_unet.engine.init_amp` first when ``cfg.amp`` is on (it must
-    precede model construction and patches MXNet process-wide).
+    With ``cfg.amp`` it turns AMP on through :func:`~gluon_unet.engine.init_amp` (a
+    no-op when the caller already did, which it must before building any other model:
+    AMP patches MXNet process-wide), and takes the dtype from it, as ``fit()`` does.
     """
-    from .engine import build_network, make_step
+    from .engine import build_network, init_amp, make_step
     if not cfg.model.in_channels:  # 0 = from the data; the synthetic batch has one channel
         cfg = type(cfg).from_dict(cfg.to_dict())
         cfg.model.in_channels = 1
-    amp_dtype = None
-    if cfg.amp:
-        amp_dtype = 'float16' if any(c.device_type == 'gpu' for c in ctxs) else 'bfloat16'
+    amp_dtype = init_amp(cfg, ctxs)
     return make_step(cfg, build_network(cfg, ctxs), ctxs, amp_dtype)
 
 
