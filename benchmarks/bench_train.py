@@ -174,8 +174,9 @@ WORKERS = {'mx': _mx_train, 'torch': _torch_train, 'mx_infer': _mx_infer, 'torch
 
 def _worker(kind, spec, env, conn):
     os.environ.update(env)  # before any framework import: some settings are read at load
-    for key in env:  # a --env/--variant value is the user's, not gluon_unet's default
-        os.environ.pop('_GLUON_UNET_' + key, None)
+    sys.path.insert(0, ROOT)
+    from gluon_unet.runtime import disown_defaults  # mxnet-free
+    disown_defaults(env)  # a --env/--variant value is the user's, not gluon_unet's default
     conn.recv()  # 'setup': the parent warms workers up one at a time
     try:
         base, run = WORKERS[kind](spec)

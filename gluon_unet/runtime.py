@@ -128,6 +128,15 @@ def apply_runtime_defaults(environ=None, contexts=1):
     return done
 
 
+def disown_defaults(names, environ=None):
+    """Treat the current values of ``names`` as the user's own: forget that gluon_unet
+    chose them (e.g. a benchmark worker given ``OMP_NUM_THREADS`` explicitly, equal to
+    the default its parent inherited)."""
+    env = os.environ if environ is None else environ
+    for name in names:
+        env.pop(_OURS + name, None)
+
+
 def is_default(name, environ=None):
     """True when environment variable ``name`` holds the value gluon_unet chose for it."""
     env = os.environ if environ is None else environ
@@ -188,7 +197,9 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
              device_type, settings['omp_threads'], settings['omp_source'], settings['physical_cores'],
              settings['cpu_temp_copy'], settings['cpu_worker_threads'], settings['engine'])
     if device_type == 'cpu' and num_contexts > 1:
-        wanted = apply_runtime_defaults({}, num_contexts)
+        # What bin/train would have chosen here (also dividing among bin/launch's workers).
+        probe = {LOCAL_WORKERS: os.environ[LOCAL_WORKERS]} if LOCAL_WORKERS in os.environ else {}
+        wanted = apply_runtime_defaults(probe, num_contexts)
         fix = ['OMP_NUM_THREADS=%s' % wanted['OMP_NUM_THREADS']] \
             if settings['omp_threads'] > int(wanted['OMP_NUM_THREADS']) else []
         if settings['cpu_temp_copy'] < int(wanted['MXNET_CPU_TEMP_COPY']):

@@ -42,6 +42,12 @@ def test_runtime_defaults_never_override_the_user(eight_cores):
     env = {'OMP_NUM_THREADS': '3', runtime._OURS + 'OMP_NUM_THREADS': '8'}
     assert runtime.apply_runtime_defaults(env, contexts=4) == {'MXNET_CPU_TEMP_COPY': '128'}
     assert env['OMP_NUM_THREADS'] == '3'
+    # A value equal to gluon_unet's own becomes the user's once disowned.
+    env = {'OMP_NUM_THREADS': '8'}
+    runtime.apply_runtime_defaults(env)
+    runtime.disown_defaults(['OMP_NUM_THREADS'], env)
+    assert runtime.apply_runtime_defaults(env, contexts=4) == {'MXNET_CPU_TEMP_COPY': '128'}
+    assert env['OMP_NUM_THREADS'] == '8' and runtime.thread_source(env) == 'user'
     assert runtime.thread_source({}) == 'mxnet default'
 
 
@@ -90,11 +96,14 @@ def _warnings(lines):
     ('2', '4', 4, 'cpu', 'MXNET_CPU_TEMP_COPY=128'),
     ('8', '4', 4, 'cpu', 'OMP_NUM_THREADS=2 MXNET_CPU_TEMP_COPY=128'),
     ('2', '128', 4, 'cpu', None), ('1', '512', 16, 'cpu', None),
-    ('8', '4', 1, 'cpu', None), ('8', '4', 4, 'gpu', None)])
+    ('8', '4', 1, 'cpu', None), ('8', '4', 4, 'gpu', None),
+    ('4', '64', 2, 'cpu', 'OMP_NUM_THREADS=2')])  # 2 bin/launch workers share the host (below)
 def test_configure_runtime_warns_when_cpu_contexts_would_train_slower(
         monkeypatch, eight_cores, log_lines, omp, copies, contexts, device, fix):
     monkeypatch.setenv('OMP_NUM_THREADS', omp)
     monkeypatch.setenv('MXNET_CPU_TEMP_COPY', copies)
+    if (omp, copies, contexts) == ('4', '64', 2):
+        monkeypatch.setenv(runtime.LOCAL_WORKERS, '2')  # 8 cores / (2 workers x 2 contexts)
     settings = runtime.configure_runtime(contexts, device)
     assert settings['omp_threads'] == int(omp) and settings['contexts'] == contexts
     assert settings['cpu_temp_copy'] == int(copies)
