@@ -113,13 +113,7 @@ def load_exported(prefix_or_dir, ctx=None):
         if not os.path.isfile(path):
             raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
     sidecar_path = os.path.join(folder, SIDECAR)
-    meta = {}
-    if os.path.isfile(sidecar_path):
-        try:
-            with open(sidecar_path) as f:
-                meta = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise UserError('export %s: cannot read %s (%s)' % (folder, SIDECAR, exc)) from None
+    meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
     import warnings
     try:
         with warnings.catch_warnings():
@@ -130,6 +124,62 @@ def load_exported(prefix_or_dir, ctx=None):
         raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
                         % (folder, mx_message(exc))) from None
     return net, meta
+
+
+def read_sidecar(path):
+    """The export's ``model.json`` as a dict, checked: an error names the file in one line.
+
+    Every key is optional (hand-made and older exports have only some), but a key that
+    is there must have the type inference uses; ``config`` (the training config, for
+    reference) must be an object.
+    """
+    def bad(what):
+        return UserError('%s: %s' % (path, what))
+
+    try:
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise bad('cannot read it (%s)' % (exc.strerror if isinstance(exc, OSError) and exc.strerror
+                                           else exc)) from None
+    try:
+        meta = json.loads(text)
+    except ValueError as exc:
+        raise bad('not valid JSON (%s)' % exc) from None
+    if not isinstance(meta, dict):
+        raise bad('must hold a JSON object, not %s' % _json_kind(meta))
+
+    def positive_int(key):
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise bad('%r must be a positive integer (got %s)' % (key, json.dumps(value)))
+
+    for key in ('in_channels', 'classes', 'depth', 'multiple', 'train_size'):
+        positive_int(key)
+    threshold = meta.get('threshold')
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
+                                  or not 0 < threshold < 1):
+        raise bad("'threshold' must be a number in (0, 1) (got %s)" % json.dumps(threshold))
+    if meta.get('resize_mode') not in (None, 'crop', 'resize'):
+        raise bad("'resize_mode' must be \"crop\" or \"resize\" (got %s)" % json.dumps(meta['resize_mode']))
+    config = meta.get('config')
+    if config is not None and not isinstance(config, dict):
+        raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
+    from .data.io import NORMALIZE_MODES
+    for where, holder in (('normalize', meta), ('config.normalize', config or {})):
+        value = holder.get('normalize')
+        if value is not None and value not in NORMALIZE_MODES:
+            raise bad('%r must be one of %s (got %s)' % (where, ', '.join(NORMALIZE_MODES), json.dumps(value)))
+    return meta
+
+
+def _json_kind(value):
+    """'a list', 'a number'...: what a JSON value is, for messages."""
+    if value is None:
+        return 'null'
+    if isinstance(value, bool):
+        return 'a boolean'
+    return {list: 'a list', str: 'a string', dict: 'an object'}.get(type(value), 'a number')
 
 
 def _check_param_shapes(net, params_file, meta):

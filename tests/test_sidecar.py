@@ -1,0 +1,84 @@
+"""A broken model.json sidecar in an export folder: load_exported and bin/predict give
+one line naming the file and what is wrong, exit 2 - never a traceback (issue 12)."""
+import json
+import os
+
+import cv2
+import mxnet as mx
+import pytest
+
+from gluon_unet.data.synthetic import synthetic_nuclei
+from gluon_unet.errors import UserError
+from gluon_unet.export import load_exported
+from gluon_unet.predict import main as predict_main
+from gluon_unet.predict import predict_paths
+
+
+def _brightness_model(folder, sidecar):
+    """A 1x1 conv segmenting bright nuclei, exported with the given model.json text."""
+    os.makedirs(folder, exist_ok=True)
+    net = mx.gluon.nn.Conv2D(1, 1, in_channels=1)
+    net.initialize(mx.init.Constant(20.0))
+    net.bias.set_data(mx.nd.array([-10.0]))
+    net.hybridize()
+    net(mx.nd.zeros((1, 1, 32, 32)))
+    net.export(os.path.join(folder, 'model'), epoch=0)
+    with open(os.path.join(folder, 'model.json'), 'w') as f:
+        f.write(sidecar)
+    return folder
+
+
+def _png(seed, size=40):
+    image = synthetic_nuclei(1, size=size, channels=1, seed=seed)[0][0]
+    return cv2.imencode('.png', image)[1].tobytes()
+
+
+def _run(main, argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+# -- broken model.json ----------------------------------------------------------------------
+
+BAD_SIDECARS = [
+    ('[1, 2]', 'must hold a JSON object, not a list'),
+    ('5', 'must hold a JSON object, not a number'),
+    ('null', 'must hold a JSON object'),
+    ('"model"', 'must hold a JSON object, not a string'),
+    ('{"in_channels": 1,', 'not valid JSON'),
+    ('', 'not valid JSON'),
+    ('{"in_channels": 1, "train_size": 32, "multiple": 4, "config": 5}', "'config' must be an object"),
+    ('{"in_channels": 1, "train_size": 32, "multiple": 4, "config": [1]}', "'config' must be an object"),
+    ('{"in_channels": 1, "train_size": 32, "multiple": 4, "config": {"normalize": 7}}', "normalize"),
+    ('{"in_channels": "one", "train_size": 32, "multiple": 4}', "'in_channels' must be a positive integer"),
+    ('{"in_channels": 1, "train_size": -3, "multiple": 4}', "'train_size' must be a positive integer"),
+    ('{"in_channels": 1, "train_size": 32, "multiple": 4, "threshold": "high"}', "'threshold' must be"),
+    ('{"in_channels": 1, "train_size": 32, "multiple": 4, "resize_mode": 3}', "'resize_mode' must be"),
+]
+
+
+@pytest.mark.parametrize('text, words', BAD_SIDECARS)
+def test_broken_sidecar_is_one_line_naming_the_file(tmp_path, capsys, text, words):
+    model = _brightness_model(str(tmp_path / 'model'), sidecar=text)
+    sidecar = os.path.join(model, 'model.json')
+    with pytest.raises(UserError, match='model.json') as info:
+        load_exported(model)
+    assert words in str(info.value) and sidecar in str(info.value) and '\n' not in str(info.value)
+    (tmp_path / 'a.png').write_bytes(_png(0))
+    code = _run(predict_main, ['--model', model, '--input', str(tmp_path / 'a.png'),
+                               '--output', str(tmp_path / 'out'), '--no-progress'])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count('\n') == 1 and 'Traceback' not in err, err
+    assert sidecar in err and words in err
+    assert not (tmp_path / 'out').exists()
+
+
+def test_sidecar_without_config_still_works(tmp_path):
+    """Hand-made and older exports have no 'config': the flat keys are enough."""
+    model = _brightness_model(str(tmp_path / 'model'), sidecar=json.dumps(
+        {'in_channels': 1, 'train_size': 32, 'multiple': 4, 'threshold': 0.5}))
+    (tmp_path / 'a.png').write_bytes(_png(0))
+    records = predict_paths(model, str(tmp_path / 'a.png'), str(tmp_path / 'out'), progress=False)
+    assert len(records) == 1 and records[0]['objects'] >= 1
