@@ -4,6 +4,8 @@ mxnet is imported inside the functions that need it: ``bin/train`` asks
 :func:`cpu_context_count` how many CPU contexts it will train on before libmxnet loads,
 because the OpenMP thread count can only be chosen then (``runtime.py``).
 """
+import functools
+
 from .errors import UserError
 
 # --gpus values that mean "no GPU: train on --cpus CPU contexts".
@@ -106,3 +108,116 @@ def _no_gpu_reason():
 
 def _describe(n):
     return 'gpu 0-%d' % (n - 1) if n > 1 else 'gpu 0'
+
+
+# -- bfloat16 on CPU ------------------------------------------------------------------------
+
+_CPUINFO = '/proc/cpuinfo'
+
+
+def _cpu_description():
+    """``'AMD EPYC 7B13, no AVX-512'``: the CPU model and its AVX-512 / bf16 flags."""
+    model, flags = None, None
+    try:
+        with open(_CPUINFO) as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                key = key.strip()
+                if key == 'model name' and model is None:
+                    model = value.strip()
+                elif key == 'flags' and flags is None:
+                    flags = set(value.split())
+                if model is not None and flags is not None:
+                    break
+    except OSError:
+        pass
+    if not model:
+        import platform
+        model = platform.processor() or platform.machine() or 'unknown model'
+    if flags is None:
+        return model
+    if 'avx512f' not in flags:
+        return '%s, no AVX-512' % model
+    return '%s, AVX-512, %s' % (model, 'avx512_bf16' if 'avx512_bf16' in flags else 'no avx512_bf16')
+
+
+def _bfloat16_probe():
+    """Run, in bfloat16, the CPU kernels a U-Net trains with under bfloat16 AMP.
+
+    3x3 Convolution (+ BatchNorm, ReLU) and the 1x1 Convolution that stands in for the
+    2x2 transposed convolution under AMP (``model._TransposedConv2x2``), forward and
+    backward, with ``mx.nd`` directly: ``amp.init`` patches MXNet for the whole process
+    and cannot be undone, so it must not run just to find out. Raises ``MXNetError``
+    where oneDNN has no bfloat16 kernel (MXNet 1.9.1 on a CPU without AVX-512:
+    "could not create a primitive descriptor iterator"); returns the largest deviation
+    of the bfloat16 convolution from float32, relative to the output's magnitude.
+    """
+    import mxnet as mx
+    import numpy as np
+    bf16 = np.dtype([('bfloat16', np.uint16)])  # how MXNet 1.9 names bfloat16 to numpy
+    ctx = mx.cpu()
+    rng = np.random.RandomState(0)
+
+    def array(*shape):
+        return mx.nd.array(rng.uniform(-1, 1, size=shape), ctx=ctx, dtype='float32')
+
+    x, w, w1 = array(2, 4, 8, 8), array(8, 4, 3, 3), array(16, 8, 1, 1)
+    xb, wb, w1b = (mx.nd.amp_cast(a, dtype=bf16) for a in (x, w, w1))
+    gamma, beta = mx.nd.ones((8,), ctx=ctx), mx.nd.zeros((8,), ctx=ctx)
+    mean, var = mx.nd.zeros((8,), ctx=ctx), mx.nd.ones((8,), ctx=ctx)
+    for a in (xb, wb, w1b, gamma, beta):
+        a.attach_grad()
+    with mx.autograd.record():
+        y = mx.nd.Convolution(xb, wb, kernel=(3, 3), pad=(1, 1), num_filter=8, no_bias=True)
+        z = mx.nd.relu(mx.nd.BatchNorm(y, gamma, beta, mean, var))
+        u = mx.nd.Convolution(z, w1b, kernel=(1, 1), num_filter=16, no_bias=True)
+        loss = mx.nd.amp_cast(u, dtype='float32').sum()
+    loss.backward()
+    got = mx.nd.amp_cast(y, dtype='float32').asnumpy()  # waits: engine errors surface here
+    for g in (xb.grad, wb.grad, w1b.grad):
+        g.wait_to_read()
+    ref = mx.nd.Convolution(mx.nd.amp_cast(xb, dtype='float32'), mx.nd.amp_cast(wb, dtype='float32'),
+                            kernel=(3, 3), pad=(1, 1), num_filter=8, no_bias=True).asnumpy()
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bfloat16_support():
+    """Whether this CPU runs MXNet's bfloat16 convolutions (``--amp`` on CPU).
+
+    Probes for real (:func:`_bfloat16_probe`, a fraction of a second, once per process)
+    instead of trusting CPU flags: what counts is whether this MXNet build's oneDNN has
+    the kernels. MXNet 1.9.1's oneDNN 2.4 has none without AVX-512 (AMD Zen 3), where a
+    bfloat16 AMP network would fail at its first forward.
+
+    Returns
+    -------
+    (bool, str)
+        The answer, and a one-line reason naming the CPU (model, AVX-512 flags).
+    """
+    import mxnet as mx
+    where = "in MXNet %s's oneDNN" % mx.__version__
+    cpu = 'this CPU (%s)' % _cpu_description()
+    try:
+        deviation = _bfloat16_probe()
+    except mx.base.MXNetError as exc:
+        # MXNet's message is a C++ traceback; its last non-empty line says what failed.
+        lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
+        return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, lines[-1] if lines else
+                                                                       type(exc).__name__)
+    if deviation is not None and not deviation <= 0.05:
+        return False, ('%s computes wrong bfloat16 convolutions %s (off by %.0f %% of the output)'
+                       % (cpu, where, 100 * deviation))
+    return True, '%s runs bfloat16 convolutions %s' % (cpu, where)
+
+
+def require_cpu_bfloat16():
+    """Stop with one line when ``--amp`` (bfloat16 on CPU) cannot run here.
+
+    No silent fallback to float32: the user asked for mixed precision, so the run stops
+    before anything is loaded and says what to do.
+    """
+    ok, reason = cpu_bfloat16_support()
+    if not ok:
+        raise UserError('--amp: bfloat16 mixed precision needs a CPU with AVX-512, but %s; '
+                        'train without --amp (float32)' % reason)

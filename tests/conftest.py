@@ -29,3 +29,23 @@ def tiny_config(tmp_path, **overrides):
 @pytest.fixture
 def tiny(tmp_path):
     return lambda **kw: tiny_config(tmp_path, **kw)
+
+
+def skip_unless_cpu_bfloat16():
+    """Skip the calling test, with the probe's reason, when this CPU cannot run bfloat16.
+
+    MXNet 1.9.1's oneDNN has no bfloat16 convolution without AVX-512 (e.g. AMD Zen 3):
+    there a bf16 AMP network fails at its first forward. Only that case skips; on a CPU
+    that passes the probe, a failing bf16 test is a real failure.
+    """
+    from gluon_unet.devices import cpu_bfloat16_support
+    ok, reason = cpu_bfloat16_support()
+    if not ok:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def requires_bf16():
+    """For tests that train with bfloat16 AMP on CPU (``amp=True`` / ``--amp``):
+    ``@pytest.mark.usefixtures('requires_bf16')``."""
+    skip_unless_cpu_bfloat16()

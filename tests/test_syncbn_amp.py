@@ -5,6 +5,7 @@ import textwrap
 
 import mxnet as mx
 import numpy as np
+import pytest
 
 from gluon_unet.data import synthetic_nuclei
 from gluon_unet.engine import build_network
@@ -48,6 +49,7 @@ def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(
     assert len(history) == 1 and np.isfinite(history[0]['train_loss'])
 
 
+@pytest.mark.usefixtures('requires_bf16')
 def test_bfloat16_amp_trains_on_cpu_and_exports_float32(tmp_path):
     # amp.init() patches MXNet for the whole process: run it in a child process.
     script = textwrap.dedent('''
