@@ -369,8 +369,10 @@ def model_channels(net, meta):
     if meta.get('in_channels'):
         return int(meta['in_channels'])
     for p in net.collect_params().values():
-        if p.name.endswith('weight') and len(p.shape) == 4:
-            return int(p.shape[1])
+        # SymbolBlock.imports leaves ``shape`` unset; the loaded data has it.
+        shape = p.shape or (p.list_data()[0].shape if p._data is not None else ())
+        if p.name.endswith('weight') and len(shape) == 4:
+            return int(shape[1])
     raise UserError('cannot tell the input channels of the model (no model.json sidecar)')
 
 
@@ -404,6 +406,58 @@ def write_submission(path, rows):
 
 # -- the whole run -------------------------------------------------------------------------
 
+class Predictions(list):
+    """What :func:`predict_paths` returns: the records of the images written (a list, as
+    before) and ``failures``, one dict per image that could not be predicted or written
+    (``id``, ``image`` - its path - and ``error``, a one-line message), in input order."""
+
+    def __init__(self, records=(), failures=()):
+        super().__init__(records)
+        self.failures = list(failures)
+
+    def summary(self):
+        """One line about the failures (empty when there are none), e.g.
+        ``1 of 6 images failed: bad.png (truncated PNG ...)``."""
+        return failure_summary(self.failures, len(self) + len(self.failures))
+
+
+#: Failures named in a summary line; the rest are counted.
+SHOWN_FAILURES = 3
+
+
+def failure_summary(failures, total, shown=SHOWN_FAILURES):
+    """``'2 of 6 images failed: a.png (why), b.png (why)'``, the first ``shown`` named."""
+    if not failures:
+        return ''
+    named = ', '.join('%s (%s)' % (os.path.basename(f['image']), _reason(f)) for f in failures[:shown])
+    more = ' and %d more' % (len(failures) - shown) if len(failures) > shown else ''
+    head = ('all %d images' % total if len(failures) == total else
+            '%d of %d image%s' % (len(failures), total, '' if total == 1 else 's'))
+    return '%s failed: %s%s' % (head, named, more)
+
+
+def _reason(failure, limit=120):
+    """A failure's message without the image path it usually starts with, shortened."""
+    text = failure['error']
+    for prefix in (failure['image'] + ': ', os.path.basename(failure['image']) + ': '):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def _error_text(exc, path):
+    """One line for an exception raised while predicting ``path``."""
+    if isinstance(exc, UserError):
+        text = str(exc)
+    elif isinstance(exc, OSError) and exc.strerror:
+        name = exc.filename2 or exc.filename
+        text = '%s: cannot write %s (%s)' % (path, name, exc.strerror) if name else '%s: %s' % (path, exc.strerror)
+    else:
+        detail = str(exc).strip().splitlines()
+        text = '%s: %s%s' % (path, type(exc).__name__, (': ' + detail[-1]) if detail else '')
+    return ' '.join(text.split())
+
 def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=False, threshold=None,
                   min_size=0, overlay=False, rle=None, batch_size=8, overlap=0.25, progress=True,
                   split='watershed'):
@@ -435,9 +489,17 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
 
     Returns
     -------
-    list of dict
-        Per image: ``id``, ``image``, ``height``, ``width``, ``mode``, ``objects`` and
-        the paths written (``mask``, ``labels``, ``overlay``).
+    Predictions
+        A list with, per image written: ``id``, ``image``, ``height``, ``width``,
+        ``mode``, ``objects`` and the paths written (``mask``, ``labels``, ``overlay``);
+        its ``failures`` lists the images that failed.
+
+    Raises
+    ------
+    UserError
+        Bad options, model or inputs - or every image failed (nothing is written then).
+        An image that cannot be read, predicted or written does not stop the others: it
+        is listed in ``failures``, and the submission has the good images.
     """
     from .data.io import normalize_image, read_image
     from .devices import make_contexts
@@ -456,13 +518,19 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
     net, meta = load_exported(model, ctx=ctxs)
     net.hybridize(static_alloc=True)
     channels = model_channels(net, meta)
-    thr = float(meta.get('threshold', 0.5) if threshold is None else threshold)
+    thr = float((meta.get('threshold') or 0.5) if threshold is None else threshold)
     # Exports from before --normalize existed have no key: they were trained without it.
     normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
 
-    records, rows = [], []
+    records, rows, failures = [], [], []
     bar = _progress_bar(len(files), progress)
     t0 = time.time()
+
+    def fail(index, image_id, path, exc):
+        # One image's problem (unreadable, wrong channels, too many objects, disk full...)
+        # must not cost the others, including those read ahead into the same batch.
+        failures.append((index, {'id': image_id, 'image': path, 'error': _error_text(exc, path)}))
+        bar.update(1)
 
     def done(rec, image, prob, used):
         labels = instances_from_prob(prob, threshold=thr, min_size=min_size, split=split)
@@ -472,30 +540,55 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
         base = os.path.join(output_dir, rec['id'])
         rec.update(mode=used, objects=int(labels.max()), mask=base + '_mask.png',
                    labels=base + '_labels.png', overlay=base + '_overlay.png' if overlay else None)
-        write_png(rec['mask'], ((labels > 0) * 255).astype(np.uint8))
-        write_png(rec['labels'], labels.astype(np.uint16))
-        if overlay:
-            write_png(rec['overlay'], draw_overlay(image, labels))
+        written = []
+        try:
+            for key, array in (('mask', lambda: ((labels > 0) * 255).astype(np.uint8)),
+                               ('labels', lambda: labels.astype(np.uint16)),
+                               ('overlay', lambda: draw_overlay(image, labels))):
+                if rec[key]:
+                    write_png(rec[key], array())
+                    written.append(rec[key])
+        except BaseException:
+            for path in written:  # no mask without its labels: a failed image has no outputs
+                _remove_quietly(path)
+            raise
         if rle:
             rows.extend(submission_rows(rec['id'], labels))
         records.append(rec)
         bar.update(1)
 
+    def guarded(fn, index, image_id, path):
+        def run():
+            try:
+                fn()
+            except Exception as exc:
+                fail(index, image_id, path, exc)
+        return run
+
     def jobs():
-        for image_id, path in files:
-            stored = read_image(path)
-            image = match_channels(stored, channels, path)
-            net_input = normalize_image(image, normalize)
-            # Overlays are drawn on the image as stored (colour stays colour for a grey model).
-            shown = stored if overlay else None
-            rec = {'id': image_id, 'image': path, 'height': image.shape[0], 'width': image.shape[1]}
-            yield from image_jobs(net_input, meta, mode, tta, overlap,
-                                  on_done=lambda prob, used, rec=rec, shown=shown: done(rec, shown, prob, used))
+        for index, (image_id, path) in enumerate(files):
+            try:
+                stored = read_image(path)
+                image = match_channels(stored, channels, path)
+                net_input = normalize_image(image, normalize)
+                # Overlays are drawn on the image as stored (colour stays colour for a grey model).
+                shown = stored if overlay else None
+                rec = {'id': image_id, 'image': path, 'height': image.shape[0], 'width': image.shape[1]}
+                for job in image_jobs(net_input, meta, mode, tta, overlap,
+                                      on_done=lambda prob, used, rec=rec, shown=shown: done(rec, shown, prob, used)):
+                    yield _Done(guarded(job.fn, index, image_id, path)) if isinstance(job, _Done) else job
+            except Exception as exc:
+                fail(index, image_id, path, exc)
 
     try:
         run_jobs(net, ctxs, jobs(), batch_size)
     finally:
         bar.close()
+    failures = [f for _, f in sorted(failures, key=lambda item: item[0])]
+    if failures and not records:
+        if len(failures) == 1:
+            raise UserError(failures[0]['error'])
+        raise UserError(failure_summary(failures, len(failures)))
     if rle:
         if os.path.dirname(os.path.abspath(rle)):
             os.makedirs(os.path.dirname(os.path.abspath(rle)), exist_ok=True)
@@ -511,7 +604,14 @@ def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=F
                                    ', '.join(str(c) for c in ctxs),
                                    ', '.join('%s %d' % kv for kv in sorted(modes.items())),
                                    ', tta' if tta else '', output_dir, (', submission %s' % rle) if rle else ''))
-    return records
+    return Predictions(records, failures)
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def _check_options(mode, batch_size, overlap, threshold, min_size):
@@ -562,11 +662,18 @@ def main(argv=None):
     parser.add_argument('--overlap', type=float, default=0.25, help='tile overlap fraction (default 0.25)')
     parser.add_argument('--progress', action=__import__('argparse').BooleanOptionalAction, default=True,
                         help='progress bar and summary line')
+    parser.add_argument('--allow-failures', action='store_true',
+                        help='exit 0 even if some images could not be read or written (they are '
+                             'listed on stderr either way; the others are always written). If every '
+                             'image fails the exit code is 2 regardless')
     args = parser.parse_args(argv)
-    predict_paths(args.model, args.input, args.output, gpus=args.gpus, cpus=args.cpus, mode=args.mode,
+    result = predict_paths(args.model, args.input, args.output, gpus=args.gpus, cpus=args.cpus, mode=args.mode,
                   tta=args.tta, threshold=args.threshold, min_size=args.min_size, overlay=args.overlay,
                   rle=args.rle, batch_size=args.batch_size, overlap=args.overlap, progress=args.progress,
                   split=args.split)
+    if result.failures:
+        print('%s: %s' % ('warning' if args.allow_failures else 'error', result.summary()), file=sys.stderr)
+        return 0 if args.allow_failures else 1
     return 0
 
 

@@ -23,8 +23,9 @@ def _brightness_model(folder, sidecar):
     net.hybridize()
     net(mx.nd.zeros((1, 1, 32, 32)))
     net.export(os.path.join(folder, 'model'), epoch=0)
-    with open(os.path.join(folder, 'model.json'), 'w') as f:
-        f.write(sidecar)
+    if sidecar is not None:
+        with open(os.path.join(folder, 'model.json'), 'w') as f:
+            f.write(sidecar)
     return folder
 
 
@@ -75,10 +76,13 @@ def test_broken_sidecar_is_one_line_naming_the_file(tmp_path, capsys, text, word
     assert not (tmp_path / 'out').exists()
 
 
-def test_sidecar_without_config_still_works(tmp_path):
-    """Hand-made and older exports have no 'config': the flat keys are enough."""
-    model = _brightness_model(str(tmp_path / 'model'), sidecar=json.dumps(
-        {'in_channels': 1, 'train_size': 32, 'multiple': 4, 'threshold': 0.5}))
+@pytest.mark.parametrize('sidecar', [{'in_channels': 1, 'train_size': 32, 'multiple': 4, 'threshold': 0.5},
+                                     {'in_channels': 1, 'threshold': None, 'config': None, 'normalize': None},
+                                     {}, None])
+def test_sidecar_without_config_still_works(tmp_path, sidecar):
+    """Hand-made and older exports have no 'config' (or null keys, or no model.json at
+    all): what is there is enough, the channels come from the first convolution."""
+    model = _brightness_model(str(tmp_path / 'model'), sidecar=None if sidecar is None else json.dumps(sidecar))
     (tmp_path / 'a.png').write_bytes(_png(0))
     records = predict_paths(model, str(tmp_path / 'a.png'), str(tmp_path / 'out'), progress=False)
     assert len(records) == 1 and records[0]['objects'] >= 1
