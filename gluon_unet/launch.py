@@ -13,6 +13,7 @@ leaves no process behind.
 """
 import argparse
 import os
+import re
 import shlex
 import signal
 import socket
@@ -34,14 +35,35 @@ def free_port(host='127.0.0.1'):
         return s.getsockname()[1]
 
 
+# What may reach ssh's argv as a host: names, IPv4/IPv6 addresses (with a %zone), user@.
+# Nothing that ssh could take for an option (a leading '-': "-oProxyCommand=...") or a
+# shell for code. Environment names go unquoted into the remote shell's command line.
+_HOST = re.compile(r'^[A-Za-z0-9_.:%][A-Za-z0-9_.:%@-]*$')
+_ENV_NAME = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
+
+
+def check_host(host, where):
+    """``host`` unchanged if it is a host name (``[user@]name``); else a one-line UserError."""
+    if not _HOST.match(host) or host.count('@') > 1 or host.startswith('@'):
+        raise UserError('%s: %r is not a host name (letters, digits and . - _ : %% @ only, not starting '
+                        'with -)' % (where, host))
+    return host
+
+
 def read_hostfile(path):
     """Host names from ``path``: one per line, ``#`` comments and blank lines ignored.
 
-    A line may carry more words (``host slots=8``); only the first is used.
+    A line may carry more words (``host slots=8``); only the first is used. A first word
+    that is not a host name (an ssh option such as ``-oProxyCommand=...``, shell
+    characters) stops the launch with the file and line number.
     """
+    hosts = []
     try:
         with open(path) as f:
-            hosts = [line.split('#')[0].split()[0] for line in f if line.split('#')[0].strip()]
+            for number, line in enumerate(f, 1):
+                words = line.split('#')[0].split()
+                if words:
+                    hosts.append(check_host(words[0], '-H %s line %d' % (path, number)))
     except OSError as exc:
         raise UserError('-H %s: cannot read the hostfile (%s)' % (path, exc.strerror)) from None
     if not hosts:
@@ -81,13 +103,25 @@ def ssh_command(host, env, command, cwd, ssh='ssh'):
 
     ssh gives the remote side no signal when the connection drops, so the remote shell
     runs the command in the background and kills it when its stdin (held open by the
-    launcher) closes: stopping the local ssh process stops the remote job too.
+    launcher) closes: stopping the local ssh process stops the remote job too. The
+    watchdog reads that stdin through fd 3: a non-interactive shell gives background
+    commands /dev/null as stdin, which would end ``cat`` at once and kill the job as it
+    starts.
+
+    ``--`` ends ssh's options, so the host is never read as one; variable names must be
+    shell names (they are not quoted), values, ``cwd`` and ``command`` are quoted.
     """
+    check_host(host, 'ssh host')
+    for name in env:
+        if not _ENV_NAME.match(name):
+            raise UserError('bin/launch: environment variable %r cannot be passed over ssh: not a shell '
+                            'variable name (letters, digits, _; not starting with a digit); unset it'
+                            % (name,))
     assignments = ' '.join('%s=%s' % (k, shlex.quote(v)) for k, v in sorted(env.items()))
     inner = 'cd %s && env %s %s' % (shlex.quote(cwd), assignments, ' '.join(shlex.quote(c) for c in command))
-    remote = ('%s & pid=$!; (cat >/dev/null; kill -TERM $pid 2>/dev/null; sleep 10; '
+    remote = ('exec 3<&0; %s 3<&- & pid=$!; (cat <&3 >/dev/null; kill -TERM $pid 2>/dev/null; sleep 10; '
               'kill -KILL $pid 2>/dev/null) & wait $pid' % inner)
-    return [ssh, '-o', 'BatchMode=yes', '-o', 'StrictHostKeyChecking=accept-new', host,
+    return [ssh, '-o', 'BatchMode=yes', '-o', 'StrictHostKeyChecking=accept-new', '--', host,
             'sh -c %s' % shlex.quote(remote)]
 
 
@@ -261,8 +295,10 @@ def main(argv=None):
         plan = job_plan(args.num_workers, args.num_servers, hosts, hosts[0],
                         args.port or free_port('0.0.0.0'), extra)
         cwd = os.getcwd()
+        # Built before anything starts: a name ssh_command refuses stops the launch clean.
+        argvs = [ssh_command(p['host'], p['env'], args.command, cwd) for p in plan]
 
         def argv_for(p):
-            return ssh_command(p['host'], p['env'], args.command, cwd), None, subprocess.PIPE
+            return argvs[plan.index(p)], None, subprocess.PIPE
     return Job(plan, argv_for, grace=args.grace).run()
 
