@@ -84,12 +84,52 @@ def export_in_subprocess(checkpoint, out_dir):
     ``amp.init()`` patches MXNet's operators for the whole process, so a network built
     after it would carry casts to half precision into the exported graph. A clean
     process gives the float32 export users expect.
+
+    The child imports the very ``gluon_unet`` this process runs: the folder holding it
+    goes first on the child's ``PYTHONPATH`` (an existing one is kept after it), since
+    the package may be importable here only through the ``bin/`` shims' ``sys.path``.
+
+    Raises
+    ------
+    ExportError
+        The child failed; the message is one line ending with its last line of stderr.
     """
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env['PYTHONPATH'] = os.pathsep.join([package_root] + [p for p in [env.get('PYTHONPATH')] if p])
     cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
-        raise RuntimeError('export failed: %s' % (done.stderr.strip().splitlines() or ['?'])[-1])
+        raise ExportError('exporting %s in a subprocess failed (%s): %s'
+                          % (checkpoint, _exit_status(done.returncode), _last_error_line(done.stderr)))
     return os.path.join(out_dir, 'model')
+
+
+class ExportError(UserError, RuntimeError):
+    """:func:`export_in_subprocess` failed: a one-line :class:`UserError` (exit 1) for the
+    CLI, and still a ``RuntimeError`` as before."""
+
+    def __init__(self, message):
+        super().__init__(message, exit_code=1)
+
+
+def _exit_status(code):
+    if code < 0:
+        import signal
+        try:
+            return 'killed by %s' % signal.Signals(-code).name
+        except ValueError:
+            return 'killed by signal %d' % -code
+    return 'exit %d' % code
+
+
+def _last_error_line(stderr):
+    """The child's last non-empty stderr line, without our CLIs' ``error:`` prefix."""
+    lines = [line.strip() for line in (stderr or '').splitlines() if line.strip()]
+    if not lines:
+        return 'no error output'
+    line = lines[-1]
+    return line[len('error: '):] if line.startswith('error: ') else line
 
 
 def load_exported(prefix_or_dir, ctx=None):
