@@ -1,0 +1,128 @@
+"""The README's CPU commands, run as written (plus flags that make them tiny), so the
+README cannot drift from what the code does.
+
+The commands are read out of README.md, not copied here: if the README changes them,
+these tests run the new ones; if it no longer has them, the tests say so.
+"""
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+README = os.path.join(ROOT, 'README.md')
+TIMEOUT = 300
+
+
+def _section(title):
+    """The text of the README's ``## <title>`` section."""
+    with open(README) as f:
+        text = f.read()
+    match = re.search(r'^## %s[^\n]*\n(.*?)(?=^##+ |\Z)' % re.escape(title), text, re.M | re.S)
+    if not match:
+        pytest.fail('README.md has no "## %s" section any more: update %s' % (title, __file__))
+    return match.group(1)
+
+
+def _shell_commands(section):
+    """Commands of the section's ```bash blocks: comments dropped, continuation lines
+    joined, ``a && b`` split in two."""
+    commands = []
+    for block in re.findall(r'^```bash\n(.*?)^```', section, re.M | re.S):
+        for line in block.replace('\\\n', ' ').splitlines():
+            words = shlex.split(line, comments=True)
+            while words:
+                cut = words.index('&&') if '&&' in words else len(words)
+                commands.append(words[:cut])
+                words = words[cut + 1:]
+    return [c for c in commands if c]
+
+
+def _find(title, wanted, describe):
+    found = [c for c in _shell_commands(_section(title)) if wanted(c)]
+    if len(found) != 1:
+        pytest.fail('README.md "## %s": expected one %s, found %s; update %s'
+                    % (title, describe, [' '.join(c) for c in found], __file__))
+    return found[0]
+
+
+def _pids_with(marker):
+    found = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open('/proc/%s/cmdline' % pid, 'rb') as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _run(argv, marker):
+    """Run ``argv`` from the repository root with ``python`` on PATH being this
+    interpreter; stop it (and every process carrying ``marker``) after TIMEOUT seconds."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', ''))
+    env = {k: v for k, v in env.items() if not k.startswith('DMLC_')}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # bin/launch stops its job on SIGTERM ...
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail('%s: timed out after %ds:\n%s' % (' '.join(argv), TIMEOUT, out.decode(errors='replace')[-3000:]))
+    finally:
+        # ... whose processes run in sessions of their own: none may outlive the test.
+        deadline = time.time() + 10
+        while _pids_with(marker) and time.time() < deadline:
+            time.sleep(0.2)
+        for pid in _pids_with(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return proc.returncode, out.decode(errors='replace')
+
+
+def _tiny(output):
+    return ['--epochs', '1', '--synthetic-count', '32', '--output', output, '--no-progress']
+
+
+def _assert_exported_and_predicted(output, code, log, argv):
+    assert code == 0, '%s exited with %s:\n%s' % (' '.join(argv), code, log[-4000:])
+    assert os.path.isfile(os.path.join(output, 'export', 'model-symbol.json')), log[-3000:]
+    predictions = os.path.join(output, 'predictions')
+    assert os.path.isdir(predictions) and os.listdir(predictions), log[-3000:]
+
+
+def test_quick_start_demo_runs_as_written(tmp_path):
+    command = _find('Quick start', lambda c: c[1:2] == ['bin/train'],
+                    'demo command "python bin/train"')
+    assert command == ['python', 'bin/train'], 'the quick start demo should need no flags: %s' % command
+    output = str(tmp_path / 'demo')
+    argv = command + _tiny(output)
+    code, log = _run(argv, output)
+    _assert_exported_and_predicted(output, code, log, argv)
+
+
+def test_several_machines_loopback_command_runs_as_written(tmp_path):
+    command = _find('Several machines',
+                    lambda c: c[:1] == ['bin/launch'] and '--launcher' not in c and 'bin/train' in c,
+                    'loopback command "bin/launch -n 2 -s 1 -- bin/train --kvstore dist_sync ..." '
+                    '(bin/launch without --launcher ssh)')
+    assert command[command.index('bin/train') - 1] == '--', command
+    output = str(tmp_path / 'dist')
+    argv = command + _tiny(output)
+    code, log = _run(argv, output)
+    _assert_exported_and_predicted(output, code, log, argv)
