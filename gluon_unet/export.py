@@ -18,6 +18,7 @@ from .checkpoint import load_checkpoint
 from .config import TrainConfig
 from .errors import UserError, reports_errors
 from .model import build_model
+from .utils import dir_mode
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 
@@ -48,6 +49,9 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix='.tmp-export-', dir=parent)
     try:
+        # mkdtemp makes it owner-only (0o700); an export is for sharing: give it the
+        # mode os.mkdir would (0o777 minus the umask). Its files are plain open()s.
+        os.chmod(tmp, dir_mode())
         net.export(os.path.join(tmp, 'model'), epoch=0)
         sidecar = {
             'format': 'gluon_unet-export-1',
