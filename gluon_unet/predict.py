@@ -458,6 +458,7 @@ def _error_text(exc, path):
         text = '%s: %s%s' % (path, type(exc).__name__, (': ' + detail[-1]) if detail else '')
     return ' '.join(text.split())
 
+
 def predict_paths(model, inputs, output_dir, gpus='', cpus=1, mode='auto', tta=False, threshold=None,
                   min_size=0, overlay=False, rle=None, batch_size=8, overlap=0.25, progress=True,
                   split='watershed'):
