@@ -1,9 +1,10 @@
 """Resumable checkpoints: one file each, written atomically.
 
 A checkpoint is a single ``mx.nd.save`` file holding the parameters (by structural
-name, so a SyncBatchNorm model loads into a plain one), the trainer state (optimizer
-moments, update counts and the LR scheduler's position, pickled by MXNet itself) and a
-JSON record (config, epoch, step, best value, history). It is written to a temporary
+name, so a SyncBatchNorm model loads into a plain one), the optimizer state (moments as
+named arrays; update counts and the LR scheduler's position in JSON - never a pickle, so
+loading a checkpoint cannot run code) and a JSON record (config, epoch, step, best
+value, history). It is written to a temporary
 file in the same folder and ``os.replace``-d into place, so a crash at any moment leaves
 either the old checkpoint or the new one - never half of one.
 """
@@ -11,7 +12,6 @@ import glob
 import json
 import os
 import re
-import tempfile
 
 import mxnet as mx
 import numpy as np
@@ -19,14 +19,18 @@ import numpy as np
 from .errors import UserError
 from .utils import atomic_path
 
+# 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
+FORMAT = 2
 _EPOCH_FILE = re.compile(r'epoch(\d+)(?:-step(\d+))?\.ckpt$')
 
 
 def save_checkpoint(path, net, trainer, meta):
     """Write ``net`` parameters, ``trainer`` states and ``meta`` (JSON-able) to ``path``."""
     arrays = {'param:' + name: p._reduce() for name, p in net._collect_params_with_prefix().items()}
+    meta = dict(meta, format=FORMAT)
     if trainer is not None:
-        arrays['trainer_states'] = _bytes_array(_trainer_state_bytes(trainer))
+        opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
+        arrays.update(opt_arrays)
     arrays['meta'] = _bytes_array(json.dumps(meta).encode())
     with atomic_path(path) as tmp:
         mx.nd.save(tmp, arrays)
@@ -63,8 +67,15 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None):
             if p._data is None:
                 p.initialize(ctx=ctx or [mx.cpu()])
             p.set_data(saved[name])
-    if trainer is not None and 'trainer_states' in arrays:
-        _load_trainer_state_bytes(trainer, arrays['trainer_states'].asnumpy().tobytes())
+    if trainer is not None:
+        if 'trainer_states' in arrays:
+            # Written before format 2: MXNet's pickled Updater. Unpickling it could run
+            # any code the file's author chose, so it is never read.
+            raise UserError('--resume %s: this checkpoint stores its optimizer state as a Python pickle '
+                            '(gluon_unet < 0.2), which can run code when loaded; refusing to resume from it '
+                            '(bin/export still reads its weights)' % path)
+        if 'optimizer_state' in meta:
+            load_trainer_state(trainer, arrays, meta['optimizer_state'], path)
     return meta
 
 
@@ -157,22 +168,116 @@ def _bytes_array(b):
     return mx.nd.array(np.frombuffer(b, dtype=np.uint8), dtype=np.uint8)
 
 
-def _trainer_state_bytes(trainer):
-    fd, tmp = tempfile.mkstemp(suffix='.states')
-    os.close(fd)
-    try:
-        trainer.save_states(tmp)
-        with open(tmp, 'rb') as f:
-            return f.read()
-    finally:
-        os.remove(tmp)
+# -- optimizer state without pickle ---------------------------------------------------------
+#
+# MXNet's Trainer.save_states pickles its Updater (states and optimizer object), and
+# load_states unpickles whatever it is given: a crafted checkpoint would run code on
+# --resume. We store the same information as data instead: every state tensor as a named
+# NDArray in the checkpoint (``opt:<index>:<path>``) and, as JSON, the nesting of each
+# state (None, one array, or tuples of them: Adam's (mean, var)), the optimizer's class and
+# its progress counters, and the LR scheduler's mutable position. The optimizer and
+# scheduler objects themselves are rebuilt from the config, which resume checks is the same.
+
+# Scheduler attributes that change while training (mx.lr_scheduler: FactorScheduler and
+# MultiFactorScheduler decay base_lr in place and count steps; the others are stateless).
+_SCHEDULER_PROGRESS = ('base_lr', 'count', 'cur_step_ind')
 
 
-def _load_trainer_state_bytes(trainer, data):
-    fd, tmp = tempfile.mkstemp(suffix='.states')
+def _updaters(trainer):
+    """The Updaters holding ``trainer``'s optimizer states (one per device, or the kvstore's)."""
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+    if trainer._update_on_kvstore:
+        return [trainer._kvstore._updater]
+    return trainer._updaters
+
+
+def _index_key(index):
+    # Trainer indexes states by parameter position (int); a kvstore may use str keys.
+    return ('i%d' % index) if isinstance(index, int) else 's' + str(index)
+
+
+def _index_from_key(key):
+    return int(key[1:]) if key[0] == 'i' else key[1:]
+
+
+def _flatten_state(state, name, arrays):
+    """Put the NDArrays of ``state`` into ``arrays``; return its JSON-able nesting."""
+    if state is None:
+        return None
+    if isinstance(state, mx.nd.NDArray):
+        arrays[name] = state.copyto(mx.cpu())
+        return 'nd'
+    if isinstance(state, (tuple, list)):
+        return [_flatten_state(s, '%s.%d' % (name, k), arrays) for k, s in enumerate(state)]
+    raise TypeError('cannot store optimizer state of type %s' % type(state).__name__)
+
+
+def _unflatten_state(layout, name, arrays):
+    if layout is None:
+        return None
+    if layout == 'nd':
+        return arrays[name].copy()  # each device's updater gets its own array
+    return tuple(_unflatten_state(s, '%s.%d' % (name, k), arrays) for k, s in enumerate(layout))
+
+
+def trainer_state(trainer):
+    """``trainer``'s optimizer state as ``(arrays, record)``: NDArrays and a JSON-able dict.
+
+    Devices share one optimizer and apply the same summed gradient, so their states are
+    equal; like ``Trainer.save_states``, the first device's are stored.
+    """
+    updater = _updaters(trainer)[0]
+    opt = updater.optimizer
+    arrays, layout = {}, {}
+    for index, state in updater.states.items():
+        key = _index_key(index)
+        layout[key] = _flatten_state(state, 'opt:' + key, arrays)
+    sched = opt.lr_scheduler
+    record = {
+        'optimizer': type(opt).__name__.lower(),
+        'layout': layout,
+        'num_update': int(opt.num_update),
+        'begin_num_update': int(opt.begin_num_update),
+        # Per-device update counts (Adam's bias correction reads them), by device id.
+        'index_update_counts': {str(dev): {_index_key(i): int(n) for i, n in counts.items()}
+                                for dev, counts in opt._all_index_update_counts.items()},
+        'lr_scheduler': None if sched is None else {
+            'class': type(sched).__name__,
+            **{k: getattr(sched, k) for k in _SCHEDULER_PROGRESS if hasattr(sched, k)}},
+    }
+    return arrays, record
+
+
+def load_trainer_state(trainer, arrays, record, path='checkpoint'):
+    """Restore what :func:`trainer_state` saved into ``trainer`` (built from the same config)."""
+    updaters = _updaters(trainer)
+    opt = updaters[0].optimizer
+    if record.get('optimizer') != type(opt).__name__.lower():
+        raise UserError('--resume %s: the checkpoint holds %s optimizer state, this run uses %s; '
+                        'use the same --optimizer' % (path, record.get('optimizer'), type(opt).__name__.lower()))
+    sched = opt.lr_scheduler
+    saved_sched = record.get('lr_scheduler')
+    if (saved_sched or {}).get('class') != (type(sched).__name__ if sched is not None else None):
+        raise UserError('--resume %s: the checkpoint was trained with another learning-rate schedule; '
+                        'use the same --lr-schedule and --warmup-epochs' % path)
     try:
-        with os.fdopen(fd, 'wb') as f:
-            f.write(data)
-        trainer.load_states(tmp)
-    finally:
-        os.remove(tmp)
+        for updater in updaters:
+            updater.states = {_index_from_key(k): _unflatten_state(v, 'opt:' + k, arrays)
+                              for k, v in record['layout'].items()}
+            # Moved to each weight's device at its first update (Updater.sync_state_context).
+            updater.states_synced = dict.fromkeys(updater.states, False)
+    except KeyError as exc:
+        raise UserError('checkpoint %s is damaged: optimizer state %s is missing' % (path, exc)) from None
+    opt.num_update = record['num_update']
+    opt.begin_num_update = record['begin_num_update']
+    opt._all_index_update_counts = {int(dev): {_index_from_key(k): n for k, n in counts.items()}
+                                    for dev, counts in record['index_update_counts'].items()}
+    opt._all_index_update_counts.setdefault(0, {})
+    opt._index_update_count = opt._all_index_update_counts[0]
+    if sched is not None:
+        for k in _SCHEDULER_PROGRESS:
+            if k in saved_sched:
+                setattr(sched, k, saved_sched[k])
