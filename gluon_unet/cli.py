@@ -12,7 +12,7 @@ import os
 import sys
 import typing
 
-from .config import ModelConfig, TrainConfig, flag_name
+from .config import ModelConfig, TrainConfig, check_types, flag_name
 from .devices import cpu_context_count
 from .errors import UserError, reports_errors
 from .runlog import get_logger
@@ -21,7 +21,7 @@ from .runtime import apply_runtime_defaults
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
 DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size': 16,
-                 'synthetic_count': 320, 'output': 'runs/demo', 'lr': 3e-3, 'lr_schedule': 'cosine',
+                 'synthetic_count': 320, 'lr': 3e-3, 'lr_schedule': 'cosine',
                  'loss': 'bce_dice', 'patience': 0}
 
 
@@ -67,7 +67,17 @@ def config_from_args(given, config_file=None):
                 loaded = json.load(f)
         except (OSError, ValueError) as exc:
             raise UserError('--config %s: cannot read it as JSON (%s)' % (config_file, exc)) from None
-        values.update(loaded.pop('model', {}))
+        where = '--config %s' % config_file
+        if not isinstance(loaded, dict):
+            raise UserError('%s: must hold a JSON object of settings, like {"lr": 0.001} (got %s)'
+                            % (where, type(loaded).__name__))
+        model = loaded.pop('model', {})
+        if not isinstance(model, dict):
+            raise UserError('%s: "model" must be an object of model settings, like {"width": 32} (got %s)'
+                            % (where, json.dumps(model)))
+        check_types(model, ModelConfig, where)
+        check_types(loaded, TrainConfig, where)
+        values.update(model)
         values.update(loaded)
     values.update(given)
     if values.get('data') is None:
@@ -124,28 +134,30 @@ def train_main(argv=None):
     except Diverged as exc:
         print('error: %s' % exc, file=sys.stderr)
         return Diverged.exit_code
-    if cfg.data is None and history:
-        demo_predictions(cfg)
+    # Only the process that exported (rank 0 of a bin/launch job) has a model to show;
+    # the other workers end when training does.
+    if cfg.data is None and history and history.is_main:
+        demo_predictions(cfg, history.output)
     return 0
 
 
-def demo_predictions(cfg, count=8):
+def demo_predictions(cfg, run_dir, count=8):
     """End the demo like a real job: segment new generated images with the export.
 
-    Writes ``<output>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
-    ``<output>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
+    Writes ``<run_dir>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
+    ``<run_dir>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
     import cv2
     from .data.synthetic import synthetic_nuclei
     from .predict import predict_paths
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
-    inputs = os.path.join(cfg.output, 'demo_inputs')
+    inputs = os.path.join(run_dir, 'demo_inputs')
     os.makedirs(inputs, exist_ok=True)
     for i, image in enumerate(images):
         cv2.imwrite(os.path.join(inputs, 'demo%02d.png' % i), image)
-    out = os.path.join(cfg.output, 'predictions')
-    records = predict_paths(cfg.output, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
+    out = os.path.join(run_dir, 'predictions')
+    records = predict_paths(run_dir, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
                             rle=os.path.join(out, 'submission.csv'), progress=False)
     get_logger().info('demo: segmented %d new images (%d nuclei) into %s', len(records),
                       sum(r['objects'] for r in records), out)

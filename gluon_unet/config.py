@@ -7,6 +7,7 @@ so a model can be rebuilt without the command line that trained it.
 """
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -100,13 +101,18 @@ class TrainConfig:
     hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
 
     # run bookkeeping
-    output: str = _opt('runs/unet', 'run directory (config, logs, metrics, checkpoints, export)')
+    output: Optional[str] = _opt(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
+                                       'a new runs/unet, runs/unet-2, ... (runs/demo... for the demo). '
+                                       'A folder holding another run is refused')
+    overwrite: bool = _opt(False, 'start over in an --output that holds a run: deletes its config, logs, '
+                                  'metrics, checkpoints and export (other files stay)')
     seed: int = _opt(0, 'random seed (data split, initialization, augmentation)')
     monitor: str = _opt('val_iou', 'metric that picks the best checkpoint and drives early stopping')
     patience: int = _opt(20, 'early stopping: epochs without improvement (0 = off)')
     min_delta: float = _opt(0.0, 'early stopping: smallest change that counts as improvement')
     keep_last: int = _opt(2, 'how many recent checkpoints to keep besides the best')
-    resume: Optional[str] = _opt(None, "checkpoint to resume from, or 'auto' (latest in --output)")
+    resume: Optional[str] = _opt(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
+                                       "--output; without --output, the newest runs/unet-N)")
     threshold: float = _opt(0.5, 'probability threshold for masks')
     benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = _opt(True, 'show progress bars')
@@ -137,6 +143,9 @@ class TrainConfig:
     # -- validation ---------------------------------------------------------------------
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value."""
+        check_types(dataclasses.asdict(self.model), ModelConfig)
+        check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'model'},
+                    TrainConfig)
         m = self.model
         if m.in_channels not in (0, 1, 3):
             raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % m.in_channels)
@@ -181,6 +190,66 @@ class TrainConfig:
                 raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %r)"
                                 % self.lr_steps)
         return self
+
+
+# What a resumed run must share with the checkpoint: the optimizer state and the LR
+# schedule's position only mean something for the same optimizer and schedule, and the
+# position inside an interrupted epoch only for the same batches (batch size, seed, split).
+# Devices may change: weights and optimizer state move to the new ones (the gradient is
+# the same mean over the global batch; only per-device BatchNorm statistics differ, as
+# with any device count). --epochs may change under the constant schedule only: the
+# others are shaped by the run's length.
+RESUME_FIXED = ('optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay', 'lr_schedule', 'warmup_epochs',
+                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype')
+
+
+def resume_conflicts(saved, current):
+    """Flags whose values differ between a checkpoint's config and this run's, as
+    ``['--batch-size 16 (now 8)', ...]``; empty when the run can be resumed."""
+    out = []
+    keys = list(RESUME_FIXED)
+    if current.lr_schedule != 'constant' or current.warmup_epochs:
+        keys.append('epochs')
+    if saved.optimizer != 'sgd':
+        keys = [k for k in keys if k not in ('momentum', 'nesterov')]
+    for key in keys:
+        if getattr(saved, key) != getattr(current, key):
+            out.append('%s %s (now %s)' % (flag_name(key), getattr(saved, key), getattr(current, key)))
+    if saved.model != current.model:
+        for f in dataclasses.fields(ModelConfig):
+            if getattr(saved.model, f.name) != getattr(current.model, f.name):
+                out.append('%s %s (now %s)' % (flag_name(f.name), getattr(saved.model, f.name),
+                                               getattr(current.model, f.name)))
+    return out
+
+
+def check_types(values, cls, where=None):
+    """Raise :class:`UserError` when a value does not have its field's type.
+
+    ``where`` names the source (e.g. ``'--config run.json'``); without it, the flag is
+    named. ints are accepted where floats are expected (and converted by the caller).
+    """
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        if key not in hints or key == 'model':
+            continue
+        tp, optional = hints[key], False
+        if typing.get_origin(tp) is typing.Union:
+            optional = type(None) in typing.get_args(tp)
+            tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+        if value is None and optional:
+            continue
+        ok = {bool: lambda v: isinstance(v, bool),
+              int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+              float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+              str: lambda v: isinstance(v, str)}[tp](value)
+        if not ok:
+            kind = {bool: 'true or false', int: 'an integer', float: 'a number', str: 'a string'}[tp]
+            if key == 'gpus':
+                kind = 'a string of GPU ids such as "0-7" or "0,2"'
+            name = ('%s: %s' % (where, key)) if where else flag_name(key)
+            raise UserError('%s must be %s%s (got %s)' % (name, kind, ' or null' if optional else '',
+                                                          json.dumps(value)))
 
 
 def flag_name(field_name):

@@ -5,6 +5,8 @@ network (`build_network`), the optimizer, then per epoch `train_epoch` and `vali
 checkpoint, early stopping, and finally export of the best model.
 """
 import collections
+import contextlib
+import hashlib
 import math
 import os
 import signal
@@ -20,14 +22,15 @@ import numpy as np
 from . import distributed
 from . import metrics as M
 from . import postprocess
+from . import rundir
 from .checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
-from .config import TrainConfig
+from .config import TrainConfig, resume_conflicts
 from .data import readers
 from .data.augment import make_transform
 from .data.dataset import make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
 from .data.weights import unet_weight_map
-from .devices import has_gpu, make_contexts
+from .devices import has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
 from .export import export_checkpoint, export_in_subprocess
 from .losses import SegmentationLoss
@@ -35,6 +38,7 @@ from .model import build_model, foreground_probability
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .runlog import MetricsTable, plot_curves, setup_logging
+from .rundir import claim_run_folder
 from .runtime import configure_runtime
 from .utils import atomic_open
 
@@ -63,8 +67,8 @@ class RunState:
     bad_epochs: int = 0
     history: list = field(default_factory=list)
 
-    def to_meta(self, cfg):
-        return {'config': cfg.to_dict(), 'epoch': self.epoch, 'step': self.step,
+    def to_meta(self, cfg, data_id=None):
+        return {'config': cfg.to_dict(), 'data': data_id, 'epoch': self.epoch, 'step': self.step,
                 'step_in_epoch': self.step_in_epoch, 'best': self.best,
                 'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs,
                 'history': self.history, 'seed': cfg.seed,
@@ -75,6 +79,37 @@ class RunState:
         return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
                    best=meta.get('best'), best_epoch=meta.get('best_epoch', 0),
                    bad_epochs=meta.get('bad_epochs', 0), history=meta.get('history', []))
+
+
+def data_fingerprint(train_ds, val_ds, num_workers=1):
+    """What identifies the data a run trains on, for resume to compare: sample counts, a
+    digest of the sample names in order (the split and the batches follow from them), and
+    the number of workers (with a dist kvstore they set the global batch)."""
+    digest = hashlib.sha1()
+    for ds in (train_ds, val_ds):
+        digest.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
+    return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
+            'names_sha1': digest.hexdigest(), 'workers': num_workers}
+
+
+def check_resumable(path, meta, cfg, data_id):
+    """Refuse, in one line, to resume ``meta`` (a checkpoint's record) with settings or
+    data it cannot continue exactly (see ``config.RESUME_FIXED``)."""
+    saved = TrainConfig.from_dict(meta['config'])
+    conflicts = resume_conflicts(saved, cfg)
+    if conflicts:
+        raise UserError('--resume %s: the run was trained with %s; resume with the same values (or start a '
+                        'new run)' % (path, ', '.join(conflicts)))
+    old = meta.get('data')
+    if old and (old['train'], old['val'], old['names_sha1']) != (data_id['train'], data_id['val'],
+                                                                  data_id['names_sha1']):
+        raise UserError('--resume %s: the data changed since the checkpoint (it trained on %d images and '
+                        'validated on %d, now %d and %d, or other files); resume with the same --data'
+                        % (path, old['train'], old['val'], data_id['train'], data_id['val']))
+    if old and old.get('workers', 1) != data_id['workers']:
+        raise UserError('--resume %s: the run had %d worker(s), now %d: the global batch would change; '
+                        'resume with bin/launch -n %d' % (path, old.get('workers', 1), data_id['workers'],
+                                                          old.get('workers', 1)))
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -377,8 +412,41 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
+    check_amp_support(cfg, ctxs)
     kvstore, rank, num_workers = distributed.kvstore_for(cfg.kvstore, ctxs)
     is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
+    default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
+    if is_main:
+        # Claimed (and locked) before any data is decoded: a clash costs seconds, not
+        # the minutes of a decode; released - and removed if still empty - on any error.
+        folder = claim_run_folder(cfg.output, default_base, cfg.resume, cfg.overwrite)
+        cfg.output = folder.path
+    else:
+        folder = contextlib.nullcontext()
+        cfg.output = cfg.output or rundir.default_output(default_base, cfg.resume) or ''
+    with folder:
+        history = _fit_in_folder(cfg, ctxs, kvstore, rank, num_workers, train_ds, val_ds, verbose, callbacks)
+    return FitResult(history, output=cfg.output, is_main=is_main)
+
+
+class FitResult(list):
+    """What :func:`fit` returns: the per-epoch records (a list), plus ``output`` (the run
+    folder, which fit() picks when ``cfg.output`` is None) and ``is_main`` (False on the
+    workers of a multi-machine job other than rank 0, which write nothing)."""
+
+    def __init__(self, history, output, is_main=True):
+        super().__init__(history)
+        self.output, self.is_main = output, is_main
+
+
+def check_amp_support(cfg, ctxs):
+    """Stop before any work when ``--amp`` cannot run on these devices."""
+    if cfg.amp and not has_gpu(ctxs) and cfg.amp_dtype in ('auto', 'bfloat16'):
+        require_cpu_bfloat16()
+
+
+def _fit_in_folder(cfg, ctxs, kvstore, rank, num_workers, train_ds, val_ds, verbose, callbacks):
+    is_main = rank == 0
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and is_main)
     resume_path = resolve_resume(cfg.resume, cfg.output)
@@ -389,13 +457,11 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         cfg.model.in_channels = channels
     elif cfg.model.in_channels != channels:
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
+    data_id = data_fingerprint(train_ds, val_ds, num_workers)
     resume_step = -1
     if resume_path:
         resume_meta = load_checkpoint(resume_path)
-        saved = TrainConfig.from_dict(resume_meta['config']).model
-        if saved != cfg.model:
-            raise UserError('--resume %s: the checkpoint was trained with another model (%s); '
-                            'use the same --width/--depth/--channels' % (resume_path, saved))
+        check_resumable(resume_path, resume_meta, cfg, data_id)
         resume_step = resume_meta['step']
     # Distributed: each worker resolved --resume on its own file system (no one writes
     # before the first epoch ends, which needs every worker); all must start at the same step.
@@ -456,7 +522,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
             row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds if is_main else None,
                              step.loss_fn, trainer, stop, steps_per_epoch, log)
             if row is None:  # interrupted mid-epoch
-                path = saver.save(net, ckpt_trainer, state.to_meta(cfg), False, state.step_in_epoch) \
+                path = saver.save(net, ckpt_trainer, state.to_meta(cfg, data_id), False, state.step_in_epoch) \
                     if is_main else None
                 name = signal.Signals(stop.signum).name
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
@@ -470,7 +536,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
                 state.bad_epochs += 1
             row['best'] = bool(is_best)
             if is_main:
-                saver.save(net, ckpt_trainer, state.to_meta(cfg), is_best)
+                saver.save(net, ckpt_trainer, state.to_meta(cfg, data_id), is_best)
                 table.write(state.history)
                 _plot_quietly(state.history, os.path.join(cfg.output, 'curves.png'), log)
             log.info(_epoch_line(row, monitor, len(ctxs)))

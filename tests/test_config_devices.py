@@ -66,7 +66,8 @@ def test_flags_map_onto_config_and_demo_defaults_only_fill_gaps():
     args.pop('config')
     cfg = config_from_args(args)
     assert (cfg.model.width, cfg.augment, cfg.batch_size) == (12, False, 7)
-    assert cfg.size == 64 and cfg.output == 'runs/demo'  # demo defaults (no --data)
+    assert cfg.size == 64 and cfg.epochs == 12  # demo defaults (no --data)
+    assert cfg.output is None  # fit() picks a new runs/demo-N folder
 
 
 def test_config_file_then_flags(tmp_path):

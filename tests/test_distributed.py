@@ -180,13 +180,13 @@ def test_ssh_command_carries_env_cwd_and_quoting(tmp_path):
     argv = launch.ssh_command('node2', {'DMLC_ROLE': 'worker', 'DMLC_PS_ROOT_URI': 'node1'},
                               ['bin/train', '--output', 'runs/a b'], '/shared/repo')
     assert argv[:5] == ['ssh', '-o', 'BatchMode=yes', '-o', 'StrictHostKeyChecking=accept-new']
-    assert argv[5] == 'node2'
+    assert argv[5:7] == ['--', 'node2']  # a host can never become an ssh option
     # What the remote login shell runs: sh -c '<script>'.
     import shlex
-    remote = shlex.split(argv[6])
+    remote = shlex.split(argv[7])
     assert remote[:2] == ['sh', '-c']
-    assert remote[2].startswith("cd /shared/repo && env DMLC_PS_ROOT_URI=node1 DMLC_ROLE=worker "
-                                "bin/train --output 'runs/a b' & pid=$!;")
+    assert remote[2].startswith("exec 3<&0; cd /shared/repo && env DMLC_PS_ROOT_URI=node1 DMLC_ROLE=worker "
+                                "bin/train --output 'runs/a b' 3<&- & pid=$!;")
     assert 'kill -TERM $pid' in remote[2]
     with pytest.raises(UserError, match='hostfile'):
         launch.read_hostfile(str(tmp_path / 'missing'))

@@ -95,7 +95,9 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, argv, fla
 
 def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
     out = tmp_path / 'run'
-    proc = subprocess.Popen(_train_cmd(out, '--epochs', '40'), stderr=subprocess.PIPE, text=True)
+    # A constant LR: resume may then lengthen the run (other schedules are shaped by --epochs).
+    proc = subprocess.Popen(_train_cmd(out, '--epochs', '40', '--lr-schedule', 'constant'),
+                            stderr=subprocess.PIPE, text=True)
     log = out / 'train.log'
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and 'epoch 1 |' in log.read_text()):
@@ -107,7 +109,8 @@ def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
     saved = list_checkpoints(str(out / 'checkpoints'))
     meta = load_checkpoint(saved[-1])
     assert meta['epoch'] >= 1
-    done = subprocess.run(_train_cmd(out, '--epochs', str(meta['epoch'] + 2), '--resume', 'auto'),
+    done = subprocess.run(_train_cmd(out, '--epochs', str(meta['epoch'] + 2), '--lr-schedule', 'constant',
+                                     '--resume', 'auto'),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert 'resumed from' in done.stderr
