@@ -148,3 +148,19 @@ def test_workers_give_same_arrays(data):
     b = load_dataset(im, mk, size=32, workers=2, progress=False, cache_dir=False)
     np.testing.assert_array_equal(a.images, b.images)
     np.testing.assert_array_equal(a.masks, b.masks)
+
+
+def test_cache_entries_get_the_umask_mode_so_a_shared_cache_is_readable(data, monkeypatch):
+    import stat
+    from gluon_unet import utils
+    old = os.umask(0o022)
+    monkeypatch.setattr(utils, '_UMASK', None, raising=False)
+    try:
+        load(data)
+    finally:
+        os.umask(old)
+        monkeypatch.setattr(utils, '_UMASK', None, raising=False)
+    entry = [os.path.join(data[2], n) for n in os.listdir(data[2]) if not n.startswith('.')][0]
+    assert stat.S_IMODE(os.stat(entry).st_mode) == 0o755
+    for name in os.listdir(entry):
+        assert stat.S_IMODE(os.stat(os.path.join(entry, name)).st_mode) == 0o644, name

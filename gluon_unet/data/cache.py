@@ -26,6 +26,7 @@ import warnings
 import numpy as np
 
 from ..errors import UserError
+from ..utils import dir_mode
 
 #: Bump when decoding or preprocessing changes, so old caches are not reused.
 CACHE_VERSION = 1
@@ -133,6 +134,7 @@ class CacheWriter:
         self.cache_dir, self.key, self.source = cache_dir, key, source
         self.final = os.path.join(cache_dir, key[:24])
         self.tmp = tempfile.mkdtemp(prefix='.tmp-%s-' % key[:8], dir=cache_dir)
+        os.chmod(self.tmp, dir_mode())  # mkdtemp's 0700 would hide a shared cache from colleagues
         self._files, self._specs = {}, {}
 
     def append(self, name, arr):
