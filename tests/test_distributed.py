@@ -312,3 +312,46 @@ def test_a_killed_worker_stops_the_job(tmp_path, marker):
     assert 'exited with code -9; stopping the job' in out, out
     time.sleep(0.2)
     assert not pids_with(marker), 'left behind: %s' % pids_with(marker)
+
+
+def _listening_sockets(pids):
+    """``(address, port)`` of the TCP sockets in LISTEN state owned by ``pids``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir('/proc/%d/fd' % pid):
+                target = os.readlink('/proc/%d/fd/%s' % (pid, fd))
+                if target.startswith('socket:['):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone meanwhile
+            pass
+    found = []
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == '0A' and cols[9] in inodes:  # 0A = LISTEN
+                    addr, port = cols[1].split(':')
+                    found.append((addr, int(port, 16)))
+    return found
+
+
+def test_local_launcher_binds_the_parameter_server_to_loopback_only(tmp_path, marker):
+    # ps-lite unpickles control messages: in local mode nothing may listen beyond 127.0.0.1.
+    proc = subprocess.Popen(LAUNCH + ['-n', '2', '-s', '1', '--'] + TRAIN + [
+        '--kvstore', 'dist_sync', '--cpus', '1', '--batch-size', '8', '--epochs', '200', '--width', '4',
+        '--depth', '2', '--size', '32', '--synthetic-count', '32', '--workers', '0', '--no-progress',
+        '--output', str(tmp_path / marker)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        deadline, sockets = time.time() + 90, []
+        # scheduler, server and both workers each listen once they have joined
+        while time.time() < deadline and len(sockets) < 4:
+            time.sleep(0.5)
+            sockets = _listening_sockets(pids_with(marker))
+        assert len(sockets) >= 4, sockets
+        # 127.0.0.1 in /proc/net/tcp's little-endian hex
+        assert all(addr == '0100007F' for addr, _ in sockets), sockets
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
