@@ -14,7 +14,7 @@ import typing
 
 from .config import ModelConfig, TrainConfig, check_types, flag_name
 from .devices import cpu_context_count
-from .errors import UserError, reports_errors
+from .errors import OneLineParser, UserError, reports_errors  # noqa: F401 (predict.py still imports OneLineParser from here)
 from .runlog import get_logger
 from .runtime import apply_runtime_defaults
 
@@ -23,13 +23,6 @@ from .runtime import apply_runtime_defaults
 DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size': 16,
                  'synthetic_count': 320, 'lr': 3e-3, 'lr_schedule': 'cosine',
                  'loss': 'bce_dice', 'patience': 0}
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (flag and problem) and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, '%s: error: %s\n' % (self.prog, message))
 
 
 def _arg_type(tp):

@@ -1,9 +1,13 @@
-"""The one exception type users see.
+"""How problems reach the user: one line, never a traceback.
 
 Anything the user can fix (a bad flag, a missing file, a corrupt image) is raised as
-:class:`UserError`; the CLI entry points turn it into a single line on stderr and a
-non-zero exit code instead of a traceback.
+:class:`UserError`; the CLI entry points (:func:`reports_errors`) turn it into a single
+line on stderr and a non-zero exit code. All five CLIs parse their flags with
+:class:`OneLineParser`, so a usage error looks the same everywhere (one line, exit 2).
+
+This module imports nothing from gluon_unet (and not mxnet), so any module may use it.
 """
+import argparse
 import functools
 import sys
 
@@ -38,3 +42,10 @@ def reports_errors(main):
             print('interrupted', file=sys.stderr)
             return 130
     return wrapper
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (flag and problem) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, '%s: error: %s\n' % (self.prog, message))

@@ -16,7 +16,7 @@ import mxnet as mx
 
 from .checkpoint import load_checkpoint
 from .config import TrainConfig
-from .errors import UserError, reports_errors
+from .errors import OneLineParser, UserError, reports_errors
 from .model import build_model
 from .utils import dir_mode
 
@@ -272,7 +272,6 @@ def find_export(path):
 @reports_errors
 def main(argv=None):
     """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
-    from .cli import OneLineParser
     parser = OneLineParser(prog='export', description='Export a trained model for inference: '
                            'model-symbol.json + model-0000.params + model.json, loadable with '
                            'mx.gluon.SymbolBlock.imports alone.')

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from .errors import UserError, reports_errors
+from .errors import OneLineParser, UserError, reports_errors
 from .runtime import LOCAL_WORKERS, is_default
 
 ROLES = ('scheduler', 'server', 'worker')
@@ -232,7 +232,7 @@ class Job:
 
 
 def launch_parser():
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog='launch', usage='launch -n WORKERS [-s SERVERS] [--launcher local|ssh] [-H HOSTFILE] '
                              '[--port P] -- COMMAND ...',
         description='Run COMMAND (e.g. bin/train ... --kvstore dist_sync) as a distributed MXNet job: '
