@@ -6,7 +6,7 @@ because the OpenMP thread count can only be chosen then (``runtime.py``).
 """
 import functools
 
-from .errors import UserError
+from .errors import UserError, mxnet_message
 
 # --gpus values that mean "no GPU: train on --cpus CPU contexts".
 _NO_GPU_SPECS = ('', 'none', 'cpu')
@@ -201,10 +201,7 @@ def cpu_bfloat16_support():
     try:
         deviation = _bfloat16_probe()
     except mx.base.MXNetError as exc:
-        # MXNet's message is a C++ traceback; its last non-empty line says what failed.
-        lines = [l.strip() for l in str(exc).splitlines() if l.strip()]
-        return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, lines[-1] if lines else
-                                                                       type(exc).__name__)
+        return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:
         return False, ('%s computes wrong bfloat16 convolutions %s (off by %.0f %% of the output)'
                        % (cpu, where, 100 * deviation))

@@ -3,7 +3,9 @@
 Anything the user can fix (a bad flag, a missing file, a corrupt image) is raised as
 :class:`UserError`; the CLI entry points (:func:`reports_errors`) turn it into a single
 line on stderr and a non-zero exit code. All five CLIs parse their flags with
-:class:`OneLineParser`, so a usage error looks the same everywhere (one line, exit 2).
+:class:`OneLineParser`, so a usage error looks the same everywhere (one line, exit 2), and
+:func:`mxnet_message` turns an MXNet error (a C++ traceback) into the line that says what
+failed.
 
 This module imports nothing from gluon_unet (and not mxnet), so any module may use it.
 """
@@ -49,3 +51,24 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, '%s: error: %s\n' % (self.prog, message))
+
+
+# Lines of an MXNet error message that locate the failure rather than describe it.
+_TRACE_LINES = ('Traceback', 'File ', '[bt]', 'Stack trace')
+
+
+def mxnet_message(exc, limit=200):
+    """The line of an MXNet error that says what failed, for a one-line message.
+
+    ``str(MXNetError)`` is a C++ traceback: ``Traceback (most recent call last):``, then
+    ``File "../src/...", line N``, then the cause (``MXNetError: Check failed: ...``);
+    older builds put the cause first and ``[bt]`` stack lines after it. This returns the
+    last line that is neither, without the ``MXNetError:`` prefix, at most ``limit``
+    characters; the exception's type name when there is no such line. Works on any
+    exception (a plain message is its own last line).
+    """
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if not line.startswith(_TRACE_LINES):
+            return line.replace('MXNetError: ', '')[:limit]
+    return type(exc).__name__

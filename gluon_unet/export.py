@@ -16,7 +16,7 @@ import mxnet as mx
 
 from .checkpoint import load_checkpoint
 from .config import TrainConfig
-from .errors import OneLineParser, UserError, reports_errors
+from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
 from .utils import dir_mode
 
@@ -166,7 +166,7 @@ def load_exported(prefix_or_dir, ctx=None):
         _check_param_shapes(net, params, meta)
     except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
         raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
-                        % (folder, mx_message(exc))) from None
+                        % (folder, mxnet_message(exc))) from None
     return net, meta
 
 
@@ -243,15 +243,6 @@ def _check_param_shapes(net, params_file, meta):
         side = meta.get('train_size') or 2 ** 7
         inputs['data'] = (1, channels, side, side)
     sym.infer_shape_partial(**inputs, **saved)
-
-
-def mx_message(exc):
-    """The informative line of an MXNet error (they start with 'Traceback ...')."""
-    lines = [l.strip() for l in str(exc).strip().splitlines() if l.strip()]
-    for line in reversed(lines):
-        if not line.startswith(('File ', 'Traceback', '[bt]', 'Stack trace')):
-            return line.replace('MXNetError: ', '')[:200]
-    return type(exc).__name__
 
 
 def find_export(path):

@@ -1,0 +1,55 @@
+"""errors.py: the one-line parser every CLI uses and the MXNet-message helper (issue 15)."""
+import mxnet as mx
+import pytest
+
+from gluon_unet.errors import OneLineParser, UserError, mxnet_message, reports_errors
+
+
+def test_one_line_parser_usage_error_is_one_line_exit_2(capsys):
+    parser = OneLineParser(prog='tool')
+    parser.add_argument('--n', type=int)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(['--n', 'x'])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.count('\n') == 1 and err.startswith('tool: error: ') and '--n' in err
+
+
+def test_reports_errors_turns_user_error_into_one_line(capsys):
+    @reports_errors
+    def main(argv=None):
+        raise UserError('--data x: no such folder', exit_code=3)
+
+    assert main([]) == 3
+    assert capsys.readouterr().err == 'error: --data x: no such folder\n'
+
+
+def test_mxnet_message_of_a_real_mxnet_error():
+    with pytest.raises(mx.MXNetError) as info:
+        (mx.nd.ones((2, 3)) + mx.nd.ones((4, 5))).wait_to_read()
+    assert str(info.value).startswith('Traceback')  # what the helper is for
+    message = mxnet_message(info.value)
+    assert 'could not be broadcast' in message and '[2,3]' in message
+    assert not message.startswith(('MXNetError', 'Traceback', 'File'))
+
+
+@pytest.mark.parametrize('text, expected', [
+    # MXNet 1.9: traceback first, the cause last.
+    ('MXNetError: Traceback (most recent call last):\n  File "../src/x.cc", line 115\n'
+     'could not create a primitive descriptor iterator', 'could not create a primitive descriptor iterator'),
+    ('Traceback (most recent call last):\n  File "../src/y.cc", line 67\nMXNetError: Check failed: l == 1',
+     'Check failed: l == 1'),
+    # Older builds: the cause first, then the stack.
+    ('[12:00:00] src/io.cc:40: Check failed: fi\nStack trace:\n  [bt] (0) libmxnet.so(+0x1)\n  [bt] (1) x',
+     '[12:00:00] src/io.cc:40: Check failed: fi'),
+    ('plain message', 'plain message'),
+])
+def test_mxnet_message_picks_the_cause(text, expected):
+    assert mxnet_message(mx.MXNetError(text)) == expected
+
+
+def test_mxnet_message_limit_and_empty():
+    assert mxnet_message(ValueError('x' * 500)) == 'x' * 200
+    assert mxnet_message(ValueError('x' * 500), limit=120) == 'x' * 120
+    assert mxnet_message(KeyError()) == 'KeyError'
+    assert mxnet_message(mx.MXNetError('Traceback (most recent call last):\n  File "a", line 1')) == 'MXNetError'
