@@ -54,7 +54,7 @@ def make_training_step(cfg, ctxs):
         cfg = type(cfg).from_dict(cfg.to_dict())
         cfg.model.in_channels = 1
     amp_dtype = init_amp(cfg, ctxs)
-    return make_step(cfg, build_network(cfg, ctxs), ctxs, amp_dtype)
+    return make_step(cfg, build_network(cfg, ctxs, amp_dtype), ctxs, amp_dtype)
 
 
 def time_steps(step, batch, steps):

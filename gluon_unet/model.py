@@ -33,8 +33,8 @@ class _TransposedConv2x2(nn.HybridBlock):
     initialisation match ``Conv2DTranspose``, so checkpoints are interchangeable). Why:
     under bfloat16 AMP, the backward pass of a hybridized graph with Deconvolution
     crashes MXNet 1.9 (segfault, or "could not execute a primitive"), while a 1x1
-    Convolution trains in bfloat16. Used only under AMP: in float32, Deconvolution is
-    the faster kernel.
+    Convolution trains in bfloat16. Used only under bfloat16 AMP: in float32,
+    Deconvolution is the faster kernel, and cuDNN's works under float16 AMP.
     """
 
     def __init__(self, channels, kernel_size=2, strides=2, in_channels=0, **kwargs):
@@ -60,14 +60,14 @@ class _TransposedConv2x2(nn.HybridBlock):
 class _Up(nn.HybridBlock):
     """Double the resolution and halve the channels, then concatenate the skip."""
 
-    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, **kwargs):
+    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, amp_dtype=None, **kwargs):
         super().__init__(**kwargs)
         self.mode = mode
         if mode == 'deconv':
             # oneDNN's Deconvolution is the faster float32 kernel (width 16 at 128 px:
-            # 8 % faster steps), but cannot train hybridized in bfloat16. (Under float16
-            # AMP on GPUs the 1x1 form is used too: it is correct there, speed unmeasured.)
-            up = _TransposedConv2x2 if _amp_active() else nn.Conv2DTranspose
+            # 8 % faster steps), but cannot train hybridized in bfloat16. cuDNN's trains
+            # under float16 AMP.
+            up = _TransposedConv2x2 if amp_dtype == 'bfloat16' else nn.Conv2DTranspose
             self.up = up(channels, kernel_size=2, strides=2, in_channels=2 * channels)
         else:
             # Resize + conv avoids the checkerboard artefacts of transposed convs.
@@ -75,8 +75,8 @@ class _Up(nn.HybridBlock):
         self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs)
         # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
         # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
-        # an explicit multicast does (only then, so float32 graphs stay unchanged).
-        self.multicast = _amp_active()
+        # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
+        self.multicast = amp_dtype is not None
 
     def hybrid_forward(self, F, x, skip):
         if self.mode == 'bilinear':
@@ -85,11 +85,6 @@ class _Up(nn.HybridBlock):
         if self.multicast:
             x, skip = F.amp_multicast(x, skip, num_outputs=2)
         return self.conv(F.concat(x, skip, dim=1))
-
-
-def _amp_active():
-    from mxnet.contrib.amp import amp
-    return bool(getattr(amp, '_amp_initialized', False))
 
 
 class UNet(nn.HybridBlock):
@@ -114,12 +109,17 @@ class UNet(nn.HybridBlock):
         Decoder upsampling.
     sync_bn_devices : int
         When > 0, BatchNorm is ``SyncBatchNorm`` synchronized over this many devices.
+    amp_dtype : {None, 'float16', 'bfloat16'}
+        The AMP dtype the network will train in (``amp.init(target_dtype=...)``, which
+        must come first), None for float32. Under 'bfloat16' the 2x2 transposed
+        convolutions are computed as 1x1 convolutions (:class:`_TransposedConv2x2`, the
+        same parameters): MXNet 1.9 cannot train a hybridized bfloat16 Deconvolution.
 
     Input ``(N, in_channels, H, W)``; output logits ``(N, classes, H, W)``.
     """
 
     def __init__(self, in_channels=1, classes=1, width=32, depth=4, batch_norm=True,
-                 dropout=0.0, upsample='deconv', sync_bn_devices=0, **kwargs):
+                 dropout=0.0, upsample='deconv', sync_bn_devices=0, amp_dtype=None, **kwargs):
         super().__init__(**kwargs)
         self.in_channels, self.depth = in_channels, depth
         if sync_bn_devices:
@@ -135,7 +135,7 @@ class UNet(nn.HybridBlock):
             self.drop = nn.Dropout(dropout) if dropout > 0 else None
             self.up = nn.HybridSequential()
             for level in reversed(range(depth)):
-                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs))
+                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs, amp_dtype))
             self.head = nn.Conv2D(classes, 1)
 
     def forward(self, x, *args):
@@ -174,12 +174,16 @@ def foreground_probability(logits):
     return 1 - mx.nd.softmax(logits, axis=1)[:, 0]
 
 
-def build_model(model_cfg, sync_bn_devices=0):
-    """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`."""
+def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None):
+    """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
+
+    ``amp_dtype`` is the dtype of the AMP already initialized (``engine.init_amp``'s
+    result), None for float32 (see :class:`UNet`).
+    """
     return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.classes,
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
-                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices)
+                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype)
 
 
 def flops_per_image(model_cfg, size):

@@ -20,15 +20,15 @@ def main(config_path, dump):
     from gluon_unet import distributed, engine
     from gluon_unet.config import TrainConfig
     seen = {}
-    real_kv, real_build = distributed.kvstore_for, engine.build_network
+    real_strategy, real_build = distributed.make_strategy, engine.build_network
 
-    def kvstore_for(kvstore, ctxs):
-        kv, rank, workers = real_kv(kvstore, ctxs)
-        seen['rank'] = rank
-        return kv, rank, workers
+    def make_strategy(kvstore):
+        strategy = real_strategy(kvstore)
+        seen['rank'] = strategy.rank
+        return strategy
 
-    def build_network(cfg, ctxs):
-        seen['net'] = real_build(cfg, ctxs)
+    def build_network(cfg, ctxs, *args):
+        seen['net'] = real_build(cfg, ctxs, *args)
         return seen['net']
 
     def dump_params(row):
@@ -39,7 +39,7 @@ def main(config_path, dump):
                     arrays['%s@%d' % (name, i)] = d.asnumpy()
         np.savez(os.path.join(dump, 'rank%d-epoch%d.npz' % (seen['rank'], row['epoch'])), **arrays)
 
-    distributed.kvstore_for, engine.build_network = kvstore_for, build_network
+    distributed.make_strategy, engine.build_network = make_strategy, build_network
     with open(config_path) as f:
         cfg = TrainConfig.from_dict(json.load(f))
     engine.fit(cfg, verbose=True, callbacks=[dump_params])

@@ -83,3 +83,18 @@ def test_transposed_conv_as_1x1_conv_equals_conv2d_transpose(hybridize):
     assert results[0][0].shape == (2, 3, 10, 14)
     for a, b in zip(*results):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize('amp_dtype, stand_in', [(None, False), ('float16', False), ('bfloat16', True)])
+def test_amp_dtype_is_explicit_and_chooses_the_upsampling_block(amp_dtype, stand_in):
+    # build_model is told the AMP dtype (no peeking at MXNet's private AMP state): only
+    # bfloat16 needs the 1x1 stand-in for Deconvolution; float16 (cuDNN) and float32 use it.
+    from gluon_unet.model import _TransposedConv2x2
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2), amp_dtype=amp_dtype)
+    ups = [block.up for block in net.up]
+    assert all(isinstance(u, _TransposedConv2x2) == stand_in for u in ups)
+    assert all(isinstance(u, mx.gluon.nn.Conv2DTranspose) != stand_in for u in ups)
+    assert all(block.multicast == (amp_dtype is not None) for block in net.up)
+    # The same structural parameter names (what checkpoints store) either way.
+    plain = build_model(ModelConfig(in_channels=1, width=4, depth=2))
+    assert sorted(net._collect_params_with_prefix()) == sorted(plain._collect_params_with_prefix())
