@@ -14,8 +14,9 @@ import tempfile
 
 import mxnet as mx
 
-from .checkpoint import load_checkpoint
+from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
+from .data.io import NORMALIZE_MODES
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
 from .utils import dir_mode
@@ -163,7 +164,7 @@ def load_exported(prefix_or_dir, ctx=None):
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
-        _check_param_shapes(net, params, meta)
+        _check_param_shapes(symbol, params, meta)
     except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
         raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
                         % (folder, mxnet_message(exc))) from None
@@ -209,7 +210,6 @@ def read_sidecar(path):
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
-    from .data.io import NORMALIZE_MODES
     for where, holder in (('normalize', meta), ('config.normalize', config or {})):
         value = holder.get('normalize')
         if value is not None and value not in NORMALIZE_MODES:
@@ -226,8 +226,8 @@ def _json_kind(value):
     return {list: 'a list', str: 'a string', dict: 'an object'}.get(type(value), 'a number')
 
 
-def _check_param_shapes(net, params_file, meta):
-    """Raise MXNetError when the params file does not fit the symbol.
+def _check_param_shapes(symbol_file, params_file, meta):
+    """Raise MXNetError when the params file does not fit the symbol file.
 
     ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
     nothing, so weights of a wider network load silently and fail at the first forward
@@ -235,7 +235,7 @@ def _check_param_shapes(net, params_file, meta):
     saved shapes finds the mismatch at load time instead.
     """
     saved = {k.split(':', 1)[-1]: v.shape for k, v in mx.nd.load(params_file).items()}
-    sym = net._cached_graph[1]
+    sym = mx.sym.load(symbol_file)
     inputs = {}
     first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
     channels = meta.get('in_channels') or (first[1] if first else None)
@@ -278,7 +278,6 @@ def main(argv=None):
 
 def _resolve_run(run, output):
     """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
-    from .checkpoint import list_checkpoints
     if os.path.isdir(run):
         folder = os.path.join(run, 'checkpoints')
         ckpt = os.path.join(folder, 'best.ckpt')
