@@ -7,19 +7,20 @@ Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a 
 mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
 code as the validation metrics in training.
 """
-import argparse
 import csv
-import glob
 import os
 
 import numpy as np
 
-from .errors import UserError, reports_errors
+from .data.io import merge_object_masks, read_labels
+from .data.layouts import is_dsb, is_dsb_sample, list_images
+from .errors import OneLineParser, UserError, reports_errors
 from .metrics import dsb_image_score, pixel_scores
 from .utils import atomic_open
 
-IMAGE_EXTS = ('.png', '.tif', '.tiff', '.bmp', '.jpg', '.jpeg')
-_JPEG = ('.jpg', '.jpeg')
+__all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
+           'main']
+
 #: Name suffixes that still identify the image id. Earlier = preferred when several files
 #: share an id (a label image keeps the watershed splits a binary mask has lost).
 PRED_SUFFIXES = ('_labels', '_label', '_instances', '', '_mask', '_pred', '_prediction')
@@ -29,58 +30,9 @@ IGNORED_SUFFIXES = ('_overlay',)
 COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status')
 
 
-def read_labels(path, threshold=0.5):
-    """Read a label image, binary mask or probability map as instance labels.
-
-    Parameters
-    ----------
-    path : str
-    threshold : float
-        Foreground cut for float images holding probabilities.
-
-    Returns
-    -------
-    (H, W) int64, 0 = background.
-    """
-    import cv2
-    from skimage.measure import label
-
-    arr = cv2.imread(path, cv2.IMREAD_UNCHANGED)
-    if arr is None:
-        raise UserError('cannot read %s (missing, corrupt or not an image)' % path)
-    if arr.ndim == 3:
-        if arr.shape[2] in (2, 4):
-            arr = arr[..., :-1]  # alpha
-        if arr.shape[2] == 1 or all(np.array_equal(arr[..., 0], arr[..., c]) for c in range(arr.shape[2])):
-            arr = arr[..., 0]
-        else:
-            # A colour-coded label image: one id per colour, black = background.
-            flat = arr.reshape(-1, arr.shape[2])
-            colours, ids = np.unique(flat, axis=0, return_inverse=True)
-            background = ~flat.any(axis=1).reshape(arr.shape[:2])
-            if len(colours) - int(background.any()) <= 1:
-                return label(~background, connectivity=1)  # one colour = a binary mask
-            out = ids.reshape(arr.shape[:2]).astype(np.int64) + 1
-            out[background] = 0
-            return out
-    if arr.dtype.kind == 'f':
-        arr = np.nan_to_num(arr)
-        if arr.max(initial=0) > 1 and np.array_equal(arr, np.round(arr)):
-            return arr.astype(np.int64)  # a label image stored as float (e.g. TIFF)
-        return label(arr > threshold, connectivity=1)
-    if os.path.splitext(path)[1].lower() in _JPEG:
-        return label(arr > 127, connectivity=1)  # JPEG noise makes "labels" meaningless
-    values = np.unique(arr)
-    nonzero = values[values != 0]
-    if len(nonzero) <= 1:
-        return label(arr != 0, connectivity=1)  # a binary mask, 0/1 or 0/255
-    return arr.astype(np.int64)
-
-
 def find_images(folder):
-    """Image files directly in ``folder``, by lower-case extension."""
-    return sorted(p for p in glob.glob(os.path.join(folder, '*'))
-                  if os.path.isfile(p) and os.path.splitext(p)[1].lower() in IMAGE_EXTS)
+    """Image files directly in ``folder``, sorted (see :func:`~.data.io.is_image_file`)."""
+    return [os.path.join(folder, n) for n in list_images(folder)]
 
 
 def _by_id(paths, suffixes, ignore=()):
@@ -98,47 +50,28 @@ def _by_id(paths, suffixes, ignore=()):
     return {k: v[1] for k, v in best.items()}
 
 
-def is_dsb_layout(root):
-    """True when ``root`` holds ``<id>/masks/`` folders."""
-    return any(os.path.isdir(os.path.join(root, d, 'masks')) for d in os.listdir(root))
-
-
 def load_truth(root, threshold=0.5):
     """Ground truth as ``{id: loader}``; each loader returns (H, W) int64 labels.
 
     Loading is deferred so a large truth set is read one image at a time.
     """
-    if is_dsb_layout(root):
-        truth = {}
-        for d in sorted(os.listdir(root)):
-            mask_dir = os.path.join(root, d, 'masks')
-            if os.path.isdir(mask_dir):
-                truth[d] = (lambda m=mask_dir: _read_dsb_masks(m))
-        return truth
+    if is_dsb(root, 'masks'):
+        return {d: (lambda m=os.path.join(root, d, 'masks'): _read_dsb_masks(m))
+                for d in sorted(os.listdir(root)) if is_dsb_sample(os.path.join(root, d), 'masks')}
     return {k: (lambda p=p: read_labels(p, threshold))
             for k, p in _by_id(find_images(root), TRUTH_SUFFIXES).items()}
 
 
 def _read_dsb_masks(mask_dir):
-    import cv2
-
+    """The instance labels of one DSB sample: mask file k -> id k."""
     files = find_images(mask_dir)
     if not files:
         raise UserError('%s holds no mask images' % mask_dir)
-    labels = None
-    for k, path in enumerate(files, start=1):
-        m = cv2.imread(path, cv2.IMREAD_UNCHANGED)
-        if m is None:
-            raise UserError('cannot read %s (missing, corrupt or not an image)' % path)
-        if m.ndim == 3:
-            m = m[..., :3].max(axis=2)
-        if labels is None:
-            labels = np.zeros(m.shape[:2], np.int64)
-        elif m.shape[:2] != labels.shape:
-            raise UserError('%s is %dx%d but the other masks of %s are %dx%d'
-                            % (path, m.shape[1], m.shape[0], mask_dir, labels.shape[1], labels.shape[0]))
-        labels[m > (127 if os.path.splitext(path)[1].lower() in _JPEG else 0)] = k
-    return labels
+
+    def mismatch(path, shape, expected):
+        return UserError('%s is %dx%d but the other masks of %s are %dx%d'
+                         % (path, shape[1], shape[0], mask_dir, expected[1], expected[0]))
+    return merge_object_masks(files, mismatch=mismatch).astype(np.int64)
 
 
 def evaluate(pred_dir, truth_dir, threshold=0.5):
@@ -219,7 +152,7 @@ def format_table(rows, mean):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog='evaluate',
         description='Score predicted nuclei against ground truth: Data Science Bowl 2018 '
                     'instance score, pixel IoU and Dice per image and mean.')

@@ -8,7 +8,8 @@ import cv2
 import numpy as np
 import pytest
 
-from gluon_unet.evaluate import main, read_labels
+from gluon_unet.errors import UserError
+from gluon_unet.evaluate import evaluate, main, read_labels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -123,3 +124,30 @@ def test_shim_runs(dirs):
                            '--truth', str(truth / 'nowhere')], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith('error: --truth')
+
+
+def test_read_labels_float_maps_colour_labels_and_jpeg(tmp_path):
+    prob = str(tmp_path / 'p.tiff')
+    cv2.imwrite(prob, np.array([[0.9, 0.1], [0.2, 0.8]], np.float32))
+    assert read_labels(prob).tolist() == [[1, 0], [0, 2]]            # thresholded, 4-connected
+    assert read_labels(prob, threshold=0.95).tolist() == [[0, 0], [0, 0]]
+    ids = str(tmp_path / 'ids.tiff')
+    cv2.imwrite(ids, np.array([[0, 7], [7, 3]], np.float32))          # float holding label ids
+    assert read_labels(ids).tolist() == [[0, 7], [7, 3]]
+    colour = np.zeros((4, 4, 3), np.uint8)
+    colour[0, :2] = (255, 0, 0)
+    colour[3, 2:] = (0, 255, 0)
+    cv2.imwrite(str(tmp_path / 'c.png'), colour)
+    got = read_labels(str(tmp_path / 'c.png'))
+    assert got[0, 0] == got[0, 1] != got[3, 2] == got[3, 3] and got[0, 0] > 0 and got[3, 3] > 0
+    assert (got[1:3] == 0).all()
+
+
+def test_dsb_truth_masks_of_different_sizes_name_the_file(tmp_path):
+    truth, pred = tmp_path / 'truth', tmp_path / 'pred'
+    write_dsb_truth(str(truth), ['a'])
+    cv2.imwrite(str(truth / 'a' / 'masks' / 'm3.png'), np.zeros((16, 16), np.uint8))
+    pred.mkdir()
+    cv2.imwrite(str(pred / 'a.png'), squares())
+    with pytest.raises(UserError, match=r'm3.png is 16x16 but the other masks of .* are 32x32'):
+        evaluate(str(pred), str(truth))

@@ -31,7 +31,7 @@ def _resize(arr, size, interpolation):
     return out
 
 
-def _pad_to(arr, h, w, top, left, mode):
+def _pad_to_at_least(arr, h, w, top, left, mode):
     """Pad ``arr`` (HW or HWC) to at least (h, w), ``top``/``left`` pixels before it."""
     H, W = arr.shape[:2]
     ph, pw = max(0, h - H), max(0, w - W)
@@ -98,9 +98,9 @@ class Augment:
         if H < wh or W < ww:  # window larger than the image: pad, image at a random place
             top = int(rng.integers(0, max(0, wh - H) + 1))
             left = int(rng.integers(0, max(0, ww - W) + 1))
-            image = _pad_to(image, wh, ww, top, left, 'reflect')
-            mask = _pad_to(mask, wh, ww, top, left, 'zeros')
-            inst = _pad_to(inst, wh, ww, top, left, 'zeros')
+            image = _pad_to_at_least(image, wh, ww, top, left, 'reflect')
+            mask = _pad_to_at_least(mask, wh, ww, top, left, 'zeros')
+            inst = _pad_to_at_least(inst, wh, ww, top, left, 'zeros')
             H, W = image.shape[:2]
         y = int(rng.integers(0, H - wh + 1))
         x = int(rng.integers(0, W - ww + 1))
@@ -133,13 +133,13 @@ class Augment:
         dy = cv2.GaussianBlur(dy, (0, 0), self.elastic_sigma)
         norm = self.elastic_alpha / max(1e-6, float(np.abs(np.concatenate([dx, dy])).max()))
         gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
-        mx, my = gx + dx * norm, gy + dy * norm
+        map_x, map_y = gx + dx * norm, gy + dy * norm
         c = image.shape[2]
-        img = cv2.remap(np.ascontiguousarray(image), mx, my, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
+        img = cv2.remap(np.ascontiguousarray(image), map_x, map_y, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
         image = img.reshape(h, w, c)
-        mask = cv2.remap(np.ascontiguousarray(mask), mx, my, cv2.INTER_NEAREST,
+        mask = cv2.remap(np.ascontiguousarray(mask), map_x, map_y, cv2.INTER_NEAREST,
                          borderMode=cv2.BORDER_CONSTANT, borderValue=0)
-        inst = cv2.remap(np.ascontiguousarray(inst), mx, my, cv2.INTER_NEAREST,
+        inst = cv2.remap(np.ascontiguousarray(inst), map_x, map_y, cv2.INTER_NEAREST,
                          borderMode=cv2.BORDER_CONSTANT, borderValue=0)
         return image, mask, inst
 

@@ -55,7 +55,10 @@ import numpy as np
 
 from ..errors import UserError
 
+#: The image files read for training, prediction and evaluation (lower-case extensions).
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg', '.tif', '.tiff', '.bmp')
+#: The same, for messages: ``'png, jpg, jpeg, tif, tiff, bmp'``.
+IMAGE_TYPES = ', '.join(ext[1:] for ext in IMAGE_EXTENSIONS)
 #: Percentiles mapped to 0 and 255 when normalizing 16-bit and float images.
 PERCENTILES = (0.5, 99.5)
 
@@ -277,6 +280,64 @@ def read_binary_mask(path):
     return fg
 
 
+def merge_object_masks(paths, shape=None, mismatch=None):
+    """One instance label image from one mask file per object (the DSB layout).
+
+    Parameters
+    ----------
+    paths : list of str
+        Mask files; file k (1-based, in this order) becomes id k, later files win overlaps.
+    shape : (H, W), optional
+        The size every mask must have; default the first mask's.
+    mismatch : callable, optional
+        ``mismatch(path, mask_shape, expected_shape)`` returns the exception to raise for
+        a mask of another size (default: a UserError naming the file).
+
+    Returns
+    -------
+    (H, W) int32, 0 = background
+    """
+    labels = None if shape is None else np.zeros(tuple(shape), np.int32)
+    for k, path in enumerate(paths, start=1):
+        fg = read_binary_mask(path)
+        if labels is None:
+            labels = np.zeros(fg.shape, np.int32)
+        if fg.shape != labels.shape:
+            if mismatch is not None:
+                raise mismatch(path, fg.shape, labels.shape)
+            raise UserError('mask %s is %dx%d (HxW) but the others are %dx%d'
+                            % (path, fg.shape[0], fg.shape[1], labels.shape[0], labels.shape[1]))
+        labels[fg] = k
+    if labels is None:
+        raise ValueError('merge_object_masks: no mask files and no shape')
+    return labels
+
+
+def read_labels(path, threshold=0.5):
+    """Read a label image, binary mask or probability map as instance labels.
+
+    Label images keep their ids, binary masks (and single-colour RGB masks) become their
+    4-connected components, multi-colour RGB masks one id per colour, float images
+    holding probabilities are cut at ``threshold`` first (float images holding integer
+    ids > 1 are label images). See :func:`read_mask` for the rest.
+
+    Returns
+    -------
+    (H, W) int64, 0 = background.
+    """
+    from skimage.measure import label
+
+    arr = read_raw(path)
+    if arr.dtype.kind == 'f':
+        arr = np.nan_to_num(arr)
+        if arr.ndim == 2 and not (arr.max(initial=0) > 1 and np.array_equal(arr, np.round(arr))):
+            return label(arr > threshold, connectivity=1)
+    mask, instances = _mask_from_array(arr, os.fspath(path))
+    if instances is None:
+        return label(mask, connectivity=1)
+    return instances.astype(np.int64)
+
+
 def read_mask(path):
     """Read a mask: binary foreground and, for label masks, the instance ids.
 
@@ -293,7 +354,11 @@ def read_mask(path):
         mask, or None for a plain binary mask (the caller labels connected components).
     """
     path = os.fspath(path)
-    arr = read_raw(path)
+    return _mask_from_array(read_raw(path), path)
+
+
+def _mask_from_array(arr, path):
+    """:func:`read_mask` of a decoded file ``arr``; ``path`` tells JPEGs and names errors."""
     jpeg = os.path.splitext(path)[1].lower() in _JPEG
     if arr.ndim == 3 and arr.shape[2] in (2, 4):
         arr = arr[..., :-1]  # alpha

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from ..errors import UserError
-from .io import is_image_file
+from .io import IMAGE_TYPES, is_image_file
 
 LAYOUTS = ('auto', 'paired', 'dsb', 'csv')
 log = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ def _listdir(path):
         raise UserError('%s: cannot list folder (%s)' % (path, e.strerror or e)) from None
 
 
-def _images_in(folder):
+def list_images(folder):
+    """Names of the image files directly in ``folder``, sorted (hidden files skipped)."""
     return [n for n in _listdir(folder) if is_image_file(n) and os.path.isfile(os.path.join(folder, n))]
 
 
@@ -76,13 +77,26 @@ def _unpaired(missing, total, what, skip_unpaired):
     log.warning('%s; skipped', msg)
 
 
-def _is_dsb(root):
-    for n in _listdir(root):
-        if n.startswith('.'):
-            continue
-        if os.path.isdir(os.path.join(root, n, 'images')):
-            return True
-    return False
+def is_dsb_sample(folder, part='images'):
+    """True when ``folder`` is one sample of the DSB layout: it has a ``<part>/`` subfolder
+    (``images`` for inputs, ``masks`` for ground truth)."""
+    return os.path.isdir(os.path.join(folder, part))
+
+
+def is_dsb(root, part='images'):
+    """True when ``root`` is the DSB layout: a (non-hidden) entry is a DSB sample, see
+    :func:`is_dsb_sample`. The one detector used by training, prediction and evaluation."""
+    return any(not n.startswith('.') and is_dsb_sample(os.path.join(root, n), part) for n in _listdir(root))
+
+
+def dsb_image(sample_dir):
+    """The image of one DSB sample ``<id>/``: ``<id>/images/<id>.*``, else the first image
+    in ``<id>/images/``; None when there is none."""
+    sid = os.path.basename(os.path.normpath(sample_dir))
+    img_dir = os.path.join(sample_dir, 'images')
+    imgs = list_images(img_dir)
+    preferred = [n for n in imgs if os.path.splitext(n)[0] == sid]
+    return os.path.join(img_dir, (preferred or imgs)[0]) if imgs else None
 
 
 def detect_layout(path, masks=None, mask_suffix='_mask'):
@@ -107,7 +121,7 @@ def detect_layout(path, masks=None, mask_suffix='_mask'):
         raise UserError('--data %s: folder is empty' % path)
     if os.path.isdir(os.path.join(path, 'images')) and os.path.isdir(os.path.join(path, 'masks')):
         return 'paired'
-    if _is_dsb(path):
+    if is_dsb(path):
         return 'dsb'
     images = [n for n in entries if is_image_file(n)]
     if mask_suffix and any(os.path.splitext(n)[0].endswith(mask_suffix) for n in images):
@@ -135,8 +149,8 @@ def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=F
     if not os.path.isdir(masks_dir):
         raise UserError('--masks %s: no such folder' % masks_dir)
     same = os.path.abspath(images_dir) == os.path.abspath(masks_dir)
-    image_files = _images_in(images_dir)
-    mask_files = image_files if same else _images_in(masks_dir)
+    image_files = list_images(images_dir)
+    mask_files = image_files if same else list_images(masks_dir)
     by_stem = {}
     for n in mask_files:
         by_stem.setdefault(os.path.splitext(n)[0], n)
@@ -145,8 +159,7 @@ def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=F
             raise UserError('--data %s: images and masks in one folder need a --mask-suffix' % images_dir)
         image_files = [n for n in image_files if not os.path.splitext(n)[0].endswith(mask_suffix)]
     if not image_files:
-        raise UserError('--data %s: no images (%s) in the folder' % (images_dir, ', '.join(
-            ('png', 'jpg', 'tif', 'bmp'))))
+        raise UserError('--data %s: no images (%s) in the folder' % (images_dir, IMAGE_TYPES))
     samples, missing = [], []
     for n in image_files:
         stem = os.path.splitext(n)[0]
@@ -170,17 +183,14 @@ def find_dsb(root, skip_unpaired=False):
         d = os.path.join(root, sid)
         if sid.startswith('.') or not os.path.isdir(d):
             continue
-        img_dir = os.path.join(d, 'images')
-        if not os.path.isdir(img_dir):
+        if not is_dsb_sample(d):
             raise UserError('%s: no images/ folder (DSB layout: ROOT/<id>/images/<id>.png)' % d)
-        imgs = _images_in(img_dir)
-        preferred = [n for n in imgs if os.path.splitext(n)[0] == sid]
-        if not imgs:
-            raise UserError('%s: no image file (DSB layout: ROOT/<id>/images/<id>.png)' % img_dir)
-        image = os.path.join(img_dir, (preferred or imgs)[0])
+        image = dsb_image(d)
+        if image is None:
+            raise UserError('%s: no image file (DSB layout: ROOT/<id>/images/<id>.png)' % os.path.join(d, 'images'))
         total += 1
         mask_dir = os.path.join(d, 'masks')
-        masks = _images_in(mask_dir) if os.path.isdir(mask_dir) else []
+        masks = list_images(mask_dir) if os.path.isdir(mask_dir) else []
         if not masks:
             missing.append(sid)
             continue
@@ -267,7 +277,7 @@ def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired
     elif os.path.isfile(path):
         raise UserError('--data %s: --layout %s needs a folder' % (path, layout))
     elif layout == 'dsb':
-        if not _is_dsb(path):
+        if not is_dsb(path):
             raise UserError('--data %s: not the DSB layout (expected ROOT/<id>/images/<id>.png '
                             'and ROOT/<id>/masks/*.png)' % path)
         samples = find_dsb(path, skip_unpaired)

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UserError
 from . import cache as _cache
 from .dataset import SegmentationDataset
-from .io import NORMALIZE_MODES, is_colour, normalize_image, read_binary_mask, read_image, read_mask
+from .io import NORMALIZE_MODES, is_colour, merge_object_masks, normalize_image, read_image, read_mask
 from .layouts import discover
 
 
@@ -47,12 +47,8 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
     if channels == 0 and image.shape[2] == 1:
         image = np.repeat(image, 3, axis=2)
     if sample.merge:  # DSB: one file per object -> union mask + one id per file
-        inst = np.zeros((h, w), np.int32)
-        for k, path in enumerate(sample.masks, start=1):
-            fg = read_binary_mask(path)
-            if fg.shape != (h, w):
-                raise _size_error(path, fg.shape, sample.image, (h, w))
-            inst[fg] = k
+        inst = merge_object_masks(sample.masks, (h, w),
+                                  mismatch=lambda path, shape, _: _size_error(path, shape, sample.image, (h, w)))
         mask = (inst > 0).astype(np.uint8)
     else:
         mask, inst = read_mask(sample.masks[0])
