@@ -80,32 +80,66 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None):
 
 
 class CheckpointSaver:
-    """Keeps the last ``keep_last`` checkpoints and a copy of the best one.
+    """Keeps the last ``keep_last`` checkpoints and a copy of the best one, and knows
+    which is best: the monitored value, its epoch and the epochs since it improved.
 
     Parameters
     ----------
-    folder : str
-        ``<run>/checkpoints``.
+    folder : str or None
+        ``<run>/checkpoints``; None keeps score but writes nothing (the workers of a
+        multi-machine job other than rank 0).
     monitor : str
         Metric name in the per-epoch record, e.g. ``'val_iou'``.
     mode : {'max', 'min'}
     keep_last : int
         Recent epoch checkpoints to keep (the best is kept separately as ``best.ckpt``).
+    min_delta : float
+        Smallest change that counts as an improvement.
     """
 
-    def __init__(self, folder, monitor='val_iou', mode='max', keep_last=2):
-        self.folder, self.monitor, self.mode, self.keep_last = folder, monitor, mode, keep_last
-        os.makedirs(folder, exist_ok=True)
+    def __init__(self, folder, monitor='val_iou', mode='max', keep_last=2, min_delta=0.0):
+        self.folder, self.monitor, self.mode = folder, monitor, mode
+        self.keep_last, self.min_delta = keep_last, min_delta
+        self.best, self.best_epoch, self.bad_epochs = None, 0, 0
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
 
-    def is_better(self, value, best, min_delta=0.0):
+    def is_better(self, value):
+        """Whether ``value`` beats the best so far by more than ``min_delta``."""
         if value is None or not np.isfinite(value):
             return False
-        if best is None:
+        if self.best is None:
             return True
-        return bool(value > best + min_delta if self.mode == 'max' else value < best - min_delta)
+        if self.mode == 'max':
+            return bool(value > self.best + self.min_delta)
+        return bool(value < self.best - self.min_delta)
 
-    def save(self, net, trainer, meta, is_best, step_in_epoch=0):
-        """Write the epoch checkpoint, update ``best.ckpt``, prune old ones; returns the path."""
+    def state(self):
+        """The bookkeeping a checkpoint stores, so a resumed run knows its best."""
+        return {'best': self.best, 'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs}
+
+    def restore(self, meta):
+        """Take the bookkeeping back from a checkpoint's record."""
+        self.best, self.best_epoch = meta.get('best'), meta.get('best_epoch', 0)
+        self.bad_epochs = meta.get('bad_epochs', 0)
+
+    def end_epoch(self, net, trainer, meta, value):
+        """Score the epoch's ``value``, write its checkpoint (and ``best.ckpt`` when it is
+        the best so far), prune old ones. Returns whether it was the best."""
+        is_best = self.is_better(value)
+        if is_best:
+            self.best, self.best_epoch, self.bad_epochs = value, meta['epoch'], 0
+        else:
+            self.bad_epochs += 1
+        self.save(net, trainer, meta, is_best)
+        return is_best
+
+    def save(self, net, trainer, meta, is_best=False, step_in_epoch=0):
+        """Write a checkpoint (mid-epoch when ``step_in_epoch``); returns its path, or
+        None when this saver writes nothing."""
+        if self.folder is None:
+            return None
+        meta = dict(meta, **self.state())
         name = 'epoch%04d.ckpt' % meta['epoch']
         if step_in_epoch:
             name = 'epoch%04d-step%06d.ckpt' % (meta['epoch'], step_in_epoch)

@@ -1,18 +1,18 @@
-"""Training and validation loops: ``fit(cfg)`` is the whole job.
+"""Training: ``fit(cfg)`` is the whole job, as a short list of named stages.
 
-Stages, each a function that returns a dict: build the data (`build_datasets`), the
-network (`build_network`), the optimizer, then per epoch `train_epoch` and `validate`,
-checkpoint, early stopping, and finally export of the best model.
+``fit`` picks the run folder, then ``_train`` runs the stages in order: the data
+(`prepare_data`), the resume point (`find_resume_point`), the run folder's writer
+(`recorder.RunRecorder`), the network (`build_network`) and the step (`make_step`), the
+epochs (`train_epoch` and `validate` each epoch), and the export. Everything that differs
+between one process and a multi-machine job is asked of a `distributed.Strategy`.
 """
 import collections
-import contextlib
 import hashlib
 import math
-import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mxnet as mx
 import numpy as np
@@ -22,8 +22,7 @@ import numpy as np
 from . import distributed
 from . import metrics as M
 from . import postprocess
-from . import rundir
-from .checkpoint import CheckpointSaver, load_checkpoint, resolve_resume
+from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
 from .data.augment import make_transform
@@ -32,15 +31,13 @@ from .data.synthetic import synthetic_dataset
 from .data.weights import unet_weight_map
 from .devices import has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
-from .export import export_checkpoint, export_in_subprocess
 from .losses import SegmentationLoss
 from .model import build_model, foreground_probability
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
-from .runlog import MetricsTable, plot_curves, setup_logging
-from .rundir import claim_run_folder
+from .recorder import RunRecorder, RunState
+from .runlog import setup_logging
 from .runtime import configure_runtime
-from .utils import atomic_open
 
 
 class Interrupted(Exception):
@@ -54,31 +51,6 @@ class Interrupted(Exception):
 class Diverged(Exception):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
     exit_code = 3
-
-
-@dataclass
-class RunState:
-    """What a checkpoint must hold beyond the weights to continue a run exactly."""
-    epoch: int = 0               # last completed epoch
-    step: int = 0                # optimizer updates so far
-    step_in_epoch: int = 0       # batches done in an interrupted epoch
-    best: float = None
-    best_epoch: int = 0
-    bad_epochs: int = 0
-    history: list = field(default_factory=list)
-
-    def to_meta(self, cfg, data_id=None):
-        return {'config': cfg.to_dict(), 'data': data_id, 'epoch': self.epoch, 'step': self.step,
-                'step_in_epoch': self.step_in_epoch, 'best': self.best,
-                'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs,
-                'history': self.history, 'seed': cfg.seed,
-                'metrics': self.history[-1] if self.history else {}}
-
-    @classmethod
-    def from_meta(cls, meta):
-        return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
-                   best=meta.get('best'), best_epoch=meta.get('best_epoch', 0),
-                   bad_epochs=meta.get('bad_epochs', 0), history=meta.get('history', []))
 
 
 def data_fingerprint(train_ds, val_ds, num_workers=1):
@@ -163,10 +135,12 @@ def data_channels(ds):
 
 # -- network -------------------------------------------------------------------------------
 
-def build_network(cfg, ctxs):
-    """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized."""
+def build_network(cfg, ctxs, amp_dtype=None):
+    """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized.
+    ``amp_dtype``: :func:`init_amp`'s result (None = float32)."""
     configure_runtime(len(ctxs), ctxs[0].device_type)  # process-wide knobs: one place
-    net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0)
+    net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
+                      amp_dtype=amp_dtype)
     mx.random.seed(cfg.seed)
     net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
     if cfg.hybridize:
@@ -199,13 +173,13 @@ def init_amp(cfg, ctxs):
     return dtype
 
 
-def resolve_update_on_kvstore(cfg, amp_dtype):
+def resolve_update_on_kvstore(cfg, amp_dtype, strategy):
     """Whether the kvstore applies the optimizer (``Trainer(update_on_kvstore=...)``).
 
     Off when something must touch the summed gradients before the update: clipping, or
     float16 loss scaling (unscale and overflow check).
     """
-    update_on_kv = distributed.default_update_on_kvstore(cfg.kvstore, cfg.update_on_kvstore)
+    update_on_kv = strategy.update_on_kvstore(cfg.update_on_kvstore)
     between = cfg.clip_grad > 0 or amp_dtype == 'float16'
     if between and cfg.kvstore == 'dist_async':
         raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
@@ -216,7 +190,7 @@ def resolve_update_on_kvstore(cfg, amp_dtype):
     return False if between else update_on_kv
 
 
-def make_step(cfg, net, ctxs, amp_dtype=None, kvstore=None, lr_scheduler=None, workers=1):
+def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, update_on_kvstore=None):
     """The training step of ``cfg`` for ``net`` on ``ctxs``: trainer, loss, AMP.
 
     Used by :func:`fit` and by the benchmarks, so both measure the same step.
@@ -228,27 +202,28 @@ def make_step(cfg, net, ctxs, amp_dtype=None, kvstore=None, lr_scheduler=None, w
         exponent range, so nothing underflows, and the dynamic scaler's overflow check
         costs a host synchronization and a pass over all gradients every step
         (``multi_all_finite``).
-    kvstore : str or KVStore, optional
-        Defaults to ``cfg.kvstore``.
-    workers : int
-        See :class:`~gluon_unet.parallel.DataParallelStep`.
+    strategy : distributed.Strategy, optional
+        Defaults to one process with ``cfg.kvstore``.
+    update_on_kvstore : bool, optional
+        From :func:`resolve_update_on_kvstore` (resolved here when not given).
 
     Returns
     -------
     DataParallelStep
     """
+    strategy = strategy or distributed.make_strategy(cfg.kvstore)
+    if update_on_kvstore is None:
+        update_on_kvstore = resolve_update_on_kvstore(cfg, amp_dtype, strategy)
     scaling = amp_dtype == 'float16'
-    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs,
-                           kvstore=cfg.kvstore if kvstore is None else kvstore,
-                           update_on_kvstore=resolve_update_on_kvstore(cfg, amp_dtype),
-                           weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                           nesterov=cfg.nesterov, lr_scheduler=lr_scheduler)
+    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs, kvstore=strategy.kvstore,
+                           update_on_kvstore=update_on_kvstore, weight_decay=cfg.weight_decay,
+                           momentum=cfg.momentum, nesterov=cfg.nesterov, lr_scheduler=lr_scheduler)
     if scaling:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
     return DataParallelStep(net, SegmentationLoss(cfg.loss, cfg.dice_weight), trainer, ctxs,
                             clip_grad=cfg.clip_grad, loss_scaling=scaling,
-                            sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=workers)
+                            sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=strategy.grad_workers)
 
 
 # -- one epoch -----------------------------------------------------------------------------
@@ -405,28 +380,22 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
 
     Returns
     -------
-    list of dict
-        One record per epoch (losses, metrics, learning rate, images/s, seconds); the
-        run folder holds the same in ``metrics.csv``, plus checkpoints and the export.
+    FitResult
+        A list with one record per epoch (losses, metrics, learning rate, images/s,
+        seconds), and ``.output``, the run folder (``metrics.csv``, checkpoints, export).
     """
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
     check_amp_support(cfg, ctxs)
-    kvstore, rank, num_workers = distributed.kvstore_for(cfg.kvstore, ctxs)
-    is_main = rank == 0  # only rank 0 writes (logs, metrics, checkpoints, export)
+    strategy = distributed.make_strategy(cfg.kvstore)
     default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
-    if is_main:
-        # Claimed (and locked) before any data is decoded: a clash costs seconds, not
-        # the minutes of a decode; released - and removed if still empty - on any error.
-        folder = claim_run_folder(cfg.output, default_base, cfg.resume, cfg.overwrite)
+    # Claimed (and locked) before any data is decoded: a clash costs seconds, not the
+    # minutes of a decode; released - and removed if still empty - on any error.
+    with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:
         cfg.output = folder.path
-    else:
-        folder = contextlib.nullcontext()
-        cfg.output = cfg.output or rundir.default_output(default_base, cfg.resume) or ''
-    with folder:
-        history = _fit_in_folder(cfg, ctxs, kvstore, rank, num_workers, train_ds, val_ds, verbose, callbacks)
-    return FitResult(history, output=cfg.output, is_main=is_main)
+        history = _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks)
+    return FitResult(history, output=cfg.output, is_main=strategy.is_main)
 
 
 class FitResult(list):
@@ -445,11 +414,64 @@ def check_amp_support(cfg, ctxs):
         require_cpu_bfloat16()
 
 
-def _fit_in_folder(cfg, ctxs, kvstore, rank, num_workers, train_ds, val_ds, verbose, callbacks):
-    is_main = rank == 0
+@dataclass
+class _Run:
+    """The fixed parts of a run that every epoch uses."""
+    cfg: TrainConfig
+    ctxs: list
+    net: object
+    step: DataParallelStep
+    loader: object
+    steps_per_epoch: int
+    val_ds: object
+    recorder: RunRecorder
+
+
+def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
+    """The stages of a run: data, resume point, run folder, network and step, epochs, export."""
     # Console only until the input is known to be good: bad input writes nothing.
-    log = setup_logging(None, verbose=verbose and is_main)
-    resume_path = resolve_resume(cfg.resume, cfg.output)
+    log = setup_logging(None, verbose=verbose and strategy.is_main)
+    train_ds, val_ds, data_id = prepare_data(cfg, train_ds, val_ds, strategy.num_workers)
+    resume_path, resume_meta = find_resume_point(cfg, data_id, strategy)
+    monitor = cfg.monitor if val_ds is not None else 'train_loss'
+    recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose)
+    recorder.start()
+    amp_dtype = init_amp(cfg, ctxs)
+    net = build_network(cfg, ctxs, amp_dtype)
+    strategy.prepare_network(net, ctxs)
+    loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
+                         num_shards=strategy.num_workers, shard=strategy.rank)
+    steps_per_epoch = len(loader)
+    lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
+                                 warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+                                 step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
+    update_on_kv = resolve_update_on_kvstore(cfg, amp_dtype, strategy)
+    step = make_step(cfg, net, ctxs, amp_dtype, strategy, lr_sched, update_on_kv)
+    ckpt_trainer = strategy.checkpoint_trainer(step.trainer, update_on_kv)
+    state = RunState()
+    if resume_path:
+        meta = load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs)
+        state = RunState.from_meta(meta)
+        recorder.saver.restore(meta)
+        log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
+                 ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
+    strategy.join(step.trainer)  # not lazily inside the first step, racing with it
+    log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch',
+             len(ctxs), ','.join(str(c) for c in ctxs),
+             ' (worker %d of %d)' % (strategy.rank, strategy.num_workers) if strategy.num_workers > 1 else '',
+             len(train_ds), 0 if val_ds is None else len(val_ds), steps_per_epoch)
+    # Validation runs on rank 0 only, over the whole validation set: the numbers are
+    # exactly those a single process would report for these weights; the others wait
+    # at the next step.
+    run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder)
+    _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
+    recorder.finish(state, amp_dtype)
+    return state.history
+
+
+def prepare_data(cfg, train_ds, val_ds, num_workers=1):
+    """The datasets (built from ``cfg`` when not given), ``cfg.model.in_channels``
+    resolved from them, transforms attached, and their fingerprint."""
     if train_ds is None:
         train_ds, val_ds = build_datasets(cfg)
     channels = data_channels(train_ds)
@@ -457,139 +479,88 @@ def _fit_in_folder(cfg, ctxs, kvstore, rank, num_workers, train_ds, val_ds, verb
         cfg.model.in_channels = channels
     elif cfg.model.in_channels != channels:
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
-    data_id = data_fingerprint(train_ds, val_ds, num_workers)
-    resume_step = -1
-    if resume_path:
-        resume_meta = load_checkpoint(resume_path)
-        check_resumable(resume_path, resume_meta, cfg, data_id)
-        resume_step = resume_meta['step']
-    # Distributed: each worker resolved --resume on its own file system (no one writes
-    # before the first epoch ends, which needs every worker); all must start at the same step.
-    rank0_step = int(distributed.from_rank0(kvstore, [resume_step])[0])
-    if rank0_step != resume_step:
+    attach_transforms(cfg, train_ds, val_ds)
+    return train_ds, val_ds, data_fingerprint(train_ds, val_ds, num_workers)
+
+
+def find_resume_point(cfg, data_id, strategy):
+    """``(checkpoint path, its record)`` to resume from, checked against ``cfg`` and the
+    data, or ``(None, None)``; the same step on every worker."""
+    path = resolve_resume(cfg.resume, cfg.output)
+    meta = load_checkpoint(path) if path else None
+    if meta is not None:
+        check_resumable(path, meta, cfg, data_id)
+    # Each worker resolved --resume on its own file system (no one writes before the
+    # first epoch ends, which needs every worker); all must start at the same step.
+    step = meta['step'] if meta else -1
+    rank0_step = int(strategy.broadcast([step])[0])
+    if rank0_step != step:
         raise UserError('--resume: worker rank %d would resume at step %d but rank 0 at step %d; put '
                         '--output on a shared file system or give every worker the same --resume file'
-                        % (rank, resume_step, rank0_step))
-    attach_transforms(cfg, train_ds, val_ds)
-    if is_main:
-        log = setup_logging(cfg.output, verbose=verbose)
-        with atomic_open(os.path.join(cfg.output, 'config.json')) as f:
-            f.write(cfg.to_json())
-    amp_dtype = init_amp(cfg, ctxs)
-    net = build_network(cfg, ctxs)
-    if cfg.kvstore.startswith('dist'):
-        # The shape-resolving forward ran in inference mode, where oneDNN reorders conv
-        # weights in place into its own layout; a dist kvstore cannot send such arrays
-        # (the push fails inside the engine and the server never gets the key). Fresh
-        # copies on the same devices are in the default layout.
-        net.collect_params().reset_ctx(ctxs)
-    loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
-                         num_shards=num_workers, shard=rank)
-    steps_per_epoch = len(loader)
-    lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
-                                 warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
-                                 step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
-    step = make_step(cfg, net, ctxs, amp_dtype, kvstore=kvstore, lr_scheduler=lr_sched,
-                     workers=distributed.grad_workers(cfg.kvstore, num_workers))
-    trainer = step.trainer
-    update_on_kv = resolve_update_on_kvstore(cfg, amp_dtype)
-    # Trainer.save_states/load_states refuse when a dist kvstore's servers hold the
-    # optimizer state (--update-on-kvstore, dist_async): such checkpoints keep weights only.
-    ckpt_trainer = None if update_on_kv and cfg.kvstore.startswith('dist') else trainer
-    state = RunState()
-    if resume_path:
-        state = RunState.from_meta(load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs))
-        log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
-                 ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
-    if cfg.kvstore.startswith('dist'):
-        # Not lazily inside the first step, racing with it: see init_kvstore.
-        distributed.init_kvstore(trainer)
-    monitor = cfg.monitor if val_ds is not None else 'train_loss'
-    saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints'), monitor,
-                            'min' if monitor.endswith('loss') else 'max', cfg.keep_last) if is_main else None
-    table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
-    log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch',
-             len(ctxs), ','.join(str(c) for c in ctxs),
-             ' (worker %d of %d)' % (rank, num_workers) if num_workers > 1 else '', len(train_ds),
-             0 if val_ds is None else len(val_ds), steps_per_epoch)
+                        % (strategy.rank, step, rank0_step))
+    return path, meta
 
+
+def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
+    """Epochs until ``--epochs``, early stopping, a callback or a signal."""
+    cfg, log = run.cfg, run.recorder.log
     stop = _StopFlag().install()
     try:
         for epoch in range(state.epoch + 1, cfg.epochs + 1):
-            # Validation runs on rank 0 only, over the whole validation set: the numbers
-            # are exactly those a single process would report for these weights (no
-            # shard padding, per-image DSB mean intact); the others wait at the next step.
-            row = _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds if is_main else None,
-                             step.loss_fn, trainer, stop, steps_per_epoch, log)
+            row = _run_epoch(run, epoch, state, stop)
             if row is None:  # interrupted mid-epoch
-                path = saver.save(net, ckpt_trainer, state.to_meta(cfg, data_id), False, state.step_in_epoch) \
-                    if is_main else None
-                name = signal.Signals(stop.signum).name
+                path = run.recorder.interrupted(run.net, ckpt_trainer, state)
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
-                                  % (name, epoch, state.step_in_epoch, path or 'auto'),
-                                  128 + stop.signum)
-            value = row.get(monitor)
-            is_best = is_main and saver.is_better(value, state.best, cfg.min_delta)
-            if is_best:
-                state.best, state.best_epoch, state.bad_epochs = value, epoch, 0
-            else:
-                state.bad_epochs += 1
-            row['best'] = bool(is_best)
-            if is_main:
-                saver.save(net, ckpt_trainer, state.to_meta(cfg, data_id), is_best)
-                table.write(state.history)
-                _plot_quietly(state.history, os.path.join(cfg.output, 'curves.png'), log)
-            log.info(_epoch_line(row, monitor, len(ctxs)))
+                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
+                                     path or 'auto'), 128 + stop.signum)
+            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs))
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
-            by_callback, early = distributed.from_rank0(kvstore, [any([cb(row) for cb in callbacks]),
-                                                      bool(cfg.patience and state.bad_epochs >= cfg.patience)])
+            by_callback, early = strategy.broadcast([any([cb(row) for cb in callbacks]),
+                                                     run.recorder.should_stop_early()])
             if by_callback:
                 log.info('stopped by a callback after epoch %d', epoch)
                 break
             if early:
+                saver = run.recorder.saver
                 log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
-                         monitor, cfg.patience, state.best, state.best_epoch)
+                         saver.monitor, cfg.patience, saver.best, saver.best_epoch)
                 break
     finally:
         stop.restore()
-    if is_main and state.history:
-        _export_best(cfg, saver, amp_dtype, log)
-        _summary(cfg, state, monitor, log)
-    return state.history
 
 
-def _run_epoch(cfg, epoch, state, step, loader, net, ctxs, val_ds, loss_fn, trainer, stop,
-               steps_per_epoch, log):
+def _run_epoch(run, epoch, state, stop):
     """Train and validate one epoch; returns its record, or None when interrupted."""
+    cfg = run.cfg
     skip = state.step_in_epoch
     # Reseeding per epoch makes dropout (and anything else on MXNet's RNG) independent
     # of how many epochs ran in this process: a resumed run matches an unbroken one.
     mx.random.seed(cfg.seed * 100003 + epoch)
-    set_loader_epoch(loader, epoch, skip_samples=skip * cfg.batch_size)
-    bar = _progress(cfg, epoch, (steps_per_epoch - skip) * cfg.batch_size)
+    set_loader_epoch(run.loader, epoch, skip_samples=skip * cfg.batch_size)
+    bar = _progress(cfg, epoch, (run.steps_per_epoch - skip) * cfg.batch_size)
 
     def on_step(k):
         state.step += 1
         state.step_in_epoch = k
 
     try:
-        stats = train_epoch(step, loader, epoch, stop, on_step=on_step, skip_batches=skip, progress=bar)
+        stats = train_epoch(run.step, run.loader, epoch, stop, on_step=on_step, skip_batches=skip, progress=bar)
     finally:
         if bar is not None:
             bar.close()
-    if stats['interrupted'] and state.step_in_epoch < steps_per_epoch:
+    if stats['interrupted'] and state.step_in_epoch < run.steps_per_epoch:
         return None
     state.epoch, state.step_in_epoch = epoch, 0
     if stats['skipped']:
-        log.info('epoch %d: %d sample(s) of a batch smaller than the device count were skipped '
-                 '(SyncBatchNorm needs every device)', epoch, stats['skipped'])
-    row = {'epoch': epoch, 'lr': trainer.learning_rate, 'train_loss': stats['train_loss'],
+        run.recorder.log.info('epoch %d: %d sample(s) of a batch smaller than the device count were '
+                              'skipped (SyncBatchNorm needs every device)', epoch, stats['skipped'])
+    row = {'epoch': epoch, 'lr': run.step.trainer.learning_rate, 'train_loss': stats['train_loss'],
            'images_per_s': stats['images_per_s'], 'seconds': stats['seconds']}
     for i, n in enumerate(stats['per_device_images']):
         row['dev%d_images_per_s' % i] = n / stats['seconds'] if stats['seconds'] else 0.0
-    if val_ds is not None and len(val_ds):
-        row.update(validate(net, ctxs, val_ds, cfg.batch_size, loss_fn, cfg.threshold))
+    if run.val_ds is not None and len(run.val_ds):
+        row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold))
     state.history.append(row)
     return row
 
@@ -600,43 +571,3 @@ def _progress(cfg, epoch, total):
     from tqdm import tqdm
     return tqdm(total=total, desc='epoch %d/%d' % (epoch, cfg.epochs), unit='img', leave=False,
                 dynamic_ncols=True)
-
-
-def _epoch_line(row, monitor, ndev):
-    parts = ['epoch %d' % row['epoch'], 'loss %.4f' % row['train_loss']]
-    for key in ('val_loss', 'val_iou', 'val_dice', 'val_dsb'):
-        if key in row:
-            parts.append('%s %.4f' % (key, row[key]))
-    parts.append('lr %.2e' % row['lr'])
-    parts.append('%.1f img/s' % row['images_per_s'])
-    if ndev > 1:
-        parts.append('per device [%s]' % ' '.join('%.1f' % row['dev%d_images_per_s' % i]
-                                                  for i in range(ndev)))
-    parts.append('%.1fs' % row['seconds'])
-    if row.get('best'):
-        parts.append('* best %s' % monitor)
-    return ' | '.join(parts)
-
-
-def _export_best(cfg, saver, amp_dtype, log):
-    best = os.path.join(saver.folder, 'best.ckpt')
-    out = os.path.join(cfg.output, 'export')
-    prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best, out)
-    log.info('exported %s-symbol.json / -0000.params', prefix)
-
-
-def _summary(cfg, state, monitor, log):
-    best = next((r for r in state.history if r['epoch'] == state.best_epoch), state.history[-1])
-    metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')
-                        if k in best)
-    log.info('done: %d epochs; best %s at epoch %d (%s); run folder %s; model %s',
-             state.epoch, monitor, state.best_epoch, metrics or 'train_loss %.4f' % best['train_loss'],
-             cfg.output, os.path.join(cfg.output, 'export'))
-
-
-def _plot_quietly(history, path, log):
-    try:
-        plot_curves(history, path)
-    except Exception as exc:  # a plotting problem must never cost a training run
-        log.info('could not draw %s: %s', path, exc)
-

@@ -107,23 +107,39 @@ def test_shards_deal_whole_batches_so_a_step_is_one_global_batch():
     assert np.array_equal(EpochSampler(13, seed=4, block=3).order(), single)  # one process: no padding
 
 
+class _FakeServerJob(distributed.ParameterServer):
+    """A ParameterServer strategy's rules without a parameter server behind it."""
+
+    def __init__(self, kvstore, rank=0, num_workers=4):
+        distributed.Strategy.__init__(self, 'device', rank, num_workers)
+        self.sync = kvstore != 'dist_async'
+
+    def broadcast(self, values):
+        return [float(v) for v in values]
+
+
 def test_gradient_normalization_and_update_placement():
-    assert distributed.grad_workers('dist_sync', 4) == 4
-    assert distributed.grad_workers('dist_device_sync', 3) == 3
-    assert distributed.grad_workers('dist_async', 4) == 1  # each push is its own update
-    assert distributed.grad_workers('device', 1) == 1
-    assert distributed.default_update_on_kvstore('dist_sync', None) is False
-    assert distributed.default_update_on_kvstore('dist_sync', True) is True
-    assert distributed.default_update_on_kvstore('dist_async', None) is True
-    assert distributed.default_update_on_kvstore('device', None) is None
+    assert _FakeServerJob('dist_sync', num_workers=4).grad_workers == 4
+    assert _FakeServerJob('dist_device_sync', num_workers=3).grad_workers == 3
+    assert _FakeServerJob('dist_async', num_workers=4).grad_workers == 1  # each push is its own update
+    assert distributed.Strategy('device').grad_workers == 1
+    assert _FakeServerJob('dist_sync').update_on_kvstore(None) is False
+    assert _FakeServerJob('dist_sync').update_on_kvstore(True) is True
+    assert _FakeServerJob('dist_async').update_on_kvstore(None) is True
+    assert distributed.Strategy('device').update_on_kvstore(None) is None
+    # nccl would otherwise keep every merge buffer and optimizer state on the first GPU
+    assert distributed.Strategy('nccl').update_on_kvstore(None) is False
+    assert distributed.Strategy('nccl').update_on_kvstore(True) is True
     with pytest.raises(UserError, match='dist_async'):
-        distributed.default_update_on_kvstore('dist_async', False)
-    assert distributed.from_rank0('device', [3, 1.5]) == [3.0, 1.5]
+        _FakeServerJob('dist_async').update_on_kvstore(False)
+    assert distributed.Strategy('device').broadcast([3, 1.5]) == [3.0, 1.5]
+    assert isinstance(distributed.make_strategy('device'), distributed.Strategy)
+    assert not isinstance(distributed.make_strategy('nccl'), distributed.ParameterServer)
 
 
 def test_a_nonzero_rank_writes_nothing(tiny, tmp_path, monkeypatch):
-    # Rank 1 of 2 without a parameter server: a local kvstore stands in for it.
-    monkeypatch.setattr(distributed, 'kvstore_for', lambda kv, ctxs: ('device', 1, 2))
+    # Rank 1 of 2 without a parameter server: the job's rules, a local kvstore under them.
+    monkeypatch.setattr(distributed, 'make_strategy', lambda kv: _FakeServerJob('dist_sync', 1, 2))
     from gluon_unet.engine import fit
     cfg = tiny(epochs=1, val_split=0.25)
     history = fit(cfg, verbose=False)

@@ -112,16 +112,22 @@ def test_saver_keeps_best_and_last_n(tmp_path):
     net.initialize()
     net(mx.nd.zeros((1, 1, 4, 4)))
     saver = CheckpointSaver(str(tmp_path), 'val_iou', 'max', keep_last=2)
-    best = None
-    for epoch, value in enumerate([0.1, 0.5, 0.3, 0.4, 0.2], start=1):
-        is_best = saver.is_better(value, best)
-        best = value if is_best else best
-        saver.save(net, None, {'epoch': epoch, 'value': value, 'config': {}}, is_best)
+    flags = [saver.end_epoch(net, None, {'epoch': epoch, 'value': value, 'config': {}}, value)
+             for epoch, value in enumerate([0.1, 0.5, 0.3, 0.4, 0.2], start=1)]
+    assert flags == [True, True, False, False, False]
+    assert (saver.best, saver.best_epoch, saver.bad_epochs) == (0.5, 2, 3)
     names = [os.path.basename(p) for p in list_checkpoints(str(tmp_path))]
     assert names == ['epoch0004.ckpt', 'epoch0005.ckpt']
-    assert load_checkpoint(str(tmp_path / 'best.ckpt'))['value'] == 0.5
-    assert not saver.is_better(float('nan'), 0.1)
-    assert CheckpointSaver(str(tmp_path), 'val_loss', 'min').is_better(0.1, 0.2)
+    best = load_checkpoint(str(tmp_path / 'best.ckpt'))
+    assert best['value'] == 0.5 and best['best_epoch'] == 2
+    assert load_checkpoint(str(tmp_path / 'epoch0005.ckpt'))['bad_epochs'] == 3
+    assert not saver.is_better(float('nan'))
+    low = CheckpointSaver(str(tmp_path), 'val_loss', 'min', min_delta=0.05)
+    low.restore({'best': 0.2, 'best_epoch': 1})
+    assert low.is_better(0.1) and not low.is_better(0.16)
+    # A saver without a folder keeps score and writes nothing (non-zero ranks).
+    quiet = CheckpointSaver(None, 'val_iou')
+    assert quiet.end_epoch(net, None, {'epoch': 1}, 0.3) and quiet.save(net, None, {'epoch': 1}) is None
 
 
 def test_early_stopping_stops_after_patience(tiny):

@@ -1,0 +1,128 @@
+"""What a training run keeps: its progress (`RunState`) and its folder (`RunRecorder`).
+
+The recorder writes everything a run leaves behind - ``config.json``, ``train.log``,
+checkpoints, ``metrics.csv``, ``curves.png``, the export - and logs the epoch lines and
+the summary. On the workers of a multi-machine job other than rank 0 it is built with
+``enabled=False``: it keeps score and logs to the console, and writes nothing, so the
+training loop calls it the same way everywhere.
+"""
+import os
+from dataclasses import dataclass, field
+
+from .checkpoint import CheckpointSaver
+from .export import export_checkpoint, export_in_subprocess
+from .runlog import MetricsTable, plot_curves, setup_logging
+from .utils import atomic_open
+
+
+@dataclass
+class RunState:
+    """Where a run is: what a checkpoint must hold, beyond the weights, the optimizer and
+    the best-so-far bookkeeping (:class:`~gluon_unet.checkpoint.CheckpointSaver`), to
+    continue it exactly."""
+    epoch: int = 0               # last completed epoch
+    step: int = 0                # optimizer updates so far
+    step_in_epoch: int = 0       # batches done in an interrupted epoch
+    history: list = field(default_factory=list)
+
+    def to_meta(self, cfg, data_id=None):
+        """The checkpoint's JSON record (the saver adds the best value and epoch)."""
+        return {'config': cfg.to_dict(), 'data': data_id, 'epoch': self.epoch, 'step': self.step,
+                'step_in_epoch': self.step_in_epoch, 'history': self.history, 'seed': cfg.seed,
+                'metrics': self.history[-1] if self.history else {}}
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
+                   history=meta.get('history', []))
+
+
+class RunRecorder:
+    """The run folder's writer and the run's log.
+
+    Parameters
+    ----------
+    cfg : TrainConfig
+        With ``output`` resolved.
+    monitor : str
+        The metric that picks the best checkpoint (``train_loss`` without validation).
+    data_id : dict
+        The data fingerprint stored in every checkpoint (see ``engine.data_fingerprint``).
+    enabled : bool
+        False: write nothing (keep score, log to the console only).
+    verbose : bool
+        Log to stderr.
+    """
+
+    def __init__(self, cfg, monitor, data_id, enabled=True, verbose=True):
+        self.cfg, self.monitor, self.data_id, self.enabled = cfg, monitor, data_id, enabled
+        self.saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints') if enabled else None, monitor,
+                                     'min' if monitor.endswith('loss') else 'max', cfg.keep_last,
+                                     cfg.min_delta)
+        self.table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
+        self.log = setup_logging(cfg.output if enabled else None, verbose=verbose and enabled)
+
+    def start(self):
+        """Write ``config.json`` (the input was good: from here on the run leaves files)."""
+        if self.enabled:
+            with atomic_open(os.path.join(self.cfg.output, 'config.json')) as f:
+                f.write(self.cfg.to_json())
+
+    def end_epoch(self, net, trainer, state, row, ndev):
+        """Checkpoint, metrics table, curves and the epoch's log line; marks ``row['best']``."""
+        row['best'] = self.saver.end_epoch(net, trainer, state.to_meta(self.cfg, self.data_id),
+                                           row.get(self.monitor))
+        if self.enabled:
+            self.table.write(state.history)
+            self._plot(state.history)
+        self.log.info(epoch_line(row, self.monitor, ndev))
+
+    def interrupted(self, net, trainer, state):
+        """Save a mid-epoch checkpoint; returns its path (None when not writing)."""
+        return self.saver.save(net, trainer, state.to_meta(self.cfg, self.data_id),
+                               step_in_epoch=state.step_in_epoch)
+
+    def should_stop_early(self):
+        """``--patience`` epochs without improvement (0 = never)."""
+        return bool(self.cfg.patience and self.saver.bad_epochs >= self.cfg.patience)
+
+    def finish(self, state, amp_dtype):
+        """Export the best checkpoint and log the summary."""
+        if not (self.enabled and state.history):
+            return
+        best_ckpt = os.path.join(self.saver.folder, 'best.ckpt')
+        out = os.path.join(self.cfg.output, 'export')
+        # An AMP run's process has AMP switched on for good (amp.init is process-wide),
+        # so its float32 export is built in a fresh process.
+        prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best_ckpt, out)
+        self.log.info('exported %s-symbol.json / -0000.params', prefix)
+        best = next((r for r in state.history if r['epoch'] == self.saver.best_epoch), state.history[-1])
+        metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')
+                            if k in best)
+        self.log.info('done: %d epochs; best %s at epoch %d (%s); run folder %s; model %s',
+                      state.epoch, self.monitor, self.saver.best_epoch,
+                      metrics or 'train_loss %.4f' % best['train_loss'], self.cfg.output, out)
+
+    def _plot(self, history):
+        path = os.path.join(self.cfg.output, 'curves.png')
+        try:
+            plot_curves(history, path)
+        except Exception as exc:  # a plotting problem must never cost a training run
+            self.log.info('could not draw %s: %s', path, exc)
+
+
+def epoch_line(row, monitor, ndev):
+    """The one log line of an epoch."""
+    parts = ['epoch %d' % row['epoch'], 'loss %.4f' % row['train_loss']]
+    for key in ('val_loss', 'val_iou', 'val_dice', 'val_dsb'):
+        if key in row:
+            parts.append('%s %.4f' % (key, row[key]))
+    parts.append('lr %.2e' % row['lr'])
+    parts.append('%.1f img/s' % row['images_per_s'])
+    if ndev > 1:
+        parts.append('per device [%s]' % ' '.join('%.1f' % row['dev%d_images_per_s' % i]
+                                                  for i in range(ndev)))
+    parts.append('%.1fs' % row['seconds'])
+    if row.get('best'):
+        parts.append('* best %s' % monitor)
+    return ' | '.join(parts)
