@@ -28,6 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
+import gluon_unet  # noqa: E402
+
+gluon_unet.use_all_cores()  # as bin/train, before gluon_unet.data loads mxnet
 from gluon_unet.data import load_dataset, make_loader, make_transform  # noqa: E402
 from gluon_unet.data.layouts import discover  # noqa: E402
 

@@ -124,6 +124,9 @@ def _torch_train(spec):
 
 def _mx_infer(spec):
     sys.path.insert(0, ROOT)
+    # As bin/predict: all the physical cores unless --env sets OMP_NUM_THREADS.
+    from gluon_unet.runtime import apply_runtime_defaults
+    apply_runtime_defaults()
     import mxnet as mx
     from gluon_unet.config import ModelConfig
     from gluon_unet.export import load_exported
@@ -173,10 +176,10 @@ WORKERS = {'mx': _mx_train, 'torch': _torch_train, 'mx_infer': _mx_infer, 'torch
 
 
 def _worker(kind, spec, env, conn):
-    os.environ.update(env)  # before any framework import: some settings are read at load
+    # Before any framework import: some settings are read at load. A --env/--variant value
+    # is the user's: gluon_unet's defaults (applied by the mx workers) never replace it.
+    os.environ.update(env)
     sys.path.insert(0, ROOT)
-    from gluon_unet.runtime import disown_defaults  # mxnet-free
-    disown_defaults(env)  # a --env/--variant value is the user's, not gluon_unet's default
     conn.recv()  # 'setup': the parent warms workers up one at a time
     try:
         base, run = WORKERS[kind](spec)

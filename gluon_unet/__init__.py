@@ -2,28 +2,26 @@
 
 The Python API in one import::
 
+    import gluon_unet
+    gluon_unet.use_all_cores(contexts=1)   # optional, before mxnet loads: all physical cores
     from gluon_unet import TrainConfig, ModelConfig, fit, synthetic_dataset
+
+Importing the package changes nothing in the process (no environment variable, no
+logging setup) and does not load mxnet.
 """
 import importlib
-
-# Before anything imports mxnet: MXNet 1.9 assumes two hyper-threads per core and runs on
-# half the cores of a machine without SMT. Measured side by side on 2 cores: 1.8x faster
-# training (docs/performance.md). The user's own OMP_NUM_THREADS always wins.
-from .runtime import apply_runtime_defaults
-
-apply_runtime_defaults()
 
 __version__ = '0.1.0'
 
 # The public names, imported on first use (PEP 562) rather than here: most of them load
-# mxnet, and bin/train must read --cpus first to choose the thread count and scratch
-# buffers, which libmxnet reads once, when it loads (runtime.apply_runtime_defaults).
+# mxnet, and use_all_cores() (like bin/train after reading --cpus) must run first to choose
+# the thread count and scratch buffers, which libmxnet reads once, when it loads.
 _EXPORTS = {'ModelConfig': 'config', 'TrainConfig': 'config', 'SegmentationDataset': 'data',
             'synthetic_dataset': 'data', 'fit': 'engine', 'UNet': 'model', 'build_model': 'model',
-            'DataParallelStep': 'parallel'}
+            'DataParallelStep': 'parallel', 'use_all_cores': 'runtime'}
 
 __all__ = ['ModelConfig', 'TrainConfig', 'SegmentationDataset', 'synthetic_dataset', 'fit', 'UNet',
-           'build_model', 'DataParallelStep', '__version__']
+           'build_model', 'DataParallelStep', 'use_all_cores', '__version__']
 
 
 def __getattr__(name):

@@ -1,9 +1,13 @@
-"""Command-line entry points. Flags are generated from the config dataclasses, so every
-option has one name (``batch_size`` <-> ``--batch-size``) and one default.
+"""Command-line entry points: ``bin/train``, ``bin/predict``, ``bin/evaluate`` and
+``bin/export`` call the ``*_main`` functions here (``bin/launch`` calls ``launch.main``).
+Training flags are generated from the config dataclasses, so every option has one name
+(``batch_size`` <-> ``--batch-size``) and one default.
 
-Importing this module does not import mxnet: ``train_main`` reads its flags first, then
-sets ``OMP_NUM_THREADS`` and ``MXNET_CPU_TEMP_COPY`` for the number of CPU contexts,
-which libmxnet reads only when it loads. Modules that need mxnet are imported inside the functions that use them.
+Importing this module does not import mxnet. Each entry point first applies the
+process-wide settings that libmxnet reads only when it loads (``OMP_NUM_THREADS``,
+``MXNET_CPU_TEMP_COPY``: :func:`~gluon_unet.runtime.apply_runtime_defaults`), then imports
+the modules that need mxnet: ``train_main`` after reading its flags, for its number of
+CPU contexts; the others for one.
 """
 import argparse
 import dataclasses
@@ -14,7 +18,7 @@ import typing
 
 from .config import ModelConfig, TrainConfig, check_types, flag_name
 from .devices import cpu_context_count
-from .errors import OneLineParser, UserError, reports_errors  # noqa: F401 (predict.py still imports OneLineParser from here)
+from .errors import OneLineParser, UserError, reports_errors
 from .runlog import get_logger
 from .runtime import apply_runtime_defaults
 
@@ -106,6 +110,7 @@ def train_main(argv=None):
         # bin/launch runs this same command as the parameter servers and the scheduler:
         # importing mxnet serves the job and exits there (mxnet's kvstore_server), so
         # they never parse the workers' flags.
+        apply_runtime_defaults()
         import mxnet  # noqa: F401
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
@@ -156,6 +161,22 @@ def demo_predictions(cfg, run_dir, count=8):
                       sum(r['objects'] for r in records), out)
 
 
-def run(main):
-    """Run an entry point with MXNet's start-up chatter kept out of the user's way."""
-    sys.exit(main())
+def predict_main(argv=None):
+    """``bin/predict``: :func:`gluon_unet.predict.main` with all the cores."""
+    apply_runtime_defaults()
+    from .predict import main
+    return main(argv)
+
+
+def evaluate_main(argv=None):
+    """``bin/evaluate``: :func:`gluon_unet.evaluate.main` with all the cores."""
+    apply_runtime_defaults()
+    from .evaluate import main
+    return main(argv)
+
+
+def export_main(argv=None):
+    """``bin/export``: :func:`gluon_unet.export.main` with all the cores."""
+    apply_runtime_defaults()
+    from .export import main
+    return main(argv)

@@ -19,6 +19,7 @@ from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
+from .runtime import apply_runtime_defaults, user_environ
 from .utils import dir_mode
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
@@ -93,6 +94,8 @@ def export_in_subprocess(checkpoint, out_dir):
     The child imports the very ``gluon_unet`` this process runs: the folder holding it
     goes first on the child's ``PYTHONPATH`` (an existing one is kept after it), since
     the package may be importable here only through the ``bin/`` shims' ``sys.path``.
+    Its environment is the user's (not the thread counts this process chose for its
+    contexts) with the defaults for one context, as ``bin/export`` would choose.
 
     Raises
     ------
@@ -100,7 +103,8 @@ def export_in_subprocess(checkpoint, out_dir):
         The child failed; the message is one line ending with its last line of stderr.
     """
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
+    env = user_environ()
+    apply_runtime_defaults(env, contexts=1)  # the child loads mxnet as it starts
     env['PYTHONPATH'] = os.pathsep.join([package_root] + [p for p in [env.get('PYTHONPATH')] if p])
     cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -23,7 +23,7 @@ import threading
 import time
 
 from .errors import OneLineParser, UserError, reports_errors
-from .runtime import LOCAL_WORKERS, is_default
+from .runtime import LOCAL_WORKERS, user_environ
 
 ROLES = ('scheduler', 'server', 'worker')
 
@@ -273,11 +273,10 @@ def _parse(argv):
 def main(argv=None):
     """``bin/launch``: run the job; returns the exit code (0 when every worker succeeded)."""
     args = _parse(argv)
-    # The user's settings travel to every process; the defaults gluon_unet chose for this
-    # machine (import gluon_unet sets OMP_NUM_THREADS to its core count) do not: each
-    # process chooses its own on its host.
-    extra = {k: v for k, v in os.environ.items()
-             if k.startswith(('PS_', 'MXNET_', 'OMP_')) and not is_default(k)}
+    # The user's settings travel to every process; defaults chosen for this machine do
+    # not (bin/launch chooses none, but a caller of main() may have: runtime.user_environ):
+    # each bin/train of the job chooses its own on its host.
+    extra = {k: v for k, v in user_environ().items() if k.startswith(('PS_', 'MXNET_', 'OMP_'))}
     if args.interface:
         extra['DMLC_INTERFACE'] = args.interface
     if args.launcher == 'local':
@@ -289,7 +288,7 @@ def main(argv=None):
                         args.port or free_port(), extra)
 
         def argv_for(p):
-            return args.command, dict(os.environ, **p['env']), subprocess.DEVNULL
+            return args.command, dict(user_environ(), **p['env']), subprocess.DEVNULL
     else:
         hosts = read_hostfile(args.hostfile)
         plan = job_plan(args.num_workers, args.num_servers, hosts, hosts[0],

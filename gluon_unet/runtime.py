@@ -26,19 +26,28 @@ MXNET_SUBGRAPH_BACKEND=MKLDNN           graph binding        inference/quantizat
 
 "Read at ``import mxnet``" means that setting ``os.environ`` afterwards has no effect:
 set them in the shell (``OMP_NUM_THREADS=1 bin/train ...``). gluon_unet sets its two only
-when you did not: at ``import gluon_unet`` for one context, then again for the number of
-CPU contexts in ``bin/train`` (which reads its flags before mxnet loads). The Python API
-learns the contexts too late for that; :func:`configure_runtime` then logs what to export.
+when you did not, and never as a side effect of ``import gluon_unet``:
+
+* the command-line entry points (``bin/train``, ``bin/predict``, ``bin/evaluate``,
+  ``bin/export``) call :func:`apply_runtime_defaults` before mxnet loads, ``bin/train``
+  for its number of CPU contexts (it reads its flags first);
+* Python API users call :func:`use_all_cores` (``gluon_unet.use_all_cores(contexts=N)``)
+  before anything imports mxnet. Without it MXNet runs on its own defaults, and ``fit()``
+  on several CPU contexts logs what to export (:func:`configure_runtime`).
+
+``bin/launch`` sets none of them: it passes the user's own values to every process of
+the job, and each ``bin/train`` there chooses for its own host.
 """
 import os
 import sys
+import warnings
 
 from .runlog import get_logger
 
-# _OURS + NAME holds the value apply_runtime_defaults() gave NAME, kept in the environment
-# rather than in a module flag so that child processes (export, bin/launch's workers) inherit
-# it too: a NAME equal to it is gluon_unet's default, anything else is the user's choice.
-_OURS = '_GLUON_UNET_'
+# NAME -> the value apply_runtime_defaults() gave os.environ[NAME] in this process. Kept in
+# the process, not in the environment: a value a child process inherits from us is passed
+# on by user_environ() only if it was the user's.
+_applied = {}
 
 
 def cpu_cores():
@@ -68,13 +77,30 @@ TEMP_COPIES_PER_CONTEXT = 32
 LOCAL_WORKERS = 'GLUON_UNET_LOCAL_WORKERS'
 
 
+def recommended_settings(contexts=1, environ=None):
+    """The values :func:`apply_runtime_defaults` chooses for ``contexts`` CPU contexts
+    (reading ``GLUON_UNET_LOCAL_WORKERS`` from ``environ``), whoever set what: a dict of
+    ``OMP_NUM_THREADS`` and, for 2 or more contexts, ``MXNET_CPU_TEMP_COPY``, as strings."""
+    env = os.environ if environ is None else environ
+    contexts = max(1, contexts)
+    try:
+        local_workers = max(1, int(env.get(LOCAL_WORKERS, 1)))
+    except ValueError:
+        local_workers = 1
+    wanted = {'OMP_NUM_THREADS': str(max(1, physical_cores() // (contexts * local_workers)))}
+    if contexts > 1:
+        wanted['MXNET_CPU_TEMP_COPY'] = str(TEMP_COPIES_PER_CONTEXT * contexts)
+    return wanted
+
+
 def apply_runtime_defaults(environ=None, contexts=1):
     """Set MXNet's load-time variables for ``contexts`` CPU contexts, unless the user did.
 
     MXNet reads both once, when ``libmxnet`` loads, so call this before the first
-    ``import mxnet`` (or export them in the shell). ``import gluon_unet`` calls it for
-    one context; ``bin/train`` calls it again with the number of CPU contexts, before it
-    imports mxnet. A value gluon_unet set earlier may be replaced; the user's never.
+    ``import mxnet`` (or export them in the shell). The CLI entry points call it before
+    they import mxnet (``bin/train`` with its number of CPU contexts); API users call
+    :func:`use_all_cores`. A value this process set earlier may be replaced; the user's
+    never.
 
     ``OMP_NUM_THREADS`` = physical cores / contexts (and / the worker processes that
     ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it,
@@ -100,7 +126,8 @@ def apply_runtime_defaults(environ=None, contexts=1):
     ----------
     environ : dict, optional
         The environment to change (default ``os.environ``; left alone once mxnet is
-        loaded, when a change would only make the logged settings lie).
+        loaded, when a change would only make the logged settings lie). In another
+        dict (a child process's environment) every value present is the user's.
     contexts : int
         CPU contexts that will train in this process.
 
@@ -109,46 +136,66 @@ def apply_runtime_defaults(environ=None, contexts=1):
     dict
         The variables this call set.
     """
-    env = os.environ if environ is None else environ
-    if environ is None and 'mxnet' in sys.modules:
+    own = environ is None
+    env = os.environ if own else environ
+    if own and 'mxnet' in sys.modules:
         return {}
-    contexts = max(1, contexts)
-    try:
-        local_workers = max(1, int(env.get(LOCAL_WORKERS, 1)))
-    except ValueError:
-        local_workers = 1
-    wanted = {'OMP_NUM_THREADS': max(1, physical_cores() // (contexts * local_workers))}
-    if contexts > 1:
-        wanted['MXNET_CPU_TEMP_COPY'] = TEMP_COPIES_PER_CONTEXT * contexts
     done = {}
-    for key, value in wanted.items():
-        if key in env and not is_default(key, env):
+    for key, value in recommended_settings(contexts, env).items():
+        if key in env and not (own and is_default(key)):
             continue  # the user's own value always wins
-        env[key] = env[_OURS + key] = done[key] = str(value)
+        env[key] = done[key] = value
+    if own:
+        _applied.update(done)
     return done
 
 
-def disown_defaults(names, environ=None):
-    """Treat the current values of ``names`` as the user's own: forget that gluon_unet
-    chose them (e.g. a benchmark worker given ``OMP_NUM_THREADS`` explicitly, equal to
-    the default its parent inherited)."""
-    env = os.environ if environ is None else environ
-    for name in names:
-        env.pop(_OURS + name, None)
+def use_all_cores(contexts=1):
+    """Let MXNet use all the physical cores, divided among ``contexts`` CPU contexts.
+
+    For Python API users; the command-line tools do it themselves. Call it before
+    anything imports mxnet (MXNet reads these settings once, when it loads)::
+
+        import gluon_unet
+        gluon_unet.use_all_cores(contexts=4)      # before mxnet loads
+        gluon_unet.fit(gluon_unet.TrainConfig(cpus=4, ...))
+
+    Sets ``OMP_NUM_THREADS`` (physical cores / contexts) and, for several contexts,
+    ``MXNET_CPU_TEMP_COPY`` in ``os.environ`` (so also for child processes), each only
+    if you have not set it (:func:`apply_runtime_defaults` says why they matter). Once
+    mxnet is loaded it changes nothing and warns.
+
+    Returns
+    -------
+    dict
+        The variables it set.
+    """
+    if 'mxnet' in sys.modules:
+        warnings.warn('gluon_unet.use_all_cores() called after mxnet was imported: MXNet has already '
+                      'read OMP_NUM_THREADS and MXNET_CPU_TEMP_COPY; call it first', RuntimeWarning,
+                      stacklevel=2)
+        return {}
+    return apply_runtime_defaults(contexts=contexts)
 
 
-def is_default(name, environ=None):
-    """True when environment variable ``name`` holds the value gluon_unet chose for it."""
-    env = os.environ if environ is None else environ
-    return name in env and env[name] == env.get(_OURS + name)
+def is_default(name):
+    """True when ``os.environ[name]`` holds the value this process gave it
+    (:func:`apply_runtime_defaults`), False for the user's own value or none."""
+    return name in _applied and os.environ.get(name) == _applied[name]
 
 
-def thread_source(environ=None):
+def user_environ():
+    """``os.environ`` without the values this process chose (:func:`apply_runtime_defaults`):
+    the environment to hand to processes that choose their own (``bin/launch``'s, the
+    export subprocess)."""
+    return {k: v for k, v in os.environ.items() if not is_default(k)}
+
+
+def thread_source():
     """Who chose ``OMP_NUM_THREADS``: ``'user'``, ``'gluon_unet'`` or ``'mxnet default'``."""
-    env = os.environ if environ is None else environ
-    if 'OMP_NUM_THREADS' not in env:
+    if 'OMP_NUM_THREADS' not in os.environ:
         return 'mxnet default'
-    return 'gluon_unet' if is_default('OMP_NUM_THREADS', env) else 'user'
+    return 'gluon_unet' if is_default('OMP_NUM_THREADS') else 'user'
 
 
 def runtime_settings():
@@ -167,7 +214,7 @@ def runtime_settings():
             'physical_cores': physical_cores(),
             # MXNet's default without the variable: half the logical CPUs (it assumes SMT).
             'omp_threads': int(env.get('OMP_NUM_THREADS', max(1, cores // 2))),
-            'omp_source': thread_source(env),
+            'omp_source': thread_source(),
             'cpu_worker_threads': int(env.get('MXNET_CPU_WORKER_NTHREADS', 1)),
             'cpu_temp_copy': int(env.get('MXNET_CPU_TEMP_COPY', 4)),
             'engine': env.get('MXNET_ENGINE_TYPE', 'ThreadedEnginePerDevice'),
@@ -182,8 +229,9 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
     --benchmark``. It logs the effective settings in one line, and a warning when
     several CPU contexts would train slower than they could (too many threads, too few
     scratch buffers: :func:`apply_runtime_defaults`): by now mxnet is loaded and both are
-    fixed (``bin/train`` chose them before; ``fit()`` from Python cannot), so the
-    warning says what to export. It changes no setting.
+    fixed (``bin/train`` chose them before; ``fit()`` from Python cannot, unless the
+    caller ran :func:`use_all_cores` first), so the warning says what to export. It
+    changes no setting.
 
     Returns
     -------
@@ -198,8 +246,7 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
              settings['cpu_temp_copy'], settings['cpu_worker_threads'], settings['engine'])
     if device_type == 'cpu' and num_contexts > 1:
         # What bin/train would have chosen here (also dividing among bin/launch's workers).
-        probe = {LOCAL_WORKERS: os.environ[LOCAL_WORKERS]} if LOCAL_WORKERS in os.environ else {}
-        wanted = apply_runtime_defaults(probe, num_contexts)
+        wanted = recommended_settings(num_contexts)
         fix = ['OMP_NUM_THREADS=%s' % wanted['OMP_NUM_THREADS']] \
             if settings['omp_threads'] > int(wanted['OMP_NUM_THREADS']) else []
         if settings['cpu_temp_copy'] < int(wanted['MXNET_CPU_TEMP_COPY']):
@@ -207,8 +254,8 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
         if fix:
             log.warning('warning: %d CPU contexts with OMP_NUM_THREADS=%d and MXNET_CPU_TEMP_COPY=%d '
                         'on %d cores train slower (oversubscribed cores, contexts waiting for '
-                        'shared scratch buffers); export %s before importing mxnet or gluon_unet '
-                        '(bin/train --cpus N does it unless you set them)', num_contexts,
-                        settings['omp_threads'], settings['cpu_temp_copy'], settings['physical_cores'],
-                        ' '.join(fix))
+                        'shared scratch buffers); export %s before importing mxnet (or call '
+                        'gluon_unet.use_all_cores(%d) first; bin/train --cpus N does it unless you '
+                        'set them)', num_contexts, settings['omp_threads'], settings['cpu_temp_copy'],
+                        settings['physical_cores'], ' '.join(fix), num_contexts)
     return settings

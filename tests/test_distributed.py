@@ -162,13 +162,14 @@ def test_job_plan_environment():
 def test_workers_sharing_a_machine_split_its_cores(monkeypatch):
     from gluon_unet import runtime
     monkeypatch.setattr(runtime, 'physical_cores', lambda: 8)
-    env = {'GLUON_UNET_LOCAL_WORKERS': '2'}
-    assert runtime.apply_runtime_defaults(env, contexts=1) == {'OMP_NUM_THREADS': '4'}
-    assert runtime.apply_runtime_defaults(env, contexts=2)['OMP_NUM_THREADS'] == '2'
+    two = {'GLUON_UNET_LOCAL_WORKERS': '2'}
+    assert runtime.apply_runtime_defaults(dict(two), contexts=1) == {'OMP_NUM_THREADS': '4'}
+    assert runtime.apply_runtime_defaults(dict(two), contexts=2)['OMP_NUM_THREADS'] == '2'
 
 
 def test_launch_forwards_the_users_settings_but_not_gluon_unets_defaults(monkeypatch):
     # ssh workers run on other machines: the launcher's own core count must not travel.
+    from gluon_unet import runtime
     seen = {}
 
     class FakeJob:
@@ -180,7 +181,7 @@ def test_launch_forwards_the_users_settings_but_not_gluon_unets_defaults(monkeyp
 
     monkeypatch.setattr(launch, 'Job', FakeJob)
     monkeypatch.setenv('OMP_NUM_THREADS', '2')
-    monkeypatch.setenv('_GLUON_UNET_OMP_NUM_THREADS', '2')  # chosen by import gluon_unet
+    monkeypatch.setattr(runtime, '_applied', {'OMP_NUM_THREADS': '2'})  # chosen by this process
     monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '64')  # the user's
     assert launch.main(['-n', '1', '--port', '9000', '--', 'bin/train']) == 0
     assert 'OMP_NUM_THREADS' not in seen['env'] and seen['env']['MXNET_CPU_TEMP_COPY'] == '64'

@@ -1,5 +1,6 @@
-"""Threads and scratch buffers per CPU context: chosen before mxnet loads, the user's value
-always wins."""
+"""Threads and scratch buffers per CPU context: chosen before mxnet loads by the CLI entry
+points or an explicit use_all_cores() call - never by import gluon_unet - and the user's
+value always wins."""
 import logging
 import os
 import subprocess
@@ -20,43 +21,69 @@ def eight_cores(monkeypatch):
     monkeypatch.setattr(runtime, 'physical_cores', lambda: 8)
 
 
+@pytest.fixture
+def nothing_applied(monkeypatch):
+    """This process has chosen no value yet (as a fresh bin/train before its flags)."""
+    monkeypatch.setattr(runtime, '_applied', {})
+
+
 def test_runtime_defaults_divide_the_cores_among_cpu_contexts(eight_cores):
+    assert runtime.recommended_settings(1, {}) == {'OMP_NUM_THREADS': '8'}
     env = {}
     assert runtime.apply_runtime_defaults(env) == {'OMP_NUM_THREADS': '8'}
-    assert runtime.thread_source(env) == 'gluon_unet' and 'MXNET_CPU_TEMP_COPY' not in env
-    # Our own earlier value (import gluon_unet) is overridden once the contexts are known.
+    assert 'MXNET_CPU_TEMP_COPY' not in env
+    env = {}
     assert runtime.apply_runtime_defaults(env, contexts=4) == {
         'OMP_NUM_THREADS': '2', 'MXNET_CPU_TEMP_COPY': '128'}
-    assert runtime.apply_runtime_defaults(env, contexts=3)['OMP_NUM_THREADS'] == '2'
+    assert runtime.apply_runtime_defaults({}, contexts=3)['OMP_NUM_THREADS'] == '2'
+    env = {}
     assert runtime.apply_runtime_defaults(env, contexts=16) == {
         'OMP_NUM_THREADS': '1', 'MXNET_CPU_TEMP_COPY': '512'}
-    assert env['MXNET_CPU_TEMP_COPY'] == '512'
+    assert env == {'OMP_NUM_THREADS': '1', 'MXNET_CPU_TEMP_COPY': '512'}
 
 
-def test_runtime_defaults_never_override_the_user(eight_cores):
+def test_runtime_defaults_never_override_the_user(eight_cores, nothing_applied, monkeypatch):
     env = {'OMP_NUM_THREADS': '3', 'MXNET_CPU_TEMP_COPY': '4'}
     assert runtime.apply_runtime_defaults(env, contexts=4) == {}
     assert env == {'OMP_NUM_THREADS': '3', 'MXNET_CPU_TEMP_COPY': '4'}
-    assert runtime.thread_source(env) == 'user'
-    # The user changed it after gluon_unet had set it (e.g. in a child process's env).
-    env = {'OMP_NUM_THREADS': '3', runtime._OURS + 'OMP_NUM_THREADS': '8'}
+    # Only what is missing is set.
+    env = {'OMP_NUM_THREADS': '3'}
     assert runtime.apply_runtime_defaults(env, contexts=4) == {'MXNET_CPU_TEMP_COPY': '128'}
     assert env['OMP_NUM_THREADS'] == '3'
-    # A value equal to gluon_unet's own becomes the user's once disowned.
+    # A value in another environment (a child process's) is the user's, even one equal to
+    # gluon_unet's choice: only this process's own os.environ values are ours.
     env = {'OMP_NUM_THREADS': '8'}
-    runtime.apply_runtime_defaults(env)
-    runtime.disown_defaults(['OMP_NUM_THREADS'], env)
     assert runtime.apply_runtime_defaults(env, contexts=4) == {'MXNET_CPU_TEMP_COPY': '128'}
-    assert env['OMP_NUM_THREADS'] == '8' and runtime.thread_source(env) == 'user'
-    assert runtime.thread_source({}) == 'mxnet default'
+    assert env['OMP_NUM_THREADS'] == '8'
+    # Who chose os.environ's value, as the runtime log line says.
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    assert runtime.thread_source() == 'mxnet default'
+    monkeypatch.setenv('OMP_NUM_THREADS', '8')
+    assert runtime.thread_source() == 'user' and not runtime.is_default('OMP_NUM_THREADS')
+    monkeypatch.setattr(runtime, '_applied', {'OMP_NUM_THREADS': '8'})
+    assert runtime.thread_source() == 'gluon_unet' and runtime.is_default('OMP_NUM_THREADS')
+    monkeypatch.setenv('OMP_NUM_THREADS', '3')  # changed by the user after we set it
+    assert runtime.thread_source() == 'user'
+
+
+def test_user_environ_leaves_out_only_what_this_process_chose(monkeypatch):
+    # What bin/launch's processes and the export subprocess get.
+    monkeypatch.setenv('OMP_NUM_THREADS', '8')
+    monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '64')
+    monkeypatch.setattr(runtime, '_applied', {'OMP_NUM_THREADS': '8', 'MXNET_CPU_TEMP_COPY': '128'})
+    env = runtime.user_environ()
+    assert 'OMP_NUM_THREADS' not in env and env['MXNET_CPU_TEMP_COPY'] == '64'
+    assert env['PATH'] == os.environ['PATH']
 
 
 def test_runtime_defaults_leave_the_process_alone_once_mxnet_is_loaded(monkeypatch, eight_cores):
     # Too late to take effect; changing os.environ would only make the log lie.
     monkeypatch.setenv('OMP_NUM_THREADS', '8')
-    monkeypatch.setenv(runtime._OURS + 'OMP_NUM_THREADS', '8')
+    monkeypatch.setattr(runtime, '_applied', {'OMP_NUM_THREADS': '8'})
     monkeypatch.delenv('MXNET_CPU_TEMP_COPY', raising=False)
     assert runtime.apply_runtime_defaults(contexts=4) == {}
+    with pytest.warns(RuntimeWarning, match='after mxnet was imported'):
+        assert runtime.use_all_cores(contexts=4) == {}
     assert os.environ['OMP_NUM_THREADS'] == '8' and 'MXNET_CPU_TEMP_COPY' not in os.environ
 
 
@@ -118,20 +145,54 @@ def test_configure_runtime_warns_when_cpu_contexts_would_train_slower(
 def _child_env():
     env = dict(os.environ)
     env.pop('OMP_NUM_THREADS', None)  # conftest pins it; here gluon_unet must choose
-    for key in ('OMP_NUM_THREADS', 'MXNET_CPU_TEMP_COPY'):
-        env.pop(runtime._OURS + key, None)
     env.pop('MXNET_CPU_TEMP_COPY', None)
     return env
 
 
+def _python(code, env=None, timeout=120):
+    done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env or _child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_importing_gluon_unet_leaves_the_environment_alone():
+    code = ('import os; before = dict(os.environ); import gluon_unet; '
+            'from gluon_unet import TrainConfig, cli, runtime; assert dict(os.environ) == before; print("ok")')
+    assert _python(code) == 'ok'
+    assert _python(code, env=dict(_child_env(), OMP_NUM_THREADS='3')) == 'ok'
+
+
+def test_use_all_cores_before_mxnet_loads(tmp_path):
+    # The Python API's explicit call: all physical cores for one context, divided among
+    # several, replacing its own earlier choice but never the user's.
+    code = ('import os, sys, gluon_unet; from gluon_unet import runtime; '
+            'runtime.physical_cores = lambda: 8; '
+            'print(gluon_unet.use_all_cores(), gluon_unet.use_all_cores(contexts=4), '
+            'os.environ["OMP_NUM_THREADS"], os.environ["MXNET_CPU_TEMP_COPY"], runtime.thread_source(), '
+            '"mxnet" in sys.modules)')
+    assert _python(code) == ("{'OMP_NUM_THREADS': '8'} {'OMP_NUM_THREADS': '2', 'MXNET_CPU_TEMP_COPY': '128'} "
+                             "2 128 gluon_unet False")
+    assert _python(code, env=dict(_child_env(), OMP_NUM_THREADS='3')) == (
+        "{} {'MXNET_CPU_TEMP_COPY': '128'} 3 128 user False")
+
+
+@pytest.mark.parametrize('entry', ['predict_main', 'evaluate_main', 'export_main'])
+def test_other_cli_entry_points_use_all_the_cores(entry):
+    # As import gluon_unet used to: all physical cores (one context), before mxnet loads.
+    code = ('import os, sys; from gluon_unet import cli, runtime\n'
+            'try:\n    cli.%s(["--help"])\nexcept SystemExit:\n    pass\n'
+            'print(os.environ.get("OMP_NUM_THREADS"), runtime.physical_cores())' % entry)
+    omp, cores = _python(code).splitlines()[-1].split()
+    assert omp == cores
+
+
 def test_importing_the_cli_does_not_load_mxnet():
     code = ('import sys, gluon_unet.cli; assert "mxnet" not in sys.modules; '
-            'from gluon_unet import TrainConfig; assert "mxnet" not in sys.modules; '
+            'from gluon_unet import TrainConfig, use_all_cores; assert "mxnet" not in sys.modules; '
             'from gluon_unet import fit, DataParallelStep; import gluon_unet; '
             'print(all(hasattr(gluon_unet, name) for name in gluon_unet.__all__))')
-    done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=_child_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == 'True', done.stderr
+    assert _python(code) == 'True'
 
 
 def test_bin_train_gives_each_cpu_context_its_share_of_the_cores(tmp_path):
