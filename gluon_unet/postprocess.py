@@ -9,7 +9,8 @@ also predicts boundaries - from the cores left after removing the boundaries.
 import numpy as np
 from scipy import ndimage as ndi
 
-_SPLITS = ('watershed', 'none')
+#: Instance separation choices (``bin/predict --split``): distance watershed, or plain components.
+SPLITS = ('watershed', 'none')
 
 
 def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boundary=None,
@@ -44,8 +45,8 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     from skimage.measure import label
     from skimage.segmentation import relabel_sequential, watershed
 
-    if split not in _SPLITS:
-        raise ValueError('split must be one of %s (got %r)' % (', '.join(_SPLITS), split))
+    if split not in SPLITS:
+        raise ValueError('split must be one of %s (got %r)' % (', '.join(SPLITS), split))
     prob = np.asarray(prob, dtype=np.float32)
     if prob.ndim != 2:
         raise ValueError('prob must be (H, W), got shape %s' % (prob.shape,))

@@ -20,9 +20,10 @@ from gluon_unet.export import load_exported
 from gluon_unet.export import main as export_main
 from gluon_unet.model import build_model
 from gluon_unet.postprocess import rle_decode
-from gluon_unet.predict import (blend_window, choose_mode, find_inputs, predict_image, predict_paths,
-                                tile_starts)
+from gluon_unet.inference import predict_image
+from gluon_unet.predict import find_inputs, predict_paths
 from gluon_unet.predict import main as predict_main
+from gluon_unet.tiling import blend_window, choose_mode, tile_starts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

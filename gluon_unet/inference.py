@@ -1,0 +1,219 @@
+"""Batched network application: an exported model, loaded once, run over the devices.
+
+:func:`load_model` loads an export and everything its sidecar says about its inputs (a
+:class:`LoadedModel`). :func:`image_jobs` turns one image into fixed-shape network inputs
+(the windows of its :func:`~gluon_unet.tiling.plan_image`, times the TTA symmetries), and
+:func:`run_jobs` streams such jobs - across images - in batches of equal-shape inputs split
+over the devices with :func:`~gluon_unet.parallel.split_batch`, so the devices stay busy
+and memory stays at one batch whatever the image size. :func:`predict_image` does it all
+for one image in memory. Inputs are the uint8 image / 255, as in training.
+"""
+from dataclasses import dataclass
+
+import mxnet as mx
+import numpy as np
+
+from .errors import UserError
+from .model import foreground_probability
+from .parallel import split_batch
+from .tiling import DIHEDRAL, Canvas, dihedral, plan_image
+
+
+class _Job:
+    """One network input and what to do with its (H, W) probabilities."""
+    __slots__ = ('input', 'callback')
+
+    def __init__(self, inp, callback):
+        self.input, self.callback = inp, callback
+
+
+class _Done:
+    """Marks the end of one image's jobs: ``fn`` runs once all of them are computed."""
+    __slots__ = ('fn',)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None):
+    """The network inputs of one image, then a :class:`_Done` that yields its probabilities.
+
+    Parameters
+    ----------
+    image : (H, W, C) uint8
+        Channels already matching the model.
+    meta : dict
+        Export sidecar (``train_size``, ``multiple``, ``resize_mode``).
+    mode, overlap
+        See :func:`~gluon_unet.tiling.plan_image`.
+    tta : bool
+        Also run the 7 other flips/quarter turns of every window.
+    on_done : callable
+        ``on_done(prob (H, W) float32, mode)`` once every job of the image has run.
+    """
+    plan = plan_image(image, meta, mode, overlap)
+    canvas = Canvas(*plan.source.shape[1:])
+    for y, x, window in plan.windows():
+        for k, flip in (DIHEDRAL if tta else DIHEDRAL[:1]):
+            def add(prob, y=y, x=x, k=k, flip=flip):
+                canvas.add(prob, y, x, k, flip, plan.weight)
+            yield _Job(np.ascontiguousarray(dihedral(window, k, flip)), add)
+    yield _Done(lambda: on_done(np.ascontiguousarray(plan.to_image(canvas.result()), np.float32), plan.mode))
+
+
+class _BatchRunner:
+    """Runs batches of jobs with one batch in flight: the next batch is queued on the
+    devices before the previous one's results are read back and post-processed."""
+
+    def __init__(self, net, ctxs):
+        self.net, self.ctxs = net, ctxs
+        self.pending = None  # (jobs, device outputs, finishers) of the batch in flight
+
+    def submit(self, jobs, finishers):
+        x = mx.nd.array(np.stack([j.input for j in jobs]))
+        with mx.autograd.predict_mode():
+            outs = [foreground_probability(self.net(part)) for (part,) in split_batch([x], self.ctxs)]
+        if self.pending is not None:
+            self._collect(self.pending)
+        self.pending = (jobs, outs, finishers)
+
+    def after_pending(self, fn):
+        """Run ``fn`` once the batch in flight is collected (now if there is none)."""
+        if self.pending is None:
+            fn()
+        else:
+            self.pending[2].append(fn)
+
+    def drain(self):
+        if self.pending is not None:
+            entry, self.pending = self.pending, None
+            self._collect(entry)
+
+    @staticmethod
+    def _collect(entry):
+        jobs, outs, finishers = entry
+        probs = np.concatenate([o.asnumpy() for o in outs])
+        for job, p in zip(jobs, probs):
+            job.callback(p)
+        for fn in finishers:
+            fn()
+
+
+def run_jobs(net, ctxs, jobs, batch_size=8):
+    """Run a stream of jobs in batches of equal-shape inputs split over ``ctxs``.
+
+    One batch is kept in flight: the next batch is queued on the devices before the
+    previous one's results are read back and post-processed. A :class:`_Done` runs once
+    every job before it has been post-processed.
+    """
+    runner = _BatchRunner(net, ctxs)
+    batch, finishers = [], []
+    for job in jobs:
+        if isinstance(job, _Done):
+            if batch:
+                finishers.append(job.fn)
+            else:
+                runner.after_pending(job.fn)
+            continue
+        if batch and (len(batch) >= batch_size or job.input.shape != batch[0].input.shape):
+            runner.submit(batch, finishers)
+            batch, finishers = [], []
+        batch.append(job)
+    if batch:
+        runner.submit(batch, finishers)
+    runner.drain()
+
+
+def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25):
+    """Foreground probabilities of one image at its original resolution.
+
+    Parameters
+    ----------
+    net : Block
+        The exported network (or any block giving logits), on ``ctxs``.
+    meta : dict
+        Export sidecar: ``train_size``, ``multiple``, ``resize_mode``.
+    image : (H, W) or (H, W, C) uint8
+        C must be the model's input channels (see :func:`match_channels`).
+    ctxs : list of mx.Context
+    mode : {'auto', 'resize', 'tile', 'whole'}
+    tta : bool
+        Average the 8 flips/quarter turns (each un-done before averaging).
+    batch_size : int
+        Inputs per forward, split over the devices.
+    overlap : float
+        Tile mode: fraction of the tile shared with its neighbour.
+
+    Returns
+    -------
+    (H, W) float32 in [0, 1]
+    """
+    out = {}
+    jobs = image_jobs(np.asarray(image), meta, mode, tta, overlap,
+                      on_done=lambda prob, used: out.setdefault('prob', prob))
+    run_jobs(net, list(ctxs), jobs, batch_size)
+    return out['prob']
+
+
+def match_channels(image, channels, path='image'):
+    """Convert a (H, W, C) uint8 image to the model's ``channels``.
+
+    Grey -> RGB repeats the channel and RGB -> grey takes the luma, the same conversions
+    the training loader applies; any other combination is an error.
+    """
+    from .data.io import to_channels
+
+    c = image.shape[2]
+    if c == channels:
+        return image
+    if channels in (1, 3) and c in (1, 3):
+        return to_channels(image, channels)
+    raise UserError('%s: image has %d channel%s but the model takes %d'
+                    % (path, c, '' if c == 1 else 's', channels))
+
+
+def model_channels(net, meta):
+    """Input channels of an export: the sidecar's, else the first convolution's."""
+    if meta.get('in_channels'):
+        return int(meta['in_channels'])
+    for p in net.collect_params().values():
+        # SymbolBlock.imports leaves ``shape`` unset; the loaded data has it.
+        shape = p.shape or (p.list_data()[0].shape if p._data is not None else ())
+        if p.name.endswith('weight') and len(shape) == 4:
+            return int(shape[1])
+    raise UserError('cannot tell the input channels of the model (no model.json sidecar)')
+
+
+@dataclass
+class LoadedModel:
+    """An export on its devices, with what its sidecar says about its inputs."""
+    net: object
+    meta: dict
+    ctxs: list
+    channels: int
+    threshold: float
+    normalize: str
+
+    def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None):
+        """:func:`image_jobs` with this model's sidecar."""
+        return image_jobs(image, self.meta, mode, tta, overlap, on_done)
+
+    def run(self, jobs, batch_size=8):
+        """:func:`run_jobs` on this model's devices."""
+        run_jobs(self.net, self.ctxs, jobs, batch_size)
+
+
+def load_model(model, ctxs):
+    """Load an export (run folder, export folder or prefix) onto ``ctxs``, hybridized.
+
+    The threshold is the model's training threshold (0.5 if unknown); ``normalize`` the
+    ``--normalize`` it was trained with ('none' for exports from before it existed).
+    """
+    from .export import load_exported
+
+    net, meta = load_exported(model, ctx=ctxs)
+    net.hybridize(static_alloc=True)
+    # Exports from before --normalize existed have no key: they were trained without it.
+    normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
+    return LoadedModel(net, meta, list(ctxs), model_channels(net, meta), float(meta.get('threshold') or 0.5),
+                       normalize)

@@ -1,0 +1,230 @@
+"""Sliding-window geometry for inference: where the network looks, and how results blend.
+
+Pure numpy (and OpenCV for resizing): no network, no mxnet. :func:`plan_image` turns one
+image into a :class:`WindowPlan` - the padded network input, the top-left corners of
+equal-shape windows, their blending weights and how to map the blended result back to
+the image - following one of three modes:
+
+``resize``
+    The seed's way: resize the image to the training size, predict, resize the
+    probabilities back (linear interpolation). Matches training on resized images, but
+    loses detail on large images.
+``tile``
+    Sliding window of training-size tiles at native resolution. Tiles overlap by
+    ``overlap`` and are blended with separable weights that ramp linearly from the tile
+    edge to 1 over the overlap: in an overlap the two ramps sum to 1 (a cross-fade),
+    and pixels near a tile edge - which saw zero padding instead of their real
+    neighbourhood - count least. The image borders are reflect-padded by half the
+    overlap so they are not at a tile edge either.
+``whole``
+    The whole image at once, reflect-padded to a multiple of ``2**depth`` (exact, but
+    memory grows with the image).
+
+``auto`` tiles images larger than the training size and treats smaller ones like
+training did: resized, or padded whole for models trained on native-resolution crops.
+
+A U-Net pools by ``2**depth``, so it is only shift-equivariant by multiples of that: every
+window must start at a multiple of it in image coordinates, or its pooling grid differs
+from that of its neighbours (and of a whole-image pass), which shows as seams and a
+pixel-periodic pattern. All padding and window offsets here are multiples of it.
+"""
+from dataclasses import dataclass
+from typing import Callable, List, Tuple, Union
+
+import cv2
+import numpy as np
+
+from .errors import UserError
+
+MODES = ('auto', 'resize', 'tile', 'whole')
+#: The 8 symmetries of the square: (quarter turns, horizontal flip).
+DIHEDRAL = tuple((k, flip) for flip in (False, True) for k in range(4))
+
+
+def dihedral(x, k, flip):
+    """Flip (last axis) then rotate by ``k`` quarter turns, on the last two axes."""
+    if flip:
+        x = x[..., ::-1]
+    return np.rot90(x, k, axes=(-2, -1))
+
+
+def undihedral(y, k, flip):
+    """Inverse of :func:`dihedral`."""
+    y = np.rot90(y, -k, axes=(-2, -1))
+    return y[..., ::-1] if flip else y
+
+
+def tile_starts(length, tile, step):
+    """Offsets of ``tile``-px tiles every ``step`` px covering ``[0, length)``.
+
+    The last tile is moved back to end at the edge instead of overhanging it. With
+    ``length - tile`` and ``step`` multiples of ``2**depth``, every offset is one too.
+    """
+    if length <= tile:
+        return [0]
+    starts = list(range(0, length - tile, step))
+    return starts + [length - tile]
+
+
+def blend_window(tile, ramp):
+    """(tile, tile) float32 weights: a linear ramp over ``ramp`` px at each edge, 1 inside.
+
+    Two tiles overlapping by ``ramp`` px have weights ``d/ramp`` and ``1 - d/ramp`` there,
+    which cross-fade. Weights never reach 0, so a pixel covered by a single tile edge
+    (none, after border padding) still gets a value.
+    """
+    if ramp <= 0:
+        return np.ones((tile, tile), np.float32)
+    x = np.arange(tile) + 0.5
+    w = np.clip(np.minimum(x, tile - x) / ramp, 1e-3, 1.0).astype(np.float32)
+    return np.outer(w, w)
+
+
+def tile_size(meta):
+    """The training size, rounded down to a multiple of ``2**depth``."""
+    m = pooling_multiple(meta)
+    size = int(meta.get('train_size') or 256)
+    return max(m, size // m * m)
+
+
+def pooling_multiple(meta):
+    """``2**depth`` of an export (its sidecar's ``multiple``; 1 when unknown)."""
+    return int(meta.get('multiple') or 1)
+
+
+def choose_mode(mode, height, width, meta):
+    """Resolve ``'auto'`` for an image of ``height`` x ``width`` (see the module doc)."""
+    if mode not in MODES:
+        raise UserError('--mode must be one of %s (got %r)' % (', '.join(MODES), mode))
+    if mode != 'auto':
+        return mode
+    size = tile_size(meta)
+    if height > size or width > size:
+        return 'tile'
+    return 'whole' if meta.get('resize_mode') == 'crop' else 'resize'
+
+
+def padding_to_multiple(length, multiple, margin=0, at_least=0):
+    """Total padding of a side of ``length`` px: at least ``2 * margin``, the padded side at
+    least ``at_least``, and the padded side minus ``at_least`` a multiple of ``multiple``
+    (so tiles of ``at_least`` px every ``multiple``-aligned step cover it exactly)."""
+    target = max(at_least, length + 2 * margin)
+    target = at_least + -(-(target - at_least) // multiple) * multiple
+    return target - length
+
+
+def reflect_pad(x, top, bottom, left, right):
+    """Reflect-pad the last two axes of a (C, H, W) array."""
+    return np.pad(x, ((0, 0), (top, bottom), (left, right)), mode='reflect')
+
+
+@dataclass
+class WindowPlan:
+    """How one image goes through the network.
+
+    ``source`` (C, H', W') float32 is the network's view of the image (resized or padded);
+    the network sees ``source[:, y:y + tile[0], x:x + tile[1]]`` for each ``(y, x)`` of
+    ``corners``; the results are blended with ``weight`` (a scalar or a (tile) array) into
+    a (H', W') map, which :meth:`to_image` maps back onto the image.
+    """
+    mode: str
+    source: np.ndarray
+    corners: List[Tuple[int, int]]
+    tile: Tuple[int, int]
+    weight: Union[float, np.ndarray]
+    to_image: Callable[[np.ndarray], np.ndarray]
+
+    def windows(self):
+        """``(y, x, window)`` for every corner; each window is a (C, tile) view."""
+        th, tw = self.tile
+        for y, x in self.corners:
+            yield y, x, self.source[:, y:y + th, x:x + tw]
+
+
+def plan_image(image, meta, mode='auto', overlap=0.25):
+    """The :class:`WindowPlan` of an (H, W) or (H, W, C) uint8 image.
+
+    Parameters
+    ----------
+    meta : dict
+        Export sidecar: ``train_size``, ``multiple`` (``2**depth``), ``resize_mode``.
+    mode : {'auto', 'resize', 'tile', 'whole'}
+    overlap : float
+        Tile mode: fraction of the tile shared with its neighbour.
+    """
+    if image.ndim == 2:
+        image = image[..., None]
+    h, w = image.shape[:2]
+    mode = choose_mode(mode, h, w, meta)
+    if mode == 'resize':
+        return _plan_resize(image, tile_size(meta))
+    x = image.transpose(2, 0, 1).astype(np.float32) / 255
+    if mode == 'whole':
+        return _plan_whole(x, pooling_multiple(meta))
+    return _plan_tiles(x, tile_size(meta), pooling_multiple(meta), overlap)
+
+
+def _plan_resize(image, size):
+    """One window: the image resized to ``size`` x ``size``, the result resized back."""
+    h, w = image.shape[:2]
+    # INTER_AREA on the uint8 image, as the training loader resized it.
+    small = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
+    source = small.transpose(2, 0, 1).astype(np.float32) / 255
+
+    def to_image(prob):
+        return cv2.resize(prob, (w, h), interpolation=cv2.INTER_LINEAR)
+    return WindowPlan('resize', source, [(0, 0)], (size, size), 1.0, to_image)
+
+
+def _plan_whole(x, multiple):
+    """One window: the (C, H, W) image reflect-padded to sides that are multiples of ``multiple``."""
+    pad_h, pad_w = padding_to_multiple(x.shape[1], multiple), padding_to_multiple(x.shape[2], multiple)
+    return _padded_plan('whole', x, pad_h, pad_w, 0, multiple, None, 1.0)
+
+
+def _plan_tiles(x, size, multiple, overlap):
+    """Overlapping ``size`` x ``size`` tiles over the reflect-padded (C, H, W) image."""
+    step = max(multiple, int(size * (1 - overlap)) // multiple * multiple)
+    # Image borders get half the overlap of real (reflected) context, so they are not at a
+    # tile edge either; images smaller than a tile are padded up to one.
+    margin = (size - step) // 2 // multiple * multiple
+    pad_h = padding_to_multiple(x.shape[1], multiple, margin, size)
+    pad_w = padding_to_multiple(x.shape[2], multiple, margin, size)
+    ys = tile_starts(x.shape[1] + pad_h, size, step)
+    xs = tile_starts(x.shape[2] + pad_w, size, step)
+    corners = [(y, x0) for y in ys for x0 in xs]
+    weight = blend_window(size, size - step) if len(corners) > 1 else 1.0
+    return _padded_plan('tile', x, pad_h, pad_w, margin, multiple, (corners, (size, size)), weight)
+
+
+def _padded_plan(mode, x, pad_h, pad_w, margin, multiple, windows, weight):
+    """Reflect-pad (C, H, W) ``x`` by ``pad_h``/``pad_w`` (top/left at least ``margin``, all
+    offsets multiples of ``multiple``); ``windows`` = (corners, tile), None = the whole."""
+    h, w = x.shape[1:]
+    top = max(margin, pad_h // 2 // multiple * multiple)
+    left = max(margin, pad_w // 2 // multiple * multiple)
+    source = reflect_pad(x, top, pad_h - top, left, pad_w - left)
+    corners, tile = windows or ([(0, 0)], source.shape[1:])
+
+    def to_image(prob):
+        return prob[top:top + h, left:left + w]
+    return WindowPlan(mode, source, corners, tuple(tile), weight, to_image)
+
+
+class Canvas:
+    """Weighted sum of window results (each un-transformed first) over a plan's source."""
+
+    def __init__(self, h, w):
+        self.acc = np.zeros((h, w), np.float32)
+        self.wsum = np.zeros((h, w), np.float32)
+
+    def add(self, prob, y, x, k, flip, weight):
+        """Blend the (tile) result ``prob`` of the window at ``(y, x)`` that was seen
+        through the symmetry ``(k, flip)``."""
+        prob = undihedral(prob, k, flip)
+        h, w = prob.shape
+        self.acc[y:y + h, x:x + w] += prob * weight
+        self.wsum[y:y + h, x:x + w] += weight
+
+    def result(self):
+        return self.acc / np.maximum(self.wsum, 1e-12)

@@ -1,0 +1,70 @@
+"""The inference split: tiling geometry without mxnet, PredictConfig, the compatibility
+names of gluon_unet.predict."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gluon_unet.errors import UserError
+from gluon_unet.predict import PredictConfig
+from gluon_unet.tiling import padding_to_multiple, plan_image
+
+
+def test_tiling_is_pure_numpy():
+    code = 'import sys, gluon_unet.tiling; assert "mxnet" not in sys.modules'
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize('length, multiple, margin, at_least, expected', [
+    (30, 4, 0, 0, 2), (32, 4, 0, 0, 0), (30, 4, 4, 32, 10), (10, 4, 0, 32, 22), (70, 8, 8, 32, 18)])
+def test_padding_to_multiple(length, multiple, margin, at_least, expected):
+    pad = padding_to_multiple(length, multiple, margin, at_least)
+    assert pad == expected and pad >= 2 * margin and (length + pad - at_least) % multiple == 0
+
+
+def test_window_plans_align_to_the_pooling_grid_and_cover_the_image():
+    meta = {'train_size': 32, 'multiple': 8, 'resize_mode': 'resize'}
+    image = np.random.default_rng(0).integers(0, 255, (70, 45), dtype=np.uint8)
+    whole = plan_image(image, meta, 'whole')
+    assert whole.corners == [(0, 0)] and whole.tile == (72, 48) and whole.weight == 1.0
+    assert np.array_equal(whole.to_image(whole.source[0]), image / np.float32(255))
+    tiles = plan_image(image, meta, 'tile', overlap=0.25)
+    assert tiles.tile == (32, 32) and len(tiles.corners) > 1 and tiles.weight.shape == (32, 32)
+    assert all(y % 8 == 0 and x % 8 == 0 for y, x in tiles.corners)
+    covered = np.zeros(tiles.source.shape[1:], bool)
+    for y, x, window in tiles.windows():
+        assert window.shape == (1, 32, 32)
+        covered[y:y + 32, x:x + 32] = True
+    assert covered.all() and tiles.to_image(covered).shape == (70, 45)
+    resized = plan_image(image[:20, :20], meta, 'auto')
+    assert resized.mode == 'resize' and resized.source.shape == (1, 32, 32)
+    assert resized.to_image(np.zeros((32, 32), np.float32)).shape == (20, 20)
+
+
+@pytest.mark.parametrize('field, value, flag', [
+    ('mode', 'x', '--mode'), ('batch_size', 0, '--batch-size'), ('overlap', 1.0, '--overlap'),
+    ('threshold', 1.5, '--threshold'), ('min_size', -1, '--min-size'), ('split', 'kmeans', '--split')])
+def test_predict_config_names_the_flag(field, value, flag):
+    with pytest.raises(UserError, match='^%s ' % flag):
+        PredictConfig(**{field: value}).validate()
+    with pytest.raises(UserError, match='^%s ' % flag):
+        PredictConfig.resolve(None, **{field: value})
+
+
+def test_predict_config_resolve_applies_overrides_to_a_copy():
+    base = PredictConfig(cpus=2)
+    got = PredictConfig.resolve(base, overlay=True, rle='s.csv')
+    assert (got.cpus, got.overlay, got.rle) == (2, True, 's.csv') and base.overlay is False
+    assert PredictConfig.resolve() == PredictConfig()
+    with pytest.raises(TypeError):
+        PredictConfig.resolve(None, colour=True)
+
+
+def test_old_import_paths_of_predict_keep_working():
+    from gluon_unet import inference, predict, tiling
+    assert predict.predict_image is inference.predict_image and predict.image_jobs is inference.image_jobs
+    assert predict.tile_starts is tiling.tile_starts and predict.choose_mode is tiling.choose_mode
+    from gluon_unet.postprocess import SPLITS
+    assert predict.SPLITS is SPLITS
