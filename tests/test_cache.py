@@ -9,6 +9,7 @@ import pytest
 import gluon_unet.data.readers as readers
 from gluon_unet.data import load_dataset, synthetic_nuclei
 from gluon_unet.data import cache as cache_mod
+from gluon_unet.errors import UserError
 
 N = 4
 
@@ -164,3 +165,24 @@ def test_cache_entries_get_the_umask_mode_so_a_shared_cache_is_readable(data, mo
     assert stat.S_IMODE(os.stat(entry).st_mode) == 0o755
     for name in os.listdir(entry):
         assert stat.S_IMODE(os.stat(os.path.join(entry, name)).st_mode) == 0o644, name
+
+
+def test_load_options_object_and_keywords_read_the_same_entry(data, counter):
+    from gluon_unet.data import LoadOptions
+    im, mk, cache = data
+    opts = LoadOptions(size=32, workers=0, progress=False, cache_dir=cache)
+    a = load_dataset(im, mk, opts)
+    b = load_dataset(im, mk, size=32, workers=0, progress=False, cache_dir=cache)
+    assert len(counter) == N and a.names == b.names   # the second load hit the first one's entry
+    c = load_dataset(im, mk, opts, crop=16)            # keywords override fields of the object
+    assert len(counter) == 2 * N and c.original_sizes == [(40, 40)] * N and opts.crop == 0
+    with pytest.raises(TypeError):
+        load_dataset(im, mk, opts, colour=True)
+
+
+@pytest.mark.parametrize('field, value, flag', [('channels', 2, '--channels'), ('normalize', 'x', '--normalize'),
+                                                ('crop', -1, '--crop'), ('size', 0, '--size')])
+def test_load_options_name_the_flag(field, value, flag):
+    from gluon_unet.data import LoadOptions
+    with pytest.raises(UserError, match='^%s ' % flag):
+        LoadOptions(**{field: value}).validate()

@@ -4,4 +4,4 @@ from .synthetic import synthetic_dataset, synthetic_nuclei
 from .io import read_image, read_mask, read_binary_mask
 from .layouts import discover, detect_layout
 from .augment import Augment, make_transform
-from .readers import load_dataset
+from .readers import LoadOptions, load_dataset

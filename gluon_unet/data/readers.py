@@ -7,9 +7,11 @@ the samples (images with ``cv2.INTER_AREA``, masks and instance labels with
 ``cv2.INTER_NEAREST``), the main process streams the results into a new cache entry,
 which is committed atomically and then memory-mapped.
 """
-import contextlib
+import dataclasses
 import multiprocessing
 import os
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import cv2
 import numpy as np
@@ -165,16 +167,13 @@ def _build(entry_arrays, meta, names, channels, crop):
     return ds
 
 
-def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128, crop=0, channels=0,
-                 cache_dir=None, workers=2, skip_unpaired=False, progress=True, normalize='none'):
-    """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
+@dataclass
+class LoadOptions:
+    """How :func:`load_dataset` reads a dataset; the ``bin/train`` flag of each field is
+    its name with dashes (``mask_suffix`` -> ``--mask-suffix``).
 
-    Parameters
+    Attributes
     ----------
-    path : str
-        ``--data``: image folder, DSB root or CSV file.
-    masks : str, optional
-        ``--masks``: mask folder of the paired layout.
     layout : {'auto', 'paired', 'dsb', 'csv'}
     mask_suffix : str
         Paired layout: ``name.ext`` <-> ``name<mask_suffix>.ext`` (same names also pair).
@@ -199,6 +198,54 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
     normalize : {'none', 'invert', 'percentile', 'auto'}
         Per-image input normalization (``--normalize``), see :func:`~.io.normalize_image`;
         applied before resizing and stored in the cache.
+    """
+    layout: str = 'auto'
+    mask_suffix: str = '_mask'
+    size: int = 128
+    crop: int = 0
+    channels: int = 0
+    cache_dir: Optional[Union[str, bool]] = None
+    workers: int = 2
+    skip_unpaired: bool = False
+    progress: bool = True
+    normalize: str = 'none'
+
+    def validate(self):
+        """Raise :class:`UserError` naming the flag of the first invalid value (the layout
+        and the files are checked by :func:`~.layouts.discover`)."""
+        if self.channels not in (0, 1, 3):
+            raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % (self.channels,))
+        if self.normalize not in NORMALIZE_MODES:
+            raise UserError('--normalize must be one of %s (got %r)'
+                            % (', '.join(NORMALIZE_MODES), self.normalize))
+        if self.crop < 0:
+            raise UserError('--crop must be >= 0 (got %r)' % (self.crop,))
+        if not self.crop and (not isinstance(self.size, int) or self.size <= 0):
+            raise UserError('--size must be a positive integer (got %r)' % (self.size,))
+        return self
+
+    @classmethod
+    def resolve(cls, options=None, **overrides):
+        """``options`` (default: the defaults) with ``overrides`` applied, validated."""
+        base = cls() if options is None else options
+        if not isinstance(base, cls):
+            raise TypeError('options must be a LoadOptions (got %s)' % type(base).__name__)
+        return dataclasses.replace(base, **overrides).validate()
+
+
+def load_dataset(path, masks=None, options=None, **overrides):
+    """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
+
+    Parameters
+    ----------
+    path : str
+        ``--data``: image folder, DSB root or CSV file.
+    masks : str, optional
+        ``--masks``: mask folder of the paired layout.
+    options : LoadOptions, optional
+        How to read it; default ``LoadOptions()``.
+    **overrides
+        Fields of :class:`LoadOptions` to change, e.g. ``size=256, workers=0``.
 
     Returns
     -------
@@ -214,72 +261,85 @@ def load_dataset(path, masks=None, layout='auto', mask_suffix='_mask', size=128,
         Anything wrong with the input: see :mod:`~gluon_unet.data.layouts` and
         :mod:`~gluon_unet.data.io`.
     """
-    if channels not in (0, 1, 3):
-        raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % (channels,))
-    if normalize not in NORMALIZE_MODES:
-        raise UserError('--normalize must be one of %s (got %r)' % (', '.join(NORMALIZE_MODES), normalize))
-    if crop < 0:
-        raise UserError('--crop must be >= 0 (got %r)' % (crop,))
-    if not crop and (not isinstance(size, int) or size <= 0):
-        raise UserError('--size must be a positive integer (got %r)' % (size,))
-    layout, samples = discover(path, masks, layout, mask_suffix, skip_unpaired)
-    names = [s.name for s in samples]
-    files = [f for s in samples for f in s.files()]
-
-    if cache_dir is None:
-        cache_dir = _cache.default_cache_dir(path)
-    key = None
+    opts = LoadOptions.resolve(options, **overrides)
+    layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired)
+    cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
-        files_hash = _cache.file_digest(files)
-        options = {'size': 0 if crop else int(size), 'crop_mode': bool(crop), 'channels': int(channels),
-                   'layout': layout,
-                   'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
-        if normalize != 'none':  # only then, so existing cache entries keep their keys
-            options['normalize'] = normalize
-        key = _cache.cache_key(files, options, files_hash=files_hash)
-        entry = _cache.load(cache_dir, key)
-        if entry is not None:
-            return _build(entry.arrays, entry.meta, names, entry.meta['channels'], crop)
-        writer = _cache.open_writer(cache_dir, key, source={'data': os.path.abspath(path), 'files': files_hash})
-    else:
-        writer = None
+        return _load_cached(path, samples, layout, opts, cache_dir)
+    return _load_in_memory(path, samples, layout, opts)
 
-    sink = _DiskSink(writer) if writer is not None else _MemorySink()
-    sizes, any_colour = [], False
-    with writer if writer is not None else contextlib.nullcontext():
-        tasks = [(s, size, crop, channels, normalize) for s in samples]
-        for image, mask, inst, hw, colour in _pool_map(_decode_star, tasks, workers, progress,
-                                                       'decoding %s' % os.path.basename(os.path.normpath(path))):
-            sink.add(image, mask, inst)
-            sizes.append(hw)
-            any_colour |= colour
-        stored_c = channels or 3
-        chosen = channels or (3 if any_colour else 1)
-        meta = {'original_sizes': [list(hw) for hw in sizes], 'stored_channels': stored_c,
-                'channels': chosen, 'layout': layout, 'names': names}
-        if writer is None:
-            if crop:
-                return _build_lists(sink, meta, names, chosen, stored_c)
-            arrays = {'images': np.stack(sink.images), 'masks': np.stack(sink.masks),
-                      'instances': np.stack(sink.instances)}
-            return _build(arrays, meta, names, chosen, crop)
-        n = len(samples)
-        if crop:
-            total = int(sum(h * w for h, w in sizes))
-            shapes = {'images': (total * stored_c,), 'masks': (total,), 'instances': (total,)}
-        else:
-            shapes = {'images': (n, size, size, stored_c), 'masks': (n, size, size), 'instances': (n, size, size)}
-        writer.commit(shapes, meta)
+
+def _load_in_memory(path, samples, layout, opts):
+    """:func:`load_dataset` without a cache: decode into arrays in memory."""
+    sink = _MemorySink()
+    meta = _decode_all(path, samples, layout, opts, sink)
+    if opts.crop:
+        return _build_lists(sink, meta)
+    arrays = {'images': np.stack(sink.images), 'masks': np.stack(sink.masks),
+              'instances': np.stack(sink.instances)}
+    return _build(arrays, meta, meta['names'], meta['channels'], opts.crop)
+
+
+def _load_cached(path, samples, layout, opts, cache_dir):
+    """:func:`load_dataset` through the cache: memory-map a hit, else decode into a new entry."""
+    files = [f for s in samples for f in s.files()]
+    files_hash = _cache.file_digest(files)
+    key = _cache.cache_key(files, _cache_options(samples, layout, opts), files_hash=files_hash)
+    entry = _cache.load(cache_dir, key)
+    if entry is not None:
+        return _build(entry.arrays, entry.meta, [s.name for s in samples], entry.meta['channels'], opts.crop)
+    writer = _cache.open_writer(cache_dir, key, source={'data': os.path.abspath(path), 'files': files_hash})
+    if writer is None:  # not writable: warned, loads without a cache
+        return _load_in_memory(path, samples, layout, opts)
+    with writer:
+        meta = _decode_all(path, samples, layout, opts, _DiskSink(writer))
+        writer.commit(_entry_shapes(meta, opts), meta)
     entry = _cache.load(cache_dir, key)
     if entry is None:  # committed but unreadable (e.g. a concurrent prune): should not happen
         raise UserError('cache %s: could not read back the entry just written' % cache_dir)
-    return _build(entry.arrays, entry.meta, names, chosen, crop)
+    return _build(entry.arrays, entry.meta, meta['names'], meta['channels'], opts.crop)
 
 
-def _build_lists(sink, meta, names, chosen, stored_c):
+def _cache_options(samples, layout, opts):
+    """What, besides the files, a cache entry depends on."""
+    options = {'size': 0 if opts.crop else int(opts.size), 'crop_mode': bool(opts.crop),
+               'channels': int(opts.channels), 'layout': layout,
+               'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
+    if opts.normalize != 'none':  # only then, so existing cache entries keep their keys
+        options['normalize'] = opts.normalize
+    return options
+
+
+def _decode_all(path, samples, layout, opts, sink):
+    """Decode every sample into ``sink`` (in worker processes); returns the dataset meta:
+    ``original_sizes``, ``stored_channels``, ``channels`` (chosen), ``layout``, ``names``."""
+    sizes, any_colour = [], False
+    tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize) for s in samples]
+    desc = 'decoding %s' % os.path.basename(os.path.normpath(path))
+    for image, mask, inst, hw, colour in _pool_map(_decode_star, tasks, opts.workers, opts.progress, desc):
+        sink.add(image, mask, inst)
+        sizes.append(hw)
+        any_colour |= colour
+    return {'original_sizes': [list(hw) for hw in sizes], 'stored_channels': opts.channels or 3,
+            'channels': opts.channels or (3 if any_colour else 1), 'layout': layout,
+            'names': [s.name for s in samples]}
+
+
+def _entry_shapes(meta, opts):
+    """Shapes of the arrays of a cache entry: flat (ragged) in crop mode, else (N, S, S[, C])."""
+    stored_c, sizes = meta['stored_channels'], meta['original_sizes']
+    if opts.crop:
+        total = int(sum(h * w for h, w in sizes))
+        return {'images': (total * stored_c,), 'masks': (total,), 'instances': (total,)}
+    n, size = len(sizes), opts.size
+    return {'images': (n, size, size, stored_c), 'masks': (n, size, size), 'instances': (n, size, size)}
+
+
+def _build_lists(sink, meta):
     """Crop mode without a cache: plain lists of native-size arrays."""
-    images = sink.images if chosen == stored_c else [im[..., :chosen] for im in sink.images]
-    ds = SegmentationDataset(images, sink.masks, sink.instances, names=names,
+    chosen = meta['channels']
+    images = sink.images if chosen == meta['stored_channels'] else [im[..., :chosen] for im in sink.images]
+    ds = SegmentationDataset(images, sink.masks, sink.instances, names=meta['names'],
                              original_sizes=[tuple(s) for s in meta['original_sizes']])
     ds.channels = chosen
     ds.layout = meta['layout']
