@@ -19,7 +19,7 @@ import typing
 from .config import ModelConfig, TrainConfig, check_types, flag_name
 from .devices import cpu_context_count
 from .errors import OneLineParser, UserError, reports_errors
-from .runlog import get_logger
+from .reporting import get_logger
 from .runtime import apply_runtime_defaults
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it

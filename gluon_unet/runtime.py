@@ -42,7 +42,7 @@ import os
 import sys
 import warnings
 
-from .runlog import get_logger
+from .reporting import get_logger
 
 # NAME -> the value apply_runtime_defaults() gave os.environ[NAME] in this process. Kept in
 # the process, not in the environment: a value a child process inherits from us is passed

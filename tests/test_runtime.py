@@ -11,7 +11,7 @@ import pytest
 
 from gluon_unet import runtime
 from gluon_unet.devices import cpu_context_count
-from gluon_unet.runlog import LOGGER_NAME
+from gluon_unet.reporting import LOGGER_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,0 +1,107 @@
+"""What a run leaves behind for people: ``train.log``, ``metrics.csv``, ``curves.png``."""
+import csv
+import logging
+import os
+import sys
+
+from .utils import atomic_open, atomic_path
+
+LOGGER_NAME = 'gluon_unet'
+
+
+# Marks the handlers setup_logging() added, so a later call replaces those and no others.
+_OWN = '_gluon_unet_handler'
+
+
+def setup_logging(run_dir=None, verbose=True):
+    """The package logger, writing INFO lines to stderr and (when ``run_dir`` is given)
+    appending them to ``run_dir/train.log``.
+
+    It adds its own handlers only, replacing those of an earlier call (``fit()`` calls it
+    once before the run folder is known, then again), and leaves other handlers and
+    ``propagate`` alone: records still reach the application's logging configuration.
+    When the application has configured the root logger (``logging.basicConfig``, a
+    test runner), the lines reach stderr through it, so no stderr handler is added, and
+    no line is printed twice. ``verbose=False``: nothing on stderr from gluon_unet.
+    """
+    log = logging.getLogger(LOGGER_NAME)
+    log.setLevel(logging.INFO)
+    for h in [h for h in log.handlers if getattr(h, _OWN, False)]:
+        log.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter('%(asctime)s %(message)s', '%H:%M:%S')
+    handlers = []
+    if verbose and not logging.getLogger().handlers:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    if run_dir:
+        os.makedirs(run_dir, exist_ok=True)
+        handlers.append(logging.FileHandler(os.path.join(run_dir, 'train.log')))
+    if not handlers:
+        # Handled, so Python's last-resort handler does not print warnings to stderr.
+        handlers.append(logging.NullHandler())
+    for h in handlers:
+        h.setFormatter(fmt)
+        setattr(h, _OWN, True)
+        log.addHandler(h)
+    return log
+
+
+def get_logger():
+    return logging.getLogger(LOGGER_NAME)
+
+
+class MetricsTable:
+    """``metrics.csv``, one row per epoch; rewritten atomically so it matches a resume."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def write(self, history):
+        if not history:
+            return
+        columns = []
+        for row in history:
+            columns += [k for k in row if k not in columns and not isinstance(row[k], (list, dict))]
+        with atomic_open(self.path, 'w', newline='') as f:
+            writer = csv.DictWriter(f, columns, extrasaction='ignore')
+            writer.writeheader()
+            for row in history:
+                writer.writerow({k: _fmt(row.get(k)) for k in columns})
+
+
+def plot_curves(history, path):
+    """Loss and validation metrics per epoch, redrawn after every epoch."""
+    if not history:
+        return
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    epochs = [r['epoch'] for r in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key in ('train_loss', 'val_loss'):
+        if any(key in r for r in history):
+            ax1.plot(epochs, [r.get(key, float('nan')) for r in history], marker='.', label=key)
+    ax1.set_xlabel('epoch')
+    ax1.set_ylabel('loss')
+    ax1.set_yscale('log')
+    ax1.legend()
+    for key in ('val_iou', 'val_dice', 'val_dsb'):
+        if any(key in r for r in history):
+            ax2.plot(epochs, [r.get(key, float('nan')) for r in history], marker='.', label=key)
+    ax2.set_xlabel('epoch')
+    ax2.set_ylim(0, 1)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=80, format='png')
+    finally:
+        plt.close(fig)
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return '%.6g' % v
+    return v
