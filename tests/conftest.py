@@ -49,3 +49,44 @@ def requires_bf16():
     """For tests that train with bfloat16 AMP on CPU (``amp=True`` / ``--amp``):
     ``@pytest.mark.usefixtures('requires_bf16')``."""
     skip_unless_cpu_bfloat16()
+
+
+#: The model.json :func:`export_brightness_model` writes unless told otherwise.
+BRIGHTNESS_SIDECAR = {'in_channels': 1, 'classes': 1, 'multiple': 4, 'train_size': 32,
+                      'resize_mode': 'resize', 'threshold': 0.5}
+
+
+def export_brightness_model(folder, sidecar=BRIGHTNESS_SIDECAR):
+    """Export a 1x1 conv segmenting bright nuclei (tiny, 32 px) into ``folder`` the way
+    export_checkpoint does; returns ``folder``. ``sidecar``: a dict is written to
+    model.json as JSON, a string as it is (broken sidecars), None writes no model.json."""
+    import json
+    import mxnet as mx
+
+    os.makedirs(folder, exist_ok=True)
+    net = mx.gluon.nn.Conv2D(1, 1, in_channels=1)
+    net.initialize(mx.init.Constant(20.0))
+    net.bias.set_data(mx.nd.array([-10.0]))
+    net.hybridize()
+    net(mx.nd.zeros((1, 1, 32, 32)))
+    net.export(os.path.join(folder, 'model'), epoch=0)
+    if sidecar is not None:
+        with open(os.path.join(folder, 'model.json'), 'w') as f:
+            f.write(sidecar if isinstance(sidecar, str) else json.dumps(sidecar))
+    return folder
+
+
+def nuclei_png(seed, size=40):
+    """The PNG bytes of one grey synthetic nuclei image."""
+    import cv2
+    from gluon_unet.data.synthetic import synthetic_nuclei
+    image = synthetic_nuclei(1, size=size, channels=1, seed=seed)[0][0]
+    return cv2.imencode('.png', image)[1].tobytes()
+
+
+def run_cli(main, argv):
+    """A CLI ``main``'s exit code, also for argparse's SystemExit (usage errors, --help)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code

@@ -1,65 +1,31 @@
 """bin/predict when some inputs fail: the good images are still written, one summary
 line names the failures, and the exit code says so (issue 12). Also broken model.json
 sidecars: one line naming the file, exit 2."""
-import json
 import os
 import subprocess
 import sys
 
-import cv2
-import mxnet as mx
-import numpy as np
 import pytest
 
-from gluon_unet.data.synthetic import synthetic_nuclei
 from gluon_unet.errors import UserError
-from gluon_unet.export import load_exported
 from gluon_unet.predict import main as predict_main
 from gluon_unet.predict import predict_paths
 
+from conftest import export_brightness_model, nuclei_png, run_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD = ('a', 'b', 'd', 'e', 'f')
-
-
-def _brightness_model(folder, sidecar=None):
-    """A 1x1 conv segmenting bright nuclei, exported like export_checkpoint (tiny, 32 px)."""
-    os.makedirs(folder, exist_ok=True)
-    net = mx.gluon.nn.Conv2D(1, 1, in_channels=1)
-    net.initialize(mx.init.Constant(20.0))
-    net.bias.set_data(mx.nd.array([-10.0]))
-    net.hybridize()
-    net(mx.nd.zeros((1, 1, 32, 32)))
-    net.export(os.path.join(folder, 'model'), epoch=0)
-    with open(os.path.join(folder, 'model.json'), 'w') as f:
-        if sidecar is None:
-            json.dump({'in_channels': 1, 'classes': 1, 'multiple': 4, 'train_size': 32,
-                       'resize_mode': 'resize', 'threshold': 0.5}, f)
-        else:
-            f.write(sidecar)
-    return folder
-
-
-def _png(seed, size=40):
-    image = synthetic_nuclei(1, size=size, channels=1, seed=seed)[0][0]
-    return cv2.imencode('.png', image)[1].tobytes()
 
 
 def _folder(path, good=GOOD, bad=('c_bad',)):
     """Good synthetic PNGs and truncated ones (sorted among the good, inside one batch)."""
     path.mkdir()
     for i, name in enumerate(good):
-        (path / (name + '.png')).write_bytes(_png(i))
+        (path / (name + '.png')).write_bytes(nuclei_png(i))
     for name in bad:
-        data = _png(99)
+        data = nuclei_png(99)
         (path / (name + '.png')).write_bytes(data[:len(data) // 2])
     return path
-
-
-def _run(main, argv):
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
 
 
 def _masks(out):
@@ -68,7 +34,7 @@ def _masks(out):
 
 
 def test_one_truncated_png_costs_only_itself(tmp_path):
-    model = _brightness_model(str(tmp_path / 'model'))
+    model = export_brightness_model(str(tmp_path / 'model'))
     inputs = _folder(tmp_path / 'in')
     out, rle = tmp_path / 'out', tmp_path / 'sub.csv'
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model,
@@ -87,18 +53,18 @@ def test_one_truncated_png_costs_only_itself(tmp_path):
 
 
 def test_allow_failures_exits_0_and_all_failed_exits_2(tmp_path, capsys):
-    model = _brightness_model(str(tmp_path / 'model'))
+    model = export_brightness_model(str(tmp_path / 'model'))
     inputs = _folder(tmp_path / 'in')
     out = tmp_path / 'out'
     args = ['--model', model, '--input', str(inputs), '--output', str(out), '--no-progress']
-    assert _run(predict_main, args + ['--allow-failures']) == 0
+    assert run_cli(predict_main, args + ['--allow-failures']) == 0
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and '1 of 6 images failed: c_bad.png' in err and 'Traceback' not in err
     assert _masks(out) == list(GOOD)
     # every image failing is an error even with --allow-failures; nothing is written
     bad_only = _folder(tmp_path / 'bad_only', good=(), bad=('x', 'y'))
     for extra in ([], ['--allow-failures']):
-        code = _run(predict_main, ['--model', model, '--input', str(bad_only), '--output',
+        code = run_cli(predict_main, ['--model', model, '--input', str(bad_only), '--output',
                                    str(tmp_path / 'none'), '--rle', str(tmp_path / 'none.csv'),
                                    '--no-progress'] + extra)
         err = capsys.readouterr().err
@@ -107,18 +73,18 @@ def test_allow_failures_exits_0_and_all_failed_exits_2(tmp_path, capsys):
         assert 'y.png (' in err and 'Traceback' not in err
         assert not (tmp_path / 'none').exists() and not (tmp_path / 'none.csv').exists()
     # the flag is in the help
-    assert _run(predict_main, ['--help']) == 0
+    assert run_cli(predict_main, ['--help']) == 0
     assert '--allow-failures' in capsys.readouterr().out
 
 
 def test_many_failures_are_counted_and_write_errors_are_per_image(tmp_path, capsys):
-    model = _brightness_model(str(tmp_path / 'model'))
+    model = export_brightness_model(str(tmp_path / 'model'))
     bad = tuple('bad%d' % i for i in range(6))
     inputs = _folder(tmp_path / 'in', good=('a', 'b', 'c'), bad=bad)
     out = tmp_path / 'out'
     out.mkdir()
     (out / 'b_mask.png').mkdir()  # b's mask cannot be written: a per-image write error
-    code = _run(predict_main, ['--model', model, '--input', str(inputs), '--output', str(out),
+    code = run_cli(predict_main, ['--model', model, '--input', str(inputs), '--output', str(out),
                                '--no-progress'])
     err = capsys.readouterr().err
     assert code == 1 and err.count('\n') == 1 and 'Traceback' not in err, err
@@ -129,7 +95,7 @@ def test_many_failures_are_counted_and_write_errors_are_per_image(tmp_path, caps
 
 
 def test_predict_paths_returns_the_good_records_and_the_failures(tmp_path):
-    model = _brightness_model(str(tmp_path / 'model'))
+    model = export_brightness_model(str(tmp_path / 'model'))
     inputs = _folder(tmp_path / 'in')
     records = predict_paths(model, str(inputs), str(tmp_path / 'out'), progress=False)
     assert [r['id'] for r in records] == list(GOOD) and len(records) == 5

@@ -3,42 +3,14 @@ one line naming the file and what is wrong, exit 2 - never a traceback (issue 12
 import json
 import os
 
-import cv2
-import mxnet as mx
 import pytest
 
-from gluon_unet.data.synthetic import synthetic_nuclei
 from gluon_unet.errors import UserError
 from gluon_unet.export import load_exported
 from gluon_unet.predict import main as predict_main
 from gluon_unet.predict import predict_paths
 
-
-def _brightness_model(folder, sidecar):
-    """A 1x1 conv segmenting bright nuclei, exported with the given model.json text."""
-    os.makedirs(folder, exist_ok=True)
-    net = mx.gluon.nn.Conv2D(1, 1, in_channels=1)
-    net.initialize(mx.init.Constant(20.0))
-    net.bias.set_data(mx.nd.array([-10.0]))
-    net.hybridize()
-    net(mx.nd.zeros((1, 1, 32, 32)))
-    net.export(os.path.join(folder, 'model'), epoch=0)
-    if sidecar is not None:
-        with open(os.path.join(folder, 'model.json'), 'w') as f:
-            f.write(sidecar)
-    return folder
-
-
-def _png(seed, size=40):
-    image = synthetic_nuclei(1, size=size, channels=1, seed=seed)[0][0]
-    return cv2.imencode('.png', image)[1].tobytes()
-
-
-def _run(main, argv):
-    try:
-        return main(argv)
-    except SystemExit as exc:
-        return exc.code
+from conftest import export_brightness_model, nuclei_png, run_cli
 
 
 # -- broken model.json ----------------------------------------------------------------------
@@ -62,13 +34,13 @@ BAD_SIDECARS = [
 
 @pytest.mark.parametrize('text, words', BAD_SIDECARS)
 def test_broken_sidecar_is_one_line_naming_the_file(tmp_path, capsys, text, words):
-    model = _brightness_model(str(tmp_path / 'model'), sidecar=text)
+    model = export_brightness_model(str(tmp_path / 'model'), sidecar=text)
     sidecar = os.path.join(model, 'model.json')
     with pytest.raises(UserError, match='model.json') as info:
         load_exported(model)
     assert words in str(info.value) and sidecar in str(info.value) and '\n' not in str(info.value)
-    (tmp_path / 'a.png').write_bytes(_png(0))
-    code = _run(predict_main, ['--model', model, '--input', str(tmp_path / 'a.png'),
+    (tmp_path / 'a.png').write_bytes(nuclei_png(0))
+    code = run_cli(predict_main, ['--model', model, '--input', str(tmp_path / 'a.png'),
                                '--output', str(tmp_path / 'out'), '--no-progress'])
     err = capsys.readouterr().err
     assert code == 2 and err.count('\n') == 1 and 'Traceback' not in err, err
@@ -82,7 +54,7 @@ def test_broken_sidecar_is_one_line_naming_the_file(tmp_path, capsys, text, word
 def test_sidecar_without_config_still_works(tmp_path, sidecar):
     """Hand-made and older exports have no 'config' (or null keys, or no model.json at
     all): what is there is enough, the channels come from the first convolution."""
-    model = _brightness_model(str(tmp_path / 'model'), sidecar=None if sidecar is None else json.dumps(sidecar))
-    (tmp_path / 'a.png').write_bytes(_png(0))
+    model = export_brightness_model(str(tmp_path / 'model'), sidecar=None if sidecar is None else json.dumps(sidecar))
+    (tmp_path / 'a.png').write_bytes(nuclei_png(0))
     records = predict_paths(model, str(tmp_path / 'a.png'), str(tmp_path / 'out'), progress=False)
     assert len(records) == 1 and records[0]['objects'] >= 1
