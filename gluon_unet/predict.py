@@ -82,14 +82,6 @@ class PredictConfig:
             raise UserError('--split must be one of %s (got %r)' % (', '.join(SPLITS), self.split))
         return self
 
-    @classmethod
-    def resolve(cls, config=None, **overrides):
-        """``config`` (default: the defaults) with ``overrides`` applied, validated."""
-        base = cls() if config is None else config
-        if not isinstance(base, cls):
-            raise TypeError('config must be a PredictConfig (got %s)' % type(base).__name__)
-        return dataclasses.replace(base, **overrides).validate()
-
 
 # -- inputs --------------------------------------------------------------------------------
 
@@ -361,7 +353,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     """
     from .devices import make_contexts
 
-    config = PredictConfig.resolve(config, **overrides)
+    config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
     ctxs = make_contexts(config.gpus, config.cpus)
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):

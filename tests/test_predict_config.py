@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gluon_unet.errors import UserError
-from gluon_unet.predict import PredictConfig
+from gluon_unet.predict import PredictConfig, predict_paths
 from gluon_unet.tiling import padding_to_multiple, plan_image
 
 
@@ -46,20 +46,22 @@ def test_window_plans_align_to_the_pooling_grid_and_cover_the_image():
 @pytest.mark.parametrize('field, value, flag', [
     ('mode', 'x', '--mode'), ('batch_size', 0, '--batch-size'), ('overlap', 1.0, '--overlap'),
     ('threshold', 1.5, '--threshold'), ('min_size', -1, '--min-size'), ('split', 'kmeans', '--split')])
-def test_predict_config_names_the_flag(field, value, flag):
+def test_predict_config_names_the_flag(tmp_path, field, value, flag):
     with pytest.raises(UserError, match='^%s ' % flag):
         PredictConfig(**{field: value}).validate()
-    with pytest.raises(UserError, match='^%s ' % flag):
-        PredictConfig.resolve(None, **{field: value})
+    with pytest.raises(UserError, match='^%s ' % flag):  # before any file is looked at
+        predict_paths(str(tmp_path / 'no-model'), str(tmp_path / 'no-input'), str(tmp_path / 'out'),
+                      PredictConfig(cpus=2), **{field: value})
+    assert not (tmp_path / 'out').exists()
 
 
-def test_predict_config_resolve_applies_overrides_to_a_copy():
+def test_predict_paths_overrides_apply_to_a_copy_and_unknown_ones_fail(tmp_path):
     base = PredictConfig(cpus=2)
-    got = PredictConfig.resolve(base, overlay=True, rle='s.csv')
-    assert (got.cpus, got.overlay, got.rle) == (2, True, 's.csv') and base.overlay is False
-    assert PredictConfig.resolve() == PredictConfig()
+    with pytest.raises(UserError, match='--input .*no such file'):
+        predict_paths('m', str(tmp_path / 'nope'), str(tmp_path / 'out'), base, overlay=True)
+    assert base == PredictConfig(cpus=2)
     with pytest.raises(TypeError):
-        PredictConfig.resolve(None, colour=True)
+        predict_paths('m', str(tmp_path), str(tmp_path / 'out'), colour=True)
 
 
 def test_old_import_paths_of_predict_keep_working():

@@ -224,14 +224,6 @@ class LoadOptions:
             raise UserError('--size must be a positive integer (got %r)' % (self.size,))
         return self
 
-    @classmethod
-    def resolve(cls, options=None, **overrides):
-        """``options`` (default: the defaults) with ``overrides`` applied, validated."""
-        base = cls() if options is None else options
-        if not isinstance(base, cls):
-            raise TypeError('options must be a LoadOptions (got %s)' % type(base).__name__)
-        return dataclasses.replace(base, **overrides).validate()
-
 
 def load_dataset(path, masks=None, options=None, **overrides):
     """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
@@ -261,7 +253,7 @@ def load_dataset(path, masks=None, options=None, **overrides):
         Anything wrong with the input: see :mod:`~gluon_unet.data.layouts` and
         :mod:`~gluon_unet.data.io`.
     """
-    opts = LoadOptions.resolve(options, **overrides)
+    opts = dataclasses.replace(options or LoadOptions(), **overrides).validate()
     layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired)
     cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
