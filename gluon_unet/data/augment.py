@@ -17,6 +17,8 @@ Geometry uses linear interpolation for the image and nearest for masks and insta
 always, so labels are never blended. Intensity changes touch the image only.
 """
 import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import cv2
 import numpy as np
@@ -45,6 +47,7 @@ def _pad_to_at_least(arr, h, w, top, left, mode):
     return np.pad(arr, pads, mode='constant')
 
 
+@dataclass(repr=False, eq=False)
 class Augment:
     """The transform: crop/scale, flips, 90-degree rotations, elastic, intensity.
 
@@ -73,14 +76,22 @@ class Augment:
     otherwise with its own dtype.
     """
 
-    def __init__(self, crop=0, flip=True, rot90=True, scale=(0.8, 1.25), intensity=True,
-                 brightness=0.1, contrast=(0.8, 1.25), gamma=(0.8, 1.25),
-                 elastic=False, elastic_alpha=8.0, elastic_sigma=6.0):
-        if crop < 0:
+    crop: int = 0
+    flip: bool = True
+    rot90: bool = True
+    scale: Optional[Tuple[float, float]] = (0.8, 1.25)
+    intensity: bool = True
+    brightness: float = 0.1
+    contrast: Tuple[float, float] = (0.8, 1.25)
+    gamma: Tuple[float, float] = (0.8, 1.25)
+    elastic: bool = False
+    elastic_alpha: float = 8.0
+    elastic_sigma: float = 6.0
+
+    def __post_init__(self):
+        if self.crop < 0:
             raise ValueError('crop must be >= 0')
-        self.crop, self.flip, self.rot90, self.scale = int(crop), flip, rot90, scale
-        self.intensity, self.brightness, self.contrast, self.gamma = intensity, brightness, contrast, gamma
-        self.elastic, self.elastic_alpha, self.elastic_sigma = elastic, elastic_alpha, elastic_sigma
+        self.crop = int(self.crop)
 
     def __repr__(self):
         return ('Augment(crop=%d, flip=%s, rot90=%s, scale=%s, intensity=%s, elastic=%s)'
