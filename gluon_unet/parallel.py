@@ -7,9 +7,26 @@ a value back to the host, so the Python thread runs ahead of the devices and the
 batch is queued while the current one computes.
 """
 import threading
+import time
 
 import mxnet as mx
 from mxnet import autograd, gluon
+
+from .errors import UserError, mxnet_message
+
+
+class DeviceFailure(UserError):
+    """One device failed while the others wait for it at SyncBatchNorm's barrier.
+
+    MXNet's barrier has no timeout and its waiting operators cannot be cancelled, so
+    the engine of this process will not finish any other work: ``process_unusable``
+    tells a command-line entry point to exit at once after printing the message
+    (a normal interpreter exit would wait for the engine forever).
+    """
+
+    def __init__(self, message, process_unusable=True):
+        super().__init__(message, exit_code=1)
+        self.process_unusable = process_unusable
 
 
 def split_batch(arrays, ctxs):
@@ -66,12 +83,17 @@ class DataParallelStep:
     loss sums stay on their devices until someone reads them.
     """
 
+    # How long the other devices may still be waiting once one has failed, in the first
+    # step with SyncBatchNorm, before the job is declared stuck (see _watch_first_step).
+    failure_grace_s = 20.0
+
     def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, loss_scaling=False, sync_bn=False,
                  workers=1):
         self.net, self.loss_fn, self.trainer, self.ctxs = net, loss_fn, trainer, list(ctxs)
         self.clip_grad, self.loss_scaling, self.sync_bn = clip_grad, loss_scaling, sync_bn
         self.workers = max(1, int(workers))
         self._params = None
+        self._watch = sync_bn  # the first step with SyncBatchNorm runs under a watchdog
 
     def runnable(self, batch_samples):
         """SyncBatchNorm's barrier needs every device: smaller batches must be skipped."""
@@ -83,7 +105,11 @@ class DataParallelStep:
         # (EpochSampler pads the shards to whole batches).
         total = n * self.workers
         parts = split_batch([image, target, weight], self.ctxs)
-        losses = self._forward_backward(parts)
+        if self._watch and len(parts) > 1:
+            self._watch = False
+            losses = self._watch_first_step(parts)
+        else:
+            losses = self._forward_backward(parts)
         if len(parts) < len(self.ctxs):
             self._zero_unused_grads(len(parts))
         if self.clip_grad > 0:
@@ -106,8 +132,10 @@ class DataParallelStep:
         autograd.backward(scaled)
         return losses
 
-    def _threaded_forward_backward(self, parts):
-        losses, errors = [None] * len(parts), []
+    def _threaded_forward_backward(self, parts, errors=None):
+        """Each device's forward and backward in its own thread. Errors are raised here,
+        or, when an ``errors`` dict is given, put there by device index."""
+        losses, failed = [None] * len(parts), {}
 
         def run(i, x, y, w):
             try:
@@ -116,15 +144,64 @@ class DataParallelStep:
                     scaled = self._scaled([losses[i]])
                 autograd.backward(scaled)
             except Exception as exc:  # surfaced in the main thread below
-                errors.append(exc)
+                failed[i] = exc
 
         threads = [threading.Thread(target=run, args=(i,) + tuple(p)) for i, p in enumerate(parts)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        if errors:
-            raise errors[0]
+        if failed and errors is None:
+            raise failed[min(failed)]
+        if errors is not None:
+            errors.update(failed)
+        return losses
+
+    def _watch_first_step(self, parts):
+        """The first SyncBatchNorm step, watched: a device that fails (out of memory at
+        its first allocation, a driver error) never reaches the barrier, and the others
+        would wait there forever, with Ctrl-C unseen while the main thread blocks in
+        MXNet. Each device's step is awaited in its own thread; when one has failed,
+        :class:`DeviceFailure` names it and its error as soon as the others have
+        finished or are still waiting ``failure_grace_s`` later. Either way the
+        healthy devices' operators are left inside a barrier (of the forward or of the
+        backward pass), so the process cannot go on."""
+        errors = {}  # device index -> exception
+        losses = self._threaded_forward_backward(parts, errors)
+        outcome = [errors.get(i) if losses[i] is None else None for i in range(len(parts))]
+
+        # The first layer's gradient is the last one backward computes: once it is ready
+        # on a device, that device has passed every barrier of the step.
+        first_grads = self._trainable()[0].list_grad()
+
+        def wait(i):
+            try:
+                losses[i].wait_to_read()
+                first_grads[i].wait_to_read()
+                outcome[i] = 'ok'
+            except Exception as exc:  # raised asynchronously by the failed device's ops
+                outcome[i] = exc
+
+        for i in range(len(parts)):
+            if losses[i] is not None:
+                threading.Thread(target=wait, args=(i,), daemon=True).start()
+        failed_at = time.time() if errors else None
+        while True:
+            failed = {i: o for i, o in enumerate(outcome) if isinstance(o, Exception)}
+            failed.update(errors)
+            pending = any(o is None for o in outcome)
+            if failed and failed_at is None:
+                failed_at = time.time()
+            if not pending or (failed and time.time() - failed_at > self.failure_grace_s):
+                break
+            time.sleep(0.05)  # the main thread stays free to take Ctrl-C
+        if failed:
+            i, exc = min(failed.items())
+            where = str(self.ctxs[i])
+            raise DeviceFailure('%s failed at the first training step (%s); the other devices wait for it at '
+                                'SyncBatchNorm\'s barrier, so the job stops here. Check that device (free '
+                                'memory, a smaller --batch-size) or train without --sync-bn'
+                                % (where, mxnet_message(exc)))
         return losses
 
     def _zero_unused_grads(self, used):

@@ -1,0 +1,59 @@
+"""A device that fails in the first SyncBatchNorm step is named, instead of a hang.
+
+The failing device never reaches SyncBatchNorm's barrier, and MXNet's barrier has no
+timeout: the other devices' operators wait forever. Each case runs in a subprocess (its
+engine stays stuck afterwards, as it would for a user) with a timeout, so a regression
+fails the test instead of hanging the suite.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r'''
+import os, sys
+sys.path.insert(0, %(root)r)
+import mxnet as mx
+from gluon_unet.config import ModelConfig, TrainConfig
+from gluon_unet.engine import build_network, make_step
+from gluon_unet.parallel import DeviceFailure
+
+cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2, batch_norm=True), size=32,
+                  sync_bn=True, cpus=2, batch_size=4)
+ctxs = [mx.cpu(0), mx.cpu(1)]
+net = build_network(cfg, ctxs)
+step = make_step(cfg, net, ctxs)
+step.failure_grace_s = 2.0
+real_loss = step.loss_fn
+
+def loss(logits, y, w):
+    if logits.context == mx.cpu(1):
+        if %(mode)r == 'queue':  # fails while its work is being queued
+            raise RuntimeError('simulated driver error')
+        # fails later, inside the engine (a LAPACK error, as an allocation failure would)
+        logits = logits + mx.nd.linalg.potrf(mx.nd.array([[-1.0]], ctx=logits.context)).sum()
+    return real_loss(logits, y, w)
+
+step.loss_fn = loss
+x = mx.nd.random.uniform(shape=(4, 1, 32, 32))
+try:
+    step(x, mx.nd.zeros((4, 1, 32, 32)), mx.nd.ones((4, 1, 32, 32)))
+except DeviceFailure as exc:
+    print('DeviceFailure:', exc, exc.process_unusable, flush=True)
+    os._exit(0)
+print('no failure reported', flush=True)
+os._exit(1)
+'''
+
+
+@pytest.mark.parametrize('mode', ['queue', 'engine'])
+def test_a_failing_device_in_the_first_syncbn_step_is_named_not_a_hang(mode):
+    done = subprocess.run([sys.executable, '-c', SCRIPT % {'root': ROOT, 'mode': mode}],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = [l for l in done.stdout.splitlines() if l.startswith('DeviceFailure')][0]
+    assert 'cpu(1) failed at the first training step' in line
+    assert ('simulated' in line or 'potrf' in line) and '--sync-bn' in line and line.endswith('True')
