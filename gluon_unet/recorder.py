@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointSaver
 from .export import export_checkpoint, export_in_subprocess
-from .runlog import MetricsTable, plot_curves, setup_logging
+from .reporting import MetricsTable, plot_curves, setup_logging
 from .utils import atomic_open
 
 
