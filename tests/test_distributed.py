@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import pids_with, tiny_config
 from gluon_unet.data.dataset import EpochSampler
 from gluon_unet.errors import UserError
 from gluon_unet import distributed, launch
@@ -23,21 +23,6 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 LAUNCH = [sys.executable, os.path.join(ROOT, 'bin', 'launch')]
 HELPER = [sys.executable, os.path.join(ROOT, 'tests', 'dist_helper.py')]
 TRAIN = [sys.executable, os.path.join(ROOT, 'bin', 'train')]
-
-
-def pids_with(marker):
-    """PIDs whose command line contains ``marker`` (read from /proc: no psutil)."""
-    found = []
-    for pid in os.listdir('/proc'):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open('/proc/%s/cmdline' % pid, 'rb') as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 def role_of(pid):
@@ -71,7 +56,7 @@ def run(argv, timeout, **kw):
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out, _ = proc.communicate(timeout=30)
         pytest.fail('timed out after %ds:\n%s' % (timeout, out.decode(errors='replace')[-3000:]))
     return proc.returncode, out.decode(errors='replace')
 
@@ -314,7 +299,7 @@ def test_a_killed_worker_stops_the_job(tmp_path, marker):
         deadline = time.time() + 40
         while time.time() < deadline and not os.path.exists(os.path.join(tmp_path, marker, 'metrics.csv')):
             time.sleep(0.2)  # training is under way: an epoch finished
-        assert proc.poll() is None, proc.communicate()[0].decode()
+        assert proc.poll() is None, proc.communicate(timeout=30)[0].decode()
         workers = [p for p in pids_with(marker) if role_of(p) == 'worker']
         assert len(workers) == 2
         t0 = time.time()

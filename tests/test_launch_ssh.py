@@ -136,7 +136,7 @@ def _end(proc):
         os.killpg(proc.pid, signal.SIGKILL)  # ... and its grace-period sleep with this
     except ProcessLookupError:
         pass
-    proc.wait()
+    proc.wait(timeout=30)
 
 
 def test_a_shell_receives_exactly_the_values(tmp_path, fake_ssh):

@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from conftest import pids_with
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 README = os.path.join(ROOT, 'README.md')
 TIMEOUT = 300
@@ -51,20 +53,6 @@ def _find(title, wanted, describe):
     return found[0]
 
 
-def _pids_with(marker):
-    found = []
-    for pid in os.listdir('/proc'):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            with open('/proc/%s/cmdline' % pid, 'rb') as f:
-                if marker.encode() in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
-
-
 def _run(argv, marker):
     """Run ``argv`` from the repository root with ``python`` on PATH being this
     interpreter; stop it (and every process carrying ``marker``) after TIMEOUT seconds."""
@@ -80,14 +68,14 @@ def _run(argv, marker):
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+            out, _ = proc.communicate(timeout=30)
         pytest.fail('%s: timed out after %ds:\n%s' % (' '.join(argv), TIMEOUT, out.decode(errors='replace')[-3000:]))
     finally:
         # ... whose processes run in sessions of their own: none may outlive the test.
         deadline = time.time() + 10
-        while _pids_with(marker) and time.time() < deadline:
+        while pids_with(marker) and time.time() < deadline:
             time.sleep(0.2)
-        for pid in _pids_with(marker):
+        for pid in pids_with(marker):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

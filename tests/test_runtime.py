@@ -104,7 +104,7 @@ class _Lines(logging.Handler):
 
 @pytest.fixture
 def log_lines():
-    # fit() turns propagation off for the package logger, so listen on it directly.
+    # Listen on the package logger itself (whatever the root logger's configuration).
     log, handler = logging.getLogger(LOGGER_NAME), _Lines()
     level = log.level
     log.setLevel(logging.INFO)
