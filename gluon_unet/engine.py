@@ -36,7 +36,7 @@ from .model import build_model, foreground_probability
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .recorder import RunRecorder, RunState
-from .runlog import setup_logging
+from .reporting import setup_logging
 from .runtime import configure_runtime
 
 
@@ -99,11 +99,11 @@ def build_datasets(cfg):
                                  seed=cfg.seed)
         val = None
     else:
-        opts = dict(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
-                    channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
-                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize)
-        full = readers.load_dataset(cfg.data, masks=cfg.masks, **opts)
-        val = readers.load_dataset(cfg.val_data, **opts) if cfg.val_data else None
+        opts = readers.LoadOptions(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
+                                   channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
+                                   skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize)
+        full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
+        val = readers.load_dataset(cfg.val_data, options=opts) if cfg.val_data else None
     if val is None and cfg.val_split > 0:
         train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
         return full.subset(train_idx), full.subset(val_idx)
