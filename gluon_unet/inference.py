@@ -3,11 +3,13 @@
 :func:`load_model` loads an export and everything its sidecar says about its inputs (a
 :class:`LoadedModel`). :func:`image_jobs` turns one image into fixed-shape network inputs
 (the windows of its :func:`~gluon_unet.tiling.plan_image`, times the TTA symmetries), and
-:func:`run_jobs` streams such jobs - across images - in batches of equal-shape inputs split
-over the devices with :func:`~gluon_unet.parallel.split_batch`, so the devices stay busy
-and memory stays at one batch whatever the image size. :func:`predict_image` does it all
-for one image in memory. Inputs are the uint8 image / 255, as in training.
+:func:`run_jobs` streams such jobs - across images - in batches of equal-shape inputs spread
+over the devices round-robin with work in flight on each (a batch smaller than the device
+count, such as one ``whole``-mode image, goes to the next device, not always the first),
+so the devices stay busy and memory stays at a batch per device whatever the image size.
+:func:`predict_image` does it all for one image in memory. Inputs are the uint8 image / 255, as in training.
 """
+from collections import deque
 from dataclasses import dataclass
 
 import mxnet as mx
@@ -15,8 +17,7 @@ import numpy as np
 
 from .errors import UserError
 from .model import foreground_probability
-from .parallel import split_batch
-from .tiling import DIHEDRAL, Canvas, dihedral, plan_image
+from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
 class _Job:
@@ -47,66 +48,103 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None):
     mode, overlap
         See :func:`~gluon_unet.tiling.plan_image`.
     tta : bool
-        Also run the 7 other flips/quarter turns of every window.
+        Also run the 7 other flips/quarter turns of every window, grouped by shape
+        (:data:`~gluon_unet.tiling.TTA_ORDER`): the 4 that keep a window's (H, W), then
+        the 4 that give (W, H).
     on_done : callable
         ``on_done(prob (H, W) float32, mode)`` once every job of the image has run.
     """
     plan = plan_image(image, meta, mode, overlap)
     canvas = Canvas(*plan.source.shape[1:])
     for y, x, window in plan.windows():
-        for k, flip in (DIHEDRAL if tta else DIHEDRAL[:1]):
+        for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
             def add(prob, y=y, x=x, k=k, flip=flip):
                 canvas.add(prob, y, x, k, flip, plan.weight)
             yield _Job(np.ascontiguousarray(dihedral(window, k, flip)), add)
     yield _Done(lambda: on_done(np.ascontiguousarray(plan.to_image(canvas.result()), np.float32), plan.mode))
 
 
-class _BatchRunner:
-    """Runs batches of jobs with one batch in flight: the next batch is queued on the
-    devices before the previous one's results are read back and post-processed."""
+class _Scheduler:
+    """Runs batches of equal-shape jobs over the devices round-robin, keeping work in
+    flight on every device.
+
+    A batch of ``m`` jobs is split over ``min(m, n)`` of the ``n`` devices, starting at
+    the device after the last one used (parts as ``split_and_load(even_split=False)``
+    sizes them: the first get one more), so a stream of single-image batches - ``whole``
+    mode, where every image has its own shape - goes to device 0, 1, ..., n-1, 0, ...
+    instead of always to the first. MXNet is asynchronous: a forward only queues work, so
+    every part is issued before any result is read back, and results are read in the
+    order they were issued. After a batch is issued, the oldest parts are read back until
+    at most one part per device is still outstanding: each device has the part it is
+    computing and the next one queued while the host post-processes.
+
+    ``jobs_per_device`` and ``forwards_per_device`` count, per device (in ``ctxs``
+    order), the network inputs it was given and the forward calls that carried them.
+    """
 
     def __init__(self, net, ctxs):
-        self.net, self.ctxs = net, ctxs
-        self.pending = None  # (jobs, device outputs, finishers) of the batch in flight
+        self.net, self.ctxs = net, list(ctxs)
+        self.next = 0  # index in ctxs of the device the next part goes to
+        self.pending = deque()  # [jobs, device output, finishers] per part, in issue order
+        self.jobs_per_device = [0] * len(self.ctxs)
+        self.forwards_per_device = [0] * len(self.ctxs)
 
     def submit(self, jobs, finishers):
-        x = mx.nd.array(np.stack([j.input for j in jobs]))
+        n = len(self.ctxs)
+        used = min(len(jobs), n)
+        x = np.stack([j.input for j in jobs])
+        size, extra = divmod(len(jobs), used)
+        start = 0
         with mx.autograd.predict_mode():
-            outs = [foreground_probability(self.net(part)) for (part,) in split_batch([x], self.ctxs)]
-        if self.pending is not None:
-            self._collect(self.pending)
-        self.pending = (jobs, outs, finishers)
+            for i in range(used):
+                stop = start + size + (i < extra)
+                dev = (self.next + i) % n
+                # Made on the host, then copied by an engine operation: issuing never waits.
+                part = mx.nd.array(x[start:stop], ctx=mx.cpu()).as_in_context(self.ctxs[dev])
+                out = foreground_probability(self.net(part))
+                self.pending.append([jobs[start:stop], out, []])
+                self.jobs_per_device[dev] += stop - start
+                self.forwards_per_device[dev] += 1
+                start = stop
+        self.next = (self.next + used) % n
+        self.pending[-1][2].extend(finishers)
+        while len(self.pending) > n:
+            self._collect(self.pending.popleft())
 
     def after_pending(self, fn):
-        """Run ``fn`` once the batch in flight is collected (now if there is none)."""
-        if self.pending is None:
-            fn()
+        """Run ``fn`` once every part issued so far is collected (now if there is none)."""
+        if self.pending:
+            self.pending[-1][2].append(fn)
         else:
-            self.pending[2].append(fn)
+            fn()
 
     def drain(self):
-        if self.pending is not None:
-            entry, self.pending = self.pending, None
-            self._collect(entry)
+        while self.pending:
+            self._collect(self.pending.popleft())
 
     @staticmethod
     def _collect(entry):
-        jobs, outs, finishers = entry
-        probs = np.concatenate([o.asnumpy() for o in outs])
-        for job, p in zip(jobs, probs):
+        jobs, out, finishers = entry
+        for job, p in zip(jobs, out.asnumpy()):
             job.callback(p)
         for fn in finishers:
             fn()
 
 
 def run_jobs(net, ctxs, jobs, batch_size=8):
-    """Run a stream of jobs in batches of equal-shape inputs split over ``ctxs``.
+    """Run a stream of jobs in batches of equal-shape inputs over ``ctxs``.
 
-    One batch is kept in flight: the next batch is queued on the devices before the
-    previous one's results are read back and post-processed. A :class:`_Done` runs once
-    every job before it has been post-processed.
+    Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
+    spread over the devices round-robin with work in flight on each
+    (:class:`_Scheduler`). A :class:`_Done` runs once every job before it has been
+    post-processed.
+
+    Returns
+    -------
+    _Scheduler
+        Its ``jobs_per_device`` / ``forwards_per_device`` say how the work was spread.
     """
-    runner = _BatchRunner(net, ctxs)
+    runner = _Scheduler(net, ctxs)
     batch, finishers = [], []
     for job in jobs:
         if isinstance(job, _Done):
@@ -122,6 +160,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8):
     if batch:
         runner.submit(batch, finishers)
     runner.drain()
+    return runner
 
 
 def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25):

@@ -39,6 +39,10 @@ from .errors import UserError
 MODES = ('auto', 'resize', 'tile', 'whole')
 #: The 8 symmetries of the square: (quarter turns, horizontal flip).
 DIHEDRAL = tuple((k, flip) for flip in (False, True) for k in range(4))
+#: The same 8, grouped by the shape they give a (H, W) window: the 4 with an even number
+#: of quarter turns keep (H, W), the 4 odd ones give (W, H). TTA issues them in this order,
+#: so a non-square window makes two batches of one shape each instead of 8 that alternate.
+TTA_ORDER = tuple(sorted(DIHEDRAL, key=lambda t: t[0] % 2))
 
 
 def dihedral(x, k, flip):
