@@ -36,7 +36,7 @@ class _Done:
         self.fn = fn
 
 
-def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None):
+def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
     """The network inputs of one image, then a :class:`_Done` that yields its probabilities.
 
     Parameters
@@ -53,8 +53,10 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None):
         the 4 that give (W, H).
     on_done : callable
         ``on_done(prob (H, W) float32, mode)`` once every job of the image has run.
+    buckets : bool
+        ``whole`` mode: pad to :func:`~gluon_unet.tiling.bucket_side` sizes.
     """
-    plan = plan_image(image, meta, mode, overlap)
+    plan = plan_image(image, meta, mode, overlap, buckets)
     canvas = Canvas(*plan.source.shape[1:])
     for y, x, window in plan.windows():
         for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
@@ -163,7 +165,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8):
     return runner
 
 
-def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25):
+def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25, buckets=False):
     """Foreground probabilities of one image at its original resolution.
 
     Parameters
@@ -182,6 +184,12 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
         Inputs per forward, split over the devices.
     overlap : float
         Tile mode: fraction of the tile shared with its neighbour.
+    buckets : bool
+        Whole mode: pad the image up to one of a few sizes per octave
+        (:func:`~gluon_unet.tiling.bucket_side`) instead of the next multiple of
+        ``2**depth``, so many images share a few network shapes. The padding is cropped
+        away; pixels farther than the receptive field from the border are unchanged, those
+        nearer see more reflected context.
 
     Returns
     -------
@@ -189,7 +197,7 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
     """
     out = {}
     jobs = image_jobs(np.asarray(image), meta, mode, tta, overlap,
-                      on_done=lambda prob, used: out.setdefault('prob', prob))
+                      on_done=lambda prob, used: out.setdefault('prob', prob), buckets=buckets)
     run_jobs(net, list(ctxs), jobs, batch_size)
     return out['prob']
 
@@ -233,13 +241,13 @@ class LoadedModel:
     threshold: float
     normalize: str
 
-    def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None):
+    def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
-        return image_jobs(image, self.meta, mode, tta, overlap, on_done)
+        return image_jobs(image, self.meta, mode, tta, overlap, on_done, buckets)
 
     def run(self, jobs, batch_size=8):
-        """:func:`run_jobs` on this model's devices."""
-        run_jobs(self.net, self.ctxs, jobs, batch_size)
+        """:func:`run_jobs` on this model's devices; returns its :class:`_Scheduler`."""
+        return run_jobs(self.net, self.ctxs, jobs, batch_size)
 
 
 def load_model(model, ctxs):

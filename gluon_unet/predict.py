@@ -63,6 +63,7 @@ class PredictConfig:
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
     batch_size: int = 8               #: inputs per forward, split over the devices
     overlap: float = 0.25             #: tile mode: fraction of the tile shared with its neighbour
+    buckets: bool = False             #: whole mode: pad to a few sizes per octave (fewer shapes)
     progress: bool = True             #: progress bar (stderr) and a one-line summary
 
     def validate(self):
@@ -252,12 +253,13 @@ class _Run:
         self.model, self.files, self.output_dir, self.config = model, files, output_dir, config
         self.threshold = model.threshold if config.threshold is None else float(config.threshold)
         self.records, self.rows, self.failures = [], [], []
+        self.inputs_per_device = [0] * len(model.ctxs)
         self.bar = _progress_bar(len(files), config.progress)
 
     def run(self):
         """Predict and write every image; returns the :class:`Predictions`."""
         try:
-            self.model.run(self._jobs(), self.config.batch_size)
+            self.inputs_per_device = self.model.run(self._jobs(), self.config.batch_size).jobs_per_device
         finally:
             self.bar.close()
         failures = [f for _, f in sorted(self.failures, key=lambda item: item[0])]
@@ -301,7 +303,8 @@ class _Run:
                     self._fail(index, image_id, path, exc)
             return run
         for job in self.model.image_jobs(net_input, cfg.mode, cfg.tta, cfg.overlap,
-                                         on_done=lambda prob, used: self._write(rec, shown, prob, used)):
+                                         on_done=lambda prob, used: self._write(rec, shown, prob, used),
+                                         buckets=cfg.buckets):
             yield _Done(guarded(job.fn)) if isinstance(job, _Done) else job
 
     def _write(self, rec, image, prob, used):
@@ -364,22 +367,30 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     t0 = time.time()
     result = run.run()
     if config.progress:
-        print(_summary_line(result, time.time() - t0, ctxs, output_dir, config))
+        print(_summary_line(result, time.time() - t0, ctxs, output_dir, config, run.inputs_per_device))
     return result
 
 
-def _summary_line(records, seconds, ctxs, output_dir, config):
-    """``predicted 6 images (101 objects) in 2.0 s: 3.00 images/s on 1 device [cpu(0)]; ...``"""
+def _summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None):
+    """``predicted 6 images (101 objects) in 2.0 s: 3.00 images/s on 1 device [cpu(0)]; ...``;
+    with several devices each is followed by the network inputs it computed
+    (``[cpu(0) 3 inputs, cpu(1) 3 inputs]``)."""
     modes = {}
     for r in records:
         modes[r['mode']] = modes.get(r['mode'], 0) + 1
     return ('predicted %d images (%d objects) in %.1f s: %.2f images/s on %d device%s [%s]; mode %s%s; '
             'outputs in %s%s' % (len(records), sum(r['objects'] for r in records), seconds,
                                  len(records) / max(seconds, 1e-9), len(ctxs), 's' if len(ctxs) > 1 else '',
-                                 ', '.join(str(c) for c in ctxs),
+                                 _device_list(ctxs, inputs_per_device),
                                  ', '.join('%s %d' % kv for kv in sorted(modes.items())),
                                  ', tta' if config.tta else '', output_dir,
                                  (', submission %s' % config.rle) if config.rle else ''))
+
+
+def _device_list(ctxs, inputs_per_device=None):
+    if len(ctxs) < 2 or inputs_per_device is None:
+        return ', '.join(str(c) for c in ctxs)
+    return ', '.join('%s %d input%s' % (c, n, '' if n == 1 else 's') for c, n in zip(ctxs, inputs_per_device))
 
 
 def _progress_bar(total, enabled):
@@ -415,6 +426,11 @@ def build_parser():
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')
     parser.add_argument('--overlap', type=float, default=0.25, help='tile overlap fraction (default 0.25)')
+    parser.add_argument('--buckets', action='store_true',
+                        help='whole mode: pad each image up to one of 8-16 sizes per octave (sides grow '
+                             'by < 1/8) so images of many sizes share a few network shapes: fewer memory '
+                             're-plans and, on GPUs, cuDNN autotunes; pixels near the border see more '
+                             'reflected context')
     parser.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True,
                         help='progress bar and summary line')
     parser.add_argument('--allow-failures', action='store_true',

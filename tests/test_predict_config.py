@@ -70,3 +70,27 @@ def test_old_import_paths_of_predict_keep_working():
     assert predict.tile_starts is tiling.tile_starts and predict.choose_mode is tiling.choose_mode
     from gluon_unet.postprocess import SPLITS
     assert predict.SPLITS is SPLITS
+
+
+def test_bin_predict_whole_mode_spreads_images_over_the_devices_and_buckets_keep_masks(tmp_path, capsys):
+    import cv2
+    from conftest import export_brightness_model, nuclei_png
+    from gluon_unet.predict import main
+
+    model = export_brightness_model(str(tmp_path / 'model'))
+    (tmp_path / 'in').mkdir()
+    for i, (h, w) in enumerate(((40, 36), (28, 44), (37, 37), (44, 30), (39, 41))):
+        png = cv2.imdecode(np.frombuffer(nuclei_png(i, size=48), np.uint8), cv2.IMREAD_UNCHANGED)
+        cv2.imwrite(str(tmp_path / 'in' / ('i%d.png' % i)), png[:h, :w])
+    masks = {}
+    for flags in ([], ['--buckets']):
+        out = tmp_path / ('out' + ''.join(flags))
+        assert main(['--model', model, '--input', str(tmp_path / 'in'), '--output', str(out), '--mode', 'whole',
+                     '--cpus', '2', '--tta'] + flags) == 0
+        summary = capsys.readouterr().out
+        # 5 images x 8 TTA inputs, in batches of one shape split over both devices (the
+        # old code sent them all, alternating shapes one input at a time, to cpu(0))
+        assert '[cpu(0) 20 inputs, cpu(1) 20 inputs]' in summary, summary
+        masks[bool(flags)] = [cv2.imread(str(out / ('i%d_mask.png' % i)), cv2.IMREAD_UNCHANGED) for i in range(5)]
+    # a 1x1 convolution sees no context: padding more changes nothing
+    assert all(np.array_equal(a, b) for a, b in zip(masks[False], masks[True]))
