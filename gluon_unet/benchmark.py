@@ -28,7 +28,8 @@ MIN_REPEAT_SECONDS = 0.5
 
 
 def synthetic_batch(cfg, batch_size=None, seed=0):
-    """A fixed ``(image, target, weight)`` batch on the CPU, shaped like a loader's.
+    """A fixed ``(image, target)`` batch on the CPU (plus ``weight`` for ``wbce``), shaped
+    like a loader's.
 
     Speed does not depend on pixel values, so uniform noise and a random mask do.
     """
@@ -38,8 +39,9 @@ def synthetic_batch(cfg, batch_size=None, seed=0):
     channels = cfg.model.in_channels or 1
     image = mx.nd.array(rng.rand(n, channels, side, side).astype(np.float32))
     target = mx.nd.array((rng.rand(n, 1, side, side) > 0.5).astype(np.float32))
-    weight = mx.nd.ones((n, 1, side, side))
-    return image, target, weight
+    if cfg.loss != 'wbce':
+        return image, target
+    return image, target, mx.nd.ones((n, 1, side, side))
 
 
 def make_training_step(cfg, ctxs):

@@ -62,7 +62,8 @@ class TrainConfig:
     size: int = _opt(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
     crop: int = _opt(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
     val_split: float = _opt(0.1, 'fraction held out for validation (seeded shuffle)')
-    workers: int = _opt(2, 'data loader worker processes (0 = in the main process)')
+    workers: Optional[int] = _opt(None, 'data loader worker processes (0 = in the main process); default: '
+                                         '2 per GPU up to the CPU cores less one, or 2 for CPU training')
     cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: <data>/.gluon_unet_cache '
                                           'or ~/.cache/gluon_unet)')
     normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
@@ -158,7 +159,7 @@ class TrainConfig:
         for name in ('epochs', 'batch_size', 'size', 'cpus', 'synthetic_count'):
             _positive(flag_name(name), getattr(self, name))
         for name in ('workers', 'crop', 'patience', 'keep_last'):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
         for name in ('lr', 'threshold'):
             if not getattr(self, name) > 0:

@@ -26,7 +26,7 @@ from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
 from .data.augment import make_transform
-from .data.dataset import make_loader, set_loader_epoch, split_indices
+from .data.dataset import default_workers, make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
 from .data.weights import unet_weight_map
 from .devices import has_gpu, make_contexts, require_cpu_bfloat16
@@ -281,12 +281,12 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
                                'checkpoint is kept; try a lower --lr or --clip-grad)' % (value, epoch, at))
             loss_total += value
 
-    for image, target, weight in loader:
-        n = image.shape[0]
+    for batch in loader:  # (image, target) or (image, target, weight)
+        n = batch[0].shape[0]
         if not step.runnable(n):
             skipped += n
             continue
-        out = step(image, target, weight)
+        out = step(*batch)
         steps += 1
         images += n
         per_device[:len(out['per_device'])] += out['per_device']
@@ -335,8 +335,9 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     t0 = time.time()
     loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
     binary = True
-    for image, target, weight in loader:
-        prob, loss_sum, binary = _forward_eval(net, ctxs, [image, target, weight], loss_fn)
+    for batch in loader:
+        target = batch[1]
+        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn)
         loss_total += loss_sum
         truth = target.asnumpy()[:, 0]
         pixel.update(prob, truth > 0)  # foreground = any non-background class
@@ -431,6 +432,11 @@ def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
     """The stages of a run: data, resume point, run folder, network and step, epochs, export."""
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and strategy.is_main)
+    gpus = [c.device_id for c in ctxs if c.device_type == 'gpu']
+    workers_note = ''
+    if cfg.workers is None:  # decoding and the loader scale with the GPUs
+        cfg.workers = default_workers(len(gpus))
+        workers_note = ' (default for %d GPU(s); --workers to change)' % len(gpus)
     train_ds, val_ds, data_id = prepare_data(cfg, train_ds, val_ds, strategy.num_workers)
     resume_path, resume_meta = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
@@ -440,7 +446,8 @@ def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
     net = build_network(cfg, ctxs, amp_dtype)
     strategy.prepare_network(net, ctxs)
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
-                         num_shards=strategy.num_workers, shard=strategy.rank)
+                         num_shards=strategy.num_workers, shard=strategy.rank,
+                         pin_device=gpus[0] if gpus else None)
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
@@ -456,10 +463,10 @@ def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
         log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
                  ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
     strategy.join(step.trainer)  # not lazily inside the first step, racing with it
-    log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch',
-             len(ctxs), ','.join(str(c) for c in ctxs),
+    log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch, %d loader '
+             'worker(s)%s', len(ctxs), ','.join(str(c) for c in ctxs),
              ' (worker %d of %d)' % (strategy.rank, strategy.num_workers) if strategy.num_workers > 1 else '',
-             len(train_ds), 0 if val_ds is None else len(val_ds), steps_per_epoch)
+             len(train_ds), 0 if val_ds is None else len(val_ds), steps_per_epoch, cfg.workers, workers_note)
     # Validation runs on rank 0 only, over the whole validation set: the numbers are
     # exactly those a single process would report for these weights; the others wait
     # at the next step.

@@ -8,7 +8,8 @@ from mxnet import gluon
 
 
 class SegmentationLoss(gluon.HybridBlock):
-    """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and pixel ``weight``.
+    """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and, for ``wbce``
+    (optional for ``ce``), a pixel ``weight (N, 1, H, W)``.
 
     Parameters
     ----------
@@ -27,12 +28,13 @@ class SegmentationLoss(gluon.HybridBlock):
         self._bce = gluon.loss.SigmoidBinaryCrossEntropyLoss(from_sigmoid=False)
         self._ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=1, sparse_label=True)
 
-    def hybrid_forward(self, F, logits, target, weight):
+    def hybrid_forward(self, F, logits, target, weight=None):
         # Losses are computed in float32 even under AMP: sums over 65k pixels in
         # half precision lose the small gradients that matter at the end of training.
         logits = F.cast(logits, 'float32')
         if self.kind == 'ce':
-            return self._ce(logits, F.squeeze(target, axis=1), F.squeeze(weight, axis=1))
+            return self._ce(logits, F.squeeze(target, axis=1),
+                            None if weight is None else F.squeeze(weight, axis=1))
         if self.kind == 'wbce':
             return self._bce(logits, target, weight)
         if self.kind == 'bce':

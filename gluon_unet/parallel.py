@@ -56,7 +56,7 @@ class DataParallelStep:
     net : HybridBlock
         Initialized on ``ctxs``.
     loss_fn : HybridBlock
-        ``loss_fn(logits, target, weight) -> (N,)`` per-sample losses.
+        ``loss_fn(logits, target[, weight]) -> (N,)`` per-sample losses.
     trainer : gluon.Trainer
         Over ``net``'s parameters; its kvstore aggregates gradients.
     ctxs : list of mx.Context
@@ -78,7 +78,7 @@ class DataParallelStep:
         ``dist_async``, where each push is its own update). Gluon does not count them:
         ``step(n)`` alone would make the update ``workers`` times too large.
 
-    Calling the step with ``(image, target, weight)`` NDArrays on the CPU returns
+    Calling the step with ``(image, target[, weight])`` NDArrays on the CPU returns
     ``{'loss_sums': [NDArray per device], 'samples': int, 'per_device': [int]}``; the
     loss sums stay on their devices until someone reads them.
     """
@@ -99,12 +99,12 @@ class DataParallelStep:
         """SyncBatchNorm's barrier needs every device: smaller batches must be skipped."""
         return not self.sync_bn or batch_samples >= len(self.ctxs)
 
-    def __call__(self, image, target, weight):
+    def __call__(self, image, target, weight=None):
         n = image.shape[0]
         # Samples behind the summed gradient: every worker's batch has the same size
         # (EpochSampler pads the shards to whole batches).
         total = n * self.workers
-        parts = split_batch([image, target, weight], self.ctxs)
+        parts = split_batch([image, target] + ([] if weight is None else [weight]), self.ctxs)
         if self._watch and len(parts) > 1:
             self._watch = False
             losses = self._watch_first_step(parts)
@@ -127,7 +127,7 @@ class DataParallelStep:
         if self.sync_bn and len(parts) > 1:
             return self._threaded_forward_backward(parts)
         with autograd.record():
-            losses = [self.loss_fn(self.net(x), y, w) for x, y, w in parts]
+            losses = [self.loss_fn(self.net(x), *rest) for x, *rest in parts]
             scaled = self._scaled(losses)
         autograd.backward(scaled)
         return losses
@@ -137,20 +137,28 @@ class DataParallelStep:
         or, when an ``errors`` dict is given, put there by device index."""
         losses, failed = [None] * len(parts), {}
 
-        def run(i, x, y, w):
+        def run(i, x, *rest):
             try:
                 with autograd.record():
-                    losses[i] = self.loss_fn(self.net(x), y, w)
+                    losses[i] = self.loss_fn(self.net(x), *rest)
                     scaled = self._scaled([losses[i]])
                 autograd.backward(scaled)
             except Exception as exc:  # surfaced in the main thread below
                 failed[i] = exc
 
-        threads = [threading.Thread(target=run, args=(i,) + tuple(p)) for i, p in enumerate(parts)]
+        # Daemon threads: a thread stuck in MXNet (a failed device's peers can block at
+        # the barrier) must not keep the process alive at exit.
+        threads = [threading.Thread(target=run, args=(i,) + tuple(p), daemon=True) for i, p in enumerate(parts)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        failed_at = None
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(timeout=0.05)
+            if errors is not None and failed:  # watched: stop waiting for stuck peers
+                failed_at = failed_at or time.time()
+                if time.time() - failed_at > self.failure_grace_s:
+                    break
         if failed and errors is None:
             raise failed[min(failed)]
         if errors is not None:

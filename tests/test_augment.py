@@ -81,8 +81,8 @@ def test_dataset_with_seeded_transform(sample):
     from gluon_unet.data import SegmentationDataset
     images, masks, instances = synthetic_nuclei(3, size=40, channels=3, seed=2)
     ds = SegmentationDataset(images, masks, instances, transform=make_transform(crop=32))
-    x1, y1, _ = ds[(1, 123)]
-    x2, y2, _ = ds[(1, 123)]
+    x1, y1 = ds[(1, 123)]
+    x2, y2 = ds[(1, 123)]
     assert x1.shape == (3, 32, 32) and y1.shape == (1, 32, 32)
     np.testing.assert_array_equal(x1, x2)
     np.testing.assert_array_equal(y1, y2)

@@ -125,7 +125,7 @@ def test_channels_forced_and_from_data(tmp_path, nuclei):
     im, mk = make_paired(tmp_path, nuclei)
     ds1 = load_dataset(im, mk, size=32, channels=1, workers=0, cache_dir=False, progress=False)
     assert ds1.channels == 1 and ds1.images.shape[-1] == 1
-    x, y, w = ds1[0]
+    x, y = ds1[0]
     assert x.shape == (1, 32, 32) and y.shape == (1, 32, 32)
 
 
@@ -136,7 +136,7 @@ def test_crop_mode_keeps_native_resolution(tmp_path, nuclei):
     assert ds.images[0].shape == (S, S, 3)
     np.testing.assert_array_equal(ds.images[4], nuclei[0][4])
     ds.transform = make_transform(augment=False, crop=32)
-    x, y, _ = ds[(0, 1)]
+    x, y = ds[(0, 1)]
     assert x.shape == (3, 32, 32) and y.shape == (1, 32, 32)
 
 

@@ -6,6 +6,10 @@ an optional augmentation applied to all three together. Augmentation randomness 
 from a seed derived from ``(run seed, epoch, sample index)``, carried to the dataset by
 the sampler, so the same seed gives the same batches with any number of loader workers.
 """
+import logging
+import multiprocessing
+import os
+
 import numpy as np
 from mxnet import gluon
 
@@ -35,7 +39,7 @@ class SegmentationDataset(gluon.data.Dataset):
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
-    target (1,H,W) float32, weight (1,H,W) float32)``.
+    target (1,H,W) float32)``, plus ``weight (1,H,W) float32`` when ``weight_fn`` is set.
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
@@ -82,11 +86,11 @@ class SegmentationDataset(gluon.data.Dataset):
             image = image.astype(np.float32) * (1.0 / 255)
         image = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32)
         target = mask.astype(np.float32)[None]
-        if self.weight_fn is not None:
-            weight = self.weight_fn(inst).astype(np.float32)[None]
-        else:
-            weight = np.ones_like(target)
-        return image, target, weight
+        if self.weight_fn is None:
+            # No all-ones weight map: it would be batched, copied to every device and
+            # multiplied in for nothing.
+            return image, target
+        return image, target, self.weight_fn(inst).astype(np.float32)[None]
 
 
 class _Picker:
@@ -179,10 +183,23 @@ def split_indices(n, val_fraction, seed):
     return np.sort(order[n_val:]), np.sort(order[:n_val])
 
 
-def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0):
+def default_workers(num_gpus, cores=None):
+    """Loader processes when ``--workers`` is not given: 2 per GPU, at most the CPU cores
+    less one (the main process feeds the GPUs); 2 for CPU training, where the loader
+    shares the cores with the network."""
+    cores = cores or os.cpu_count() or 1
+    if num_gpus:
+        return max(1, min(2 * num_gpus, cores - 1))
+    return min(2, cores)
+
+
+def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0, pin_device=None):
     """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`.
 
-    Call :func:`set_loader_epoch` before each epoch to reshuffle.
+    Call :func:`set_loader_epoch` before each epoch to reshuffle. With ``pin_device``
+    (a GPU id), batches arrive in page-locked memory, which the copies to the GPUs read
+    without a staging copy. Batches are ``(image, target)`` or, when the dataset has a
+    ``weight_fn``, ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
                            block=batch_size)
@@ -192,9 +209,73 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         # Threads would serialize on the GIL for numpy/OpenCV augmentations that do not
         # release it; processes with a small prefetch keep memory bounded.
         kwargs = dict(num_workers=workers, prefetch=2 * workers)
-    loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
-    loader.epoch_sampler = sampler
-    return loader
+        check_shared_memory(dataset, batch_size, 2 * workers)
+    if pin_device is not None:
+        kwargs.update(pin_memory=True, pin_device_id=pin_device)
+    return _Loader(gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs), sampler, workers)
+
+
+class _Loader:
+    """The DataLoader, with its sampler at hand and its worker time-out said plainly."""
+
+    def __init__(self, loader, epoch_sampler, workers):
+        self.loader, self.epoch_sampler, self.workers = loader, epoch_sampler, workers
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            except multiprocessing.TimeoutError:
+                raise UserError('the data loader\'s %d worker processes sent no batch for 120 s; batches travel '
+                                'through shared memory (/dev/shm, %s): in Docker start the container with '
+                                '--shm-size=2g or more, or lower --workers or --batch-size (--workers 0 loads in '
+                                'the main process)' % (self.workers, _shm_free_text())) from None
+            yield batch
+
+
+def _shm_free():
+    try:
+        st = os.statvfs('/dev/shm')
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _shm_free_text():
+    free = _shm_free()
+    return 'not found' if free is None else '%d MB free' % (free // 2 ** 20)
+
+
+def check_shared_memory(dataset, batch_size, prefetch):
+    """Warn when /dev/shm cannot hold the batches the loader's workers prefetch.
+
+    Gluon's worker processes hand batches over in shared memory; when it runs out (64 MB
+    is Docker's default) the loader stalls until its 120 s time-out.
+
+    Returns
+    -------
+    bool
+        False when it warned.
+    """
+    free = _shm_free()
+    if free is None or not len(dataset):
+        return True
+    sample = dataset[0]
+    batch_bytes = batch_size * sum(np.asarray(a).nbytes for a in sample)
+    need = batch_bytes * (prefetch + 1)
+    if free >= need:
+        return True
+    logging.getLogger('gluon_unet').warning(
+        'warning: /dev/shm has %d MB free, but the loader keeps up to %d batches of ~%d MB there: in Docker '
+        'use --shm-size=%dm or more, or lower --workers / --batch-size', free // 2 ** 20, prefetch + 1,
+        max(1, batch_bytes // 2 ** 20), 2 * need // 2 ** 20 + 64)
+    return False
 
 
 def set_loader_epoch(loader, epoch, skip_samples=0):

@@ -1,0 +1,85 @@
+"""The input pipeline scales with the devices and carries no dead weight (issue 17 item 6)."""
+import logging
+import multiprocessing
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from gluon_unet.config import ModelConfig
+from gluon_unet.data import dataset as dataset_mod
+from gluon_unet.data import synthetic_dataset
+from gluon_unet.data.dataset import default_workers, make_loader
+from gluon_unet.data.weights import unet_weight_map
+from gluon_unet.errors import UserError
+from gluon_unet.losses import SegmentationLoss
+from gluon_unet.model import build_model
+from gluon_unet.optim import make_trainer
+from gluon_unet.parallel import DataParallelStep
+
+
+@pytest.mark.parametrize('gpus, cores, expected', [(8, 64, 16), (8, 6, 5), (1, 2, 1), (0, 2, 2), (0, 1, 1),
+                                                   (4, 1, 1)])
+def test_default_workers_scale_with_the_gpus_and_leave_a_core_to_feed_them(gpus, cores, expected):
+    assert default_workers(gpus, cores=cores) == expected
+
+
+def test_batches_carry_a_weight_map_only_when_the_loss_uses_one():
+    ds = synthetic_dataset(6, size=32, seed=0)
+    batch = next(iter(make_loader(ds, 3, shuffle=False, seed=0)))
+    assert len(batch) == 2  # image, target: no all-ones map to copy to every device
+    ds.weight_fn = unet_weight_map
+    batch = next(iter(make_loader(ds, 3, shuffle=False, seed=0)))
+    assert len(batch) == 3 and batch[2].shape == (3, 1, 32, 32) and float(batch[2].max().asscalar()) > 1
+
+
+def _params_after_steps(with_weight):
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    mx.random.seed(0)
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2, batch_norm=False))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    trainer = make_trainer(net.collect_params(), 'adam', 1e-2, ctxs)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs)
+    rng = np.random.RandomState(0)
+    for _ in range(3):
+        x = mx.nd.array(rng.rand(5, 1, 32, 32))
+        y = mx.nd.array(rng.rand(5, 1, 32, 32) > 0.5)
+        step(x, y, mx.nd.ones_like(y)) if with_weight else step(x, y)
+    return {k: v.data(ctxs[0]).asnumpy() for k, v in net._collect_params_with_prefix().items()}
+
+
+def test_training_without_the_weight_tensor_is_the_same_training():
+    a, b = _params_after_steps(True), _params_after_steps(False)
+    assert max(np.abs(a[k] - b[k]).max() for k in a) == 0.0
+
+
+def test_pinned_memory_is_asked_for_when_feeding_gpus():
+    ds = synthetic_dataset(4, size=32, seed=0)
+    assert make_loader(ds, 2, shuffle=False, seed=0, pin_device=3).loader._pin_memory
+    assert make_loader(ds, 2, shuffle=False, seed=0, pin_device=3).loader._pin_device_id == 3
+    assert not make_loader(ds, 2, shuffle=False, seed=0).loader._pin_memory
+
+
+def test_too_little_shared_memory_warns_naming_shm_size(monkeypatch, caplog):
+    ds = synthetic_dataset(4, size=32, seed=0)
+    monkeypatch.setattr(dataset_mod, '_shm_free', lambda: 1000)
+    with caplog.at_level(logging.WARNING, logger='gluon_unet'):
+        assert not dataset_mod.check_shared_memory(ds, 64, prefetch=4)
+    assert '--shm-size=' in caplog.text and '/dev/shm' in caplog.text
+    monkeypatch.setattr(dataset_mod, '_shm_free', lambda: 10 ** 12)
+    assert dataset_mod.check_shared_memory(ds, 64, prefetch=4)
+
+
+def test_a_loader_time_out_is_one_line_naming_shm_size():
+    class Stalled:
+        def __len__(self):
+            return 1
+
+        def __iter__(self):
+            raise multiprocessing.TimeoutError()
+            yield
+
+    loader = dataset_mod._Loader(Stalled(), None, workers=4)
+    with pytest.raises(UserError, match=r'--shm-size=2g.*--workers 0') as err:
+        list(loader)
+    assert '\n' not in str(err.value)
