@@ -16,7 +16,7 @@ import re
 import mxnet as mx
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, mxnet_message
 from .utils import atomic_path
 
 # 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
@@ -51,7 +51,7 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None):
         meta = json.loads(arrays['meta'].asnumpy().tobytes().decode())
     except (mx.MXNetError, KeyError, ValueError) as exc:
         raise UserError('checkpoint %s is not a gluon_unet checkpoint or is damaged (%s)'
-                        % (path, _last_line(exc))) from None
+                        % (path, mxnet_message(exc, limit=120))) from None
     if net is not None:
         params = net._collect_params_with_prefix()
         saved = {k[len('param:'):]: v for k, v in arrays.items() if k.startswith('param:')}
@@ -190,12 +190,6 @@ def resolve_resume(resume, output):
     if not os.path.isfile(resume):
         raise UserError('--resume %s: no such checkpoint file' % resume)
     return resume
-
-
-def _last_line(exc):
-    # MXNet errors begin with 'Traceback ...'; the cause is on the last line.
-    lines = str(exc).strip().splitlines() or [type(exc).__name__]
-    return lines[-1].replace('MXNetError: ', '')[:120]
 
 
 def _bytes_array(b):

@@ -13,7 +13,7 @@ import types
 
 import mxnet as mx
 
-from .errors import UserError
+from .errors import UserError, mxnet_message
 from .rundir import claim_run_folder, default_output
 
 DIST_KVSTORES = ('dist_sync', 'dist_device_sync', 'dist_async')
@@ -89,7 +89,7 @@ class ParameterServer(Strategy):
             kv = mx.kv.create(kvstore)
         except mx.MXNetError as exc:
             raise UserError('--kvstore %s: could not join the parameter server (%s); start workers with '
-                            'bin/launch' % (kvstore, str(exc).strip().splitlines()[0][:120])) from None
+                            'bin/launch' % (kvstore, mxnet_message(exc, limit=120))) from None
         super().__init__(kv, kv.rank, kv.num_workers)
         self.sync = kvstore != 'dist_async'
 

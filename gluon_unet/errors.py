@@ -11,6 +11,7 @@ This module imports nothing from gluon_unet (and not mxnet), so any module may u
 """
 import argparse
 import functools
+import os
 import sys
 
 
@@ -39,6 +40,11 @@ def reports_errors(main):
             return main(argv)
         except UserError as exc:
             print('error: %s' % exc, file=sys.stderr)
+            if getattr(exc, 'process_unusable', False):
+                # MXNet's engine is stuck (a device failed while the others wait at
+                # SyncBatchNorm's barrier): a normal exit would wait for it forever.
+                sys.stderr.flush()
+                os._exit(exc.exit_code)
             return exc.exit_code
         except KeyboardInterrupt:
             print('interrupted', file=sys.stderr)

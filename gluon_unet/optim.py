@@ -3,7 +3,7 @@
 import mxnet as mx
 from mxnet import gluon
 
-from .errors import UserError
+from .errors import UserError, mxnet_message
 
 
 @mx.optimizer.register
@@ -88,4 +88,4 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
                              update_on_kvstore=update_on_kvstore)
     except mx.MXNetError as exc:
         raise UserError('--kvstore %s: MXNet could not create it: %s'
-                        % (kvstore, str(exc).strip().splitlines()[0])) from None
+                        % (kvstore, mxnet_message(exc))) from None

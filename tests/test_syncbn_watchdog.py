@@ -14,7 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r'''
-import os, sys
+import os, sys, faulthandler
+faulthandler.dump_traceback_later(100, exit=True)  # where it hangs, if it ever does
 sys.path.insert(0, %(root)r)
 import mxnet as mx
 from gluon_unet.config import ModelConfig, TrainConfig
@@ -57,3 +58,23 @@ def test_a_failing_device_in_the_first_syncbn_step_is_named_not_a_hang(mode):
     line = [l for l in done.stdout.splitlines() if l.startswith('DeviceFailure')][0]
     assert 'cpu(1) failed at the first training step' in line
     assert ('simulated' in line or 'potrf' in line) and '--sync-bn' in line and line.endswith('True')
+
+
+def test_the_cli_exits_at_once_when_the_engine_is_stuck():
+    # What bin/train's entry point does with a DeviceFailure: print one line and leave,
+    # without the interpreter's exit waiting for the stuck engine.
+    script = SCRIPT.split("try:\n    step(")[0] % {'root': ROOT, 'mode': 'engine'} + r'''
+from gluon_unet.errors import reports_errors
+
+@reports_errors
+def main(argv=None):
+    step(x, mx.nd.zeros((4, 1, 32, 32)), mx.nd.ones((4, 1, 32, 32)))
+    return 0
+
+sys.exit(main())
+'''
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    lines = [l for l in done.stderr.splitlines() if l.startswith('error:')]
+    assert len(lines) == 1 and 'cpu(1) failed at the first training step' in lines[0]
+    assert 'Traceback' not in done.stderr
