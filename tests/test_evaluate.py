@@ -121,7 +121,7 @@ def test_missing_dir_and_no_match_exit_2(dirs, tmp_path, capsys):
 def test_shim_runs(dirs):
     truth, pred = dirs
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'evaluate'), '--pred', str(pred),
-                           '--truth', str(truth / 'nowhere')], capture_output=True, text=True)
+                           '--truth', str(truth / 'nowhere')], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith('error: --truth')
 

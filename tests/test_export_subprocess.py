@@ -45,7 +45,7 @@ def not_installed(tmp_path, monkeypatch):
     # the simulation holds: this interpreter has mxnet but no gluon_unet
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     probe = subprocess.run([str(wrapper), '-c', 'import mxnet\nimport gluon_unet'], capture_output=True,
-                           text=True, env=env)
+                           text=True, env=env, timeout=120)
     assert probe.returncode != 0 and "No module named 'gluon_unet'" in probe.stderr, probe.stderr
     return wrapper
 

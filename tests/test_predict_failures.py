@@ -39,7 +39,7 @@ def test_one_truncated_png_costs_only_itself(tmp_path):
     out, rle = tmp_path / 'out', tmp_path / 'sub.csv'
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model,
                            '--input', str(inputs), '--output', str(out), '--rle', str(rle), '--no-progress'],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stderr
     assert _masks(out) == list(GOOD)
     assert 'Traceback' not in done.stderr
