@@ -117,6 +117,8 @@ class TrainConfig:
     threshold: float = _opt(0.5, 'probability threshold for masks')
     benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = _opt(True, 'show progress bars')
+    tensorboard: bool = _opt(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
+                                    'validation overlays per epoch (needs tensorboardX)')
 
     # -- (de)serialization -------------------------------------------------------------
     def to_dict(self):

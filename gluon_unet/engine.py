@@ -38,6 +38,7 @@ from .parallel import DataParallelStep, split_batch
 from .recorder import RunRecorder, RunState
 from .reporting import setup_logging
 from .runtime import configure_runtime
+from .tblog import require_tensorboardx
 
 
 class Interrupted(Exception):
@@ -253,7 +254,8 @@ class _StopFlag:
         self._old = {}
 
 
-def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progress=None, lookahead=2):
+def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progress=None, lookahead=2,
+                on_loss=None):
     """Run one epoch of ``step`` over ``loader``.
 
     Loss values are read back ``lookahead`` steps late: the devices keep a short queue
@@ -264,6 +266,9 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
     dict
         ``train_loss``, ``images``, ``seconds``, ``images_per_s``, ``per_device_images``,
         ``steps``, ``skipped`` and ``interrupted`` (True when a signal stopped it).
+
+    ``on_step(k)`` is called after the k-th step of the epoch is issued, ``on_loss(k,
+    mean_loss)`` once its loss has been read back.
     """
     ndev = len(step.ctxs)
     per_device = np.zeros(ndev, np.int64)
@@ -280,6 +285,8 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
                 raise Diverged('loss is %s at epoch %d, step %d of the epoch; stopping (the last good '
                                'checkpoint is kept; try a lower --lr or --clip-grad)' % (value, epoch, at))
             loss_total += value
+            if on_loss is not None:
+                on_loss(at, value / n)
 
     for batch in loader:  # (image, target) or (image, target, weight)
         n = batch[0].shape[0]
@@ -324,11 +331,13 @@ def _forward_eval(net, ctxs, arrays, loss_fn):
     return prob, sum(float(l.asscalar()) for l in losses), logits.shape[1] == 1
 
 
-def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True):
+def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True, keep=None):
     """Validation loss, pixel IoU (averaged over thresholds 0.50:0.95), Dice and DSB score.
 
     Pixel metrics are summed over the whole set (not averaged per batch), so the
-    numbers do not depend on the batch size or on how batches fall on devices.
+    numbers do not depend on the batch size or on how batches fall on devices. With a
+    list ``keep``, the first few ``(image, truth, probability)`` are appended to it (for
+    TensorBoard's overlays).
     """
     pixel, dsb = M.PixelMetrics(), M.DSBMetric()
     loss_total, offset = 0.0, 0
@@ -341,6 +350,10 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
         loss_total += loss_sum
         truth = target.asnumpy()[:, 0]
         pixel.update(prob, truth > 0)  # foreground = any non-background class
+        if keep is not None and len(keep) < KEEP_VAL_SAMPLES:
+            images = batch[0].asnumpy()
+            keep.extend(zip(images, truth, prob))
+            del keep[KEEP_VAL_SAMPLES:]
         if binary and instance_metric:
             for k in range(len(prob)):
                 pred_labels = postprocess.instances_from_prob(prob[k], threshold)
@@ -353,6 +366,9 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
         result['val_dsb'] = dsb.result()
     result['val_seconds'] = time.time() - t0
     return result
+
+
+KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
 
 
 def _val_instances(dataset, i, truth_mask):
@@ -389,6 +405,8 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
     check_amp_support(cfg, ctxs)
+    if cfg.tensorboard:
+        require_tensorboardx()
     strategy = distributed.make_strategy(cfg.kvstore)
     default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
     # Claimed (and locked) before any data is decoded: a clash costs seconds, not the
@@ -471,7 +489,10 @@ def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
     # exactly those a single process would report for these weights; the others wait
     # at the next step.
     run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder)
-    _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
+    try:
+        _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
+    finally:
+        recorder.close()
     recorder.finish(state, amp_dtype)
     return state.history
 
@@ -547,12 +568,19 @@ def _run_epoch(run, epoch, state, stop):
     set_loader_epoch(run.loader, epoch, skip_samples=skip * cfg.batch_size)
     bar = _progress(cfg, epoch, (run.steps_per_epoch - skip) * cfg.batch_size)
 
+    first_step = state.step - skip  # global step of the epoch's step 0
+
     def on_step(k):
         state.step += 1
         state.step_in_epoch = k
+        run.recorder.step(state.step, lr=run.step.trainer.learning_rate)
+
+    def on_loss(k, loss):
+        run.recorder.step(first_step + k, loss=loss)
 
     try:
-        stats = train_epoch(run.step, run.loader, epoch, stop, on_step=on_step, skip_batches=skip, progress=bar)
+        stats = train_epoch(run.step, run.loader, epoch, stop, on_step=on_step, skip_batches=skip, progress=bar,
+                            on_loss=on_loss)
     finally:
         if bar is not None:
             bar.close()
@@ -566,9 +594,12 @@ def _run_epoch(run, epoch, state, stop):
            'images_per_s': stats['images_per_s'], 'seconds': stats['seconds']}
     for i, n in enumerate(stats['per_device_images']):
         row['dev%d_images_per_s' % i] = n / stats['seconds'] if stats['seconds'] else 0.0
+    samples = []
     if run.val_ds is not None and len(run.val_ds):
-        row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold))
+        row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold,
+                            keep=samples if cfg.tensorboard else None))
     state.history.append(row)
+    run.recorder.samples = samples
     return row
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from .checkpoint import CheckpointSaver
 from .export import export_checkpoint, export_in_subprocess
 from .reporting import MetricsTable, plot_curves, setup_logging
+from .tblog import TensorBoardLog
 from .utils import atomic_open
 
 
@@ -61,12 +62,19 @@ class RunRecorder:
                                      cfg.min_delta)
         self.table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
         self.log = setup_logging(cfg.output if enabled else None, verbose=verbose and enabled)
+        self.tb = TensorBoardLog(os.path.join(cfg.output, 'tb')) if enabled and cfg.tensorboard else None
+        self.samples = []  # the epoch's validation overlays, set by the training loop
 
     def start(self):
         """Write ``config.json`` (the input was good: from here on the run leaves files)."""
         if self.enabled:
             with atomic_open(os.path.join(self.cfg.output, 'config.json')) as f:
                 f.write(self.cfg.to_json())
+
+    def step(self, global_step, loss=None, lr=None):
+        """A training step's loss or learning rate (TensorBoard only)."""
+        if self.tb is not None:
+            self.tb.step(global_step, loss=loss, lr=lr)
 
     def end_epoch(self, net, trainer, state, row, ndev):
         """Checkpoint, metrics table, curves and the epoch's log line; marks ``row['best']``."""
@@ -75,6 +83,8 @@ class RunRecorder:
         if self.enabled:
             self.table.write(state.history)
             self._plot(state.history)
+        if self.tb is not None:
+            self.tb.epoch(row, state.step, self.samples)
         self.log.info(epoch_line(row, self.monitor, ndev))
 
     def interrupted(self, net, trainer, state):
@@ -86,8 +96,15 @@ class RunRecorder:
         """``--patience`` epochs without improvement (0 = never)."""
         return bool(self.cfg.patience and self.saver.bad_epochs >= self.cfg.patience)
 
+    def close(self):
+        """Flush and close what stays open during a run (the TensorBoard writer)."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
     def finish(self, state, amp_dtype):
         """Export the best checkpoint and log the summary."""
+        self.close()
         if not (self.enabled and state.history):
             return
         best_ckpt = os.path.join(self.saver.folder, 'best.ckpt')

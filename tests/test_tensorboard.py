@@ -1,0 +1,62 @@
+"""--tensorboard writes loss/lr per step, metrics per epoch and overlays, read back here."""
+import builtins
+import glob
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _events(folder):
+    """Every summary value in the event files of ``folder``: {tag: [(step, kind)]}."""
+    from tensorboardX.proto import event_pb2
+    found = {}
+    for path in glob.glob(os.path.join(folder, 'events.out.tfevents.*')):
+        data = open(path, 'rb').read()
+        pos = 0
+        while pos < len(data):  # TFRecord: length, crc, payload, crc
+            (length,) = struct.unpack('<Q', data[pos:pos + 8])
+            payload = data[pos + 12:pos + 12 + length]
+            pos += 12 + length + 4
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                kind = 'image' if value.HasField('image') else 'scalar'
+                found.setdefault(value.tag, []).append((event.step, kind, value.simple_value))
+    return found
+
+
+def test_tensorboard_logs_steps_epochs_and_overlays(tiny):
+    pytest.importorskip('tensorboardX')
+    cfg = tiny(epochs=2, tensorboard=True, synthetic_count=24, batch_size=8, val_split=0.25,
+               lr_schedule='cosine')
+    history = fit(cfg, verbose=False)
+    events = _events(os.path.join(cfg.output, 'tb'))
+    steps = 2 * 3  # 18 training images, batch 8: 3 steps per epoch
+    assert [s for s, _, _ in events['train/loss']] == list(range(1, steps + 1))
+    assert [s for s, _, _ in events['train/lr']] == list(range(1, steps + 1))
+    assert [round(v, 5) for _, _, v in events['val/iou']] == [round(r['val_iou'], 5) for r in history]
+    assert [s for s, _, _ in events['epoch/images_per_s']] == [1, 2]
+    overlays = [tag for tag in events if tag.startswith('val/overlay_')]
+    assert len(overlays) == 4 and all(kind == 'image' for _, kind, _ in events[overlays[0]])
+
+
+def test_tensorboard_without_tensorboardx_is_one_line_before_any_work(tiny, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_tensorboardx(name, *args, **kw):
+        if name.startswith('tensorboardX'):
+            raise ImportError('No module named tensorboardX')
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, '__import__', no_tensorboardx)
+    cfg = tiny(epochs=1, tensorboard=True)
+    with pytest.raises(UserError, match='pip install tensorboardX') as err:
+        fit(cfg, verbose=False)
+    assert '\n' not in str(err.value) and not os.path.exists(cfg.output)
