@@ -64,8 +64,8 @@ class TrainConfig:
     val_split: float = _opt(0.1, 'fraction held out for validation (seeded shuffle)')
     workers: Optional[int] = _opt(None, 'data loader worker processes (0 = in the main process); default: '
                                          '2 per GPU up to the CPU cores less one, or 2 for CPU training')
-    cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: <data>/.gluon_unet_cache '
-                                          'or ~/.cache/gluon_unet)')
+    cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
+                                          'i.e. ~/.cache/gluon_unet; never inside your data)')
     normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
                                   '(stretch 0.5..99.8th percentile to 0..255), auto (both), none')

@@ -186,3 +186,12 @@ def test_load_options_name_the_flag(field, value, flag):
     from gluon_unet.data import LoadOptions
     with pytest.raises(UserError, match='^%s ' % flag):
         LoadOptions(**{field: value}).validate()
+
+
+def test_the_default_cache_is_in_the_users_cache_folder_not_in_the_data(data, monkeypatch, tmp_path):
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'xdg'))
+    im, mk, _ = data
+    load_dataset(im, mk, size=32, workers=0, progress=False)  # cache_dir not given
+    assert os.listdir(str(tmp_path / 'xdg' / 'gluon_unet'))
+    assert not [n for n in os.listdir(os.path.dirname(im)) if 'cache' in n]
+    assert cache_mod.default_cache_dir() == str(tmp_path / 'xdg' / 'gluon_unet')

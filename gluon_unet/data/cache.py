@@ -73,12 +73,13 @@ def cache_key(files, options, version=CACHE_VERSION, files_hash=None):
     return _digest({'files': files_hash, 'options': options, 'version': version})
 
 
-def default_cache_dir(data_path):
-    """``<data>/.gluon_unet_cache`` when that folder is writable, else ``~/.cache/gluon_unet``."""
-    data_path = os.path.abspath(os.fspath(data_path))
-    folder = data_path if os.path.isdir(data_path) else os.path.dirname(data_path)
-    if os.access(folder, os.W_OK | os.X_OK):
-        return os.path.join(folder, '.gluon_unet_cache')
+def default_cache_dir(data_path=None):
+    """``$XDG_CACHE_HOME/gluon_unet`` (``~/.cache/gluon_unet``), whatever the data.
+
+    Never a folder inside the user's data: a data set is often shared, read-only or
+    under version control, and a hidden cache there surprises its owner. Entries are
+    keyed by the files' paths, sizes and times, so one cache serves every data set.
+    """
     base = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
     return os.path.join(base, 'gluon_unet')
 

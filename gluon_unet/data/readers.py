@@ -187,8 +187,8 @@ class LoadOptions:
         Convert images to 1 or 3 channels; 0 = 3 if any image has colour, else 1.
         The choice is ``dataset.channels``.
     cache_dir : str or False, optional
-        Where cache entries live; None = ``<data>/.gluon_unet_cache`` if writable, else
-        ``~/.cache/gluon_unet``; False = no cache.
+        Where cache entries live; None = ``$XDG_CACHE_HOME/gluon_unet`` (usually
+        ``~/.cache/gluon_unet``); False = no cache.
     workers : int
         Decoding processes (0 or 1 = in this process).
     skip_unpaired : bool
