@@ -391,9 +391,11 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         Your own datasets; when omitted they come from ``cfg.data`` (or generated nuclei).
     verbose : bool
         Log to stderr (the run folder's ``train.log`` is always written).
-    callbacks : sequence of callable
-        Each is called as ``cb(record)`` after every epoch (once its checkpoint is
-        saved); a callback returning True ends training there, like early stopping.
+    callbacks : sequence of callable or objects with ``on_epoch_end``
+        Called after every epoch (once its checkpoint is saved): ``cb(record)``, or
+        ``cb.on_epoch_end(record, context)`` with an :class:`EpochContext` (network,
+        trainer, run state, config). Returning True ends training there, like early
+        stopping.
 
     Returns
     -------
@@ -544,7 +546,7 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
             run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs))
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
-            by_callback, early = strategy.broadcast([any([cb(row) for cb in callbacks]),
+            by_callback, early = strategy.broadcast([run_callbacks(callbacks, row, run, state),
                                                      run.recorder.should_stop_early()])
             if by_callback:
                 log.info('stopped by a callback after epoch %d', epoch)
@@ -556,6 +558,34 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
                 break
     finally:
         stop.restore()
+
+
+@dataclass
+class EpochContext:
+    """What a callback object's ``on_epoch_end(record, context)`` receives, like Keras'
+    ``self.model`` or Lightning's ``(trainer, pl_module)``: the network being trained
+    (on every device; read weights with ``net.collect_params()``), the trainer, the run's
+    progress and config, and the run folder."""
+    net: object
+    trainer: object
+    state: RunState
+    cfg: TrainConfig
+    ctxs: list
+    output: str
+
+
+def run_callbacks(callbacks, row, run, state):
+    """Call every callback after an epoch; True when one asks to stop.
+
+    A plain function is called as ``fn(record)``; an object with an ``on_epoch_end``
+    method as ``obj.on_epoch_end(record, context)`` with an :class:`EpochContext`.
+    """
+    context = EpochContext(run.net, run.step.trainer, state, run.cfg, run.ctxs, run.cfg.output)
+    stop = False
+    for cb in callbacks:
+        hook = getattr(cb, 'on_epoch_end', None)
+        stop = bool(hook(row, context) if hook is not None else cb(row)) or stop
+    return stop
 
 
 def _run_epoch(run, epoch, state, stop):
