@@ -11,7 +11,48 @@ logging setup) and does not load mxnet.
 """
 import importlib
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
+
+
+def version_string():
+    """``'gluon_unet 0.2.0 (mxnet 1.9.1, Python 3.11.7)'``, what ``--version`` prints.
+
+    Reads mxnet's version from the installed distribution's metadata (``mxnet``,
+    ``mxnet-cu117``, ...) instead of importing it, so ``--version`` answers at once and
+    changes nothing in the process.
+    """
+    import platform
+    return '%s %s (%s, Python %s)' % (__name__, __version__, mxnet_distribution(), platform.python_version())
+
+
+def mxnet_distribution():
+    """``'mxnet 1.9.1'`` / ``'mxnet-cu117 1.9.1'``: the installed MXNet build, from package
+    metadata (mxnet is not imported); ``'mxnet not installed'`` when there is none."""
+    from importlib import metadata
+    try:
+        return 'mxnet %s' % metadata.version('mxnet')
+    except metadata.PackageNotFoundError:
+        pass
+    found = sorted('%s %s' % (d.metadata['Name'], d.version) for d in metadata.distributions()
+                   if (d.metadata['Name'] or '').lower().startswith('mxnet'))
+    return ', '.join(found) or 'mxnet not installed'
+
+
+def add_version_flag(parser):
+    """Give an argparse parser ``--version`` (prints :func:`version_string`, exit 0)."""
+    import argparse
+    import sys
+
+    class _Version(argparse.Action):
+        def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+            super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(version_string(), file=sys.stdout)
+            parser.exit(0)
+
+    parser.add_argument('--version', action=_Version, help='print the gluon_unet, mxnet and Python versions and exit')
+    return parser
 
 # The public names, imported on first use (PEP 562) rather than here: most of them load
 # mxnet, and use_all_cores() (like bin/train after reading --cpus) must run first to choose

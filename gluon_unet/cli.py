@@ -16,7 +16,8 @@ import os
 import sys
 import typing
 
-from .config import ModelConfig, TrainConfig, check_types, flag_name
+from . import add_version_flag, version_string
+from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
 from .devices import cpu_context_count
 from .errors import OneLineParser, UserError, reports_errors
 from .reporting import get_logger
@@ -35,23 +36,90 @@ def _arg_type(tp):
     return tp
 
 
+# ``bin/train --help`` shows the flags in these groups, in this order (the sections of
+# config.py; the model's fields form the 'model' group). Every TrainConfig field is in
+# exactly one (tests/test_entry_point.py checks it, so a new field must pick its group).
+FLAG_GROUPS = {
+    'data': ('data', 'masks', 'val_data', 'layout', 'mask_suffix', 'size', 'crop', 'val_split', 'channels',
+             'normalize', 'augment', 'elastic', 'skip_unpaired', 'workers', 'cache_dir', 'synthetic_count'),
+    'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
+    'optimization': ('epochs', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay',
+                     'clip_grad', 'lr_schedule', 'warmup_epochs', 'lr_steps', 'loss', 'dice_weight', 'amp',
+                     'amp_dtype', 'hybridize'),
+    'devices': ('gpus', 'cpus', 'kvstore', 'update_on_kvstore', 'sync_bn'),
+    'run': ('output', 'overwrite', 'resume', 'seed', 'monitor', 'patience', 'min_delta', 'keep_last',
+            'threshold', 'benchmark', 'progress', 'tensorboard'),
+}
+# Placeholders in the help: what the value is, not the field's name.
+_METAVARS = {'data': 'PATH', 'masks': 'DIR', 'val_data': 'PATH', 'cache_dir': 'DIR', 'output': 'DIR',
+             'resume': 'PATH|auto', 'gpus': 'IDS', 'size': 'SIZE', 'crop': 'SIZE', 'mask_suffix': 'SUFFIX', 'lr_steps': 'FRACTIONS'}
+GROUP_TITLES = {'data': 'data', 'model': 'model (the U-Net)', 'optimization': 'optimization',
+                'devices': 'devices', 'run': 'run (folder, checkpoints, early stopping)'}
+
+TRAIN_EXAMPLES = """examples:
+  # the built-in demo: generated nuclei, a small U-Net, ~1-2 min on 2 CPU cores
+  gluon-unet train
+  # paired folders on eight GPUs (name.png <-> name_mask.png)
+  gluon-unet train --data train_im/ --masks train_mask/ --gpus 0-7 --batch-size 64 --output runs/nuclei
+  # Data Science Bowl layout, Dice + BCE, best checkpoint by the DSB score; continue it later
+  gluon-unet train --data stage1_train/ --gpus all --loss bce_dice --monitor val_dsb --output runs/dsb
+  gluon-unet train --output runs/dsb --resume auto
+
+(bin/train and python -m gluon_unet train take the same flags.)"""
+
+
+def _field_help(f, default):
+    """The help text of a config field: its description, its allowed values when it has
+    a fixed set (shown in the metavar instead), its default once."""
+    text = f.metadata.get('help', '')
+    if 'default' in text:  # the description already says what the default means
+        return text
+    if default is None:
+        return text
+    shown = ('on' if default else 'off') if isinstance(default, bool) else repr(default) \
+        if default == '' else str(default)
+    demo = DEMO_DEFAULTS.get(f.name)
+    if demo is not None and demo != default:
+        return '%s (default: %s; demo without --data: %s)' % (text, shown, demo)
+    return '%s (default: %s)' % (text, shown)
+
+
+def _config_flag(f, hints):
+    """(flag, add_argument keyword arguments) for one config field."""
+    tp = _arg_type(hints[f.name])
+    default = f.default if f.default is not dataclasses.MISSING else None
+    kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=_field_help(f, default))
+    if tp is bool:
+        kwargs['action'] = argparse.BooleanOptionalAction
+    else:
+        kwargs['type'] = tp
+        # The allowed values are checked by TrainConfig.validate() (one message for flags
+        # and --config files alike), not by argparse: shown, not enforced, here.
+        choices = _CHOICES.get(f.name)
+        kwargs['metavar'] = ('{%s}' % ','.join(choices) if choices else _METAVARS.get(f.name)
+                             or {int: 'N', float: 'X'}.get(tp) or f.name.upper())
+    return flag_name(f.name), kwargs
+
+
 def add_config_arguments(parser, cls=TrainConfig):
-    """Add one flag per config field (nested ModelConfig fields included)."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name == 'model':
-            add_config_arguments(parser.add_argument_group('model'), ModelConfig)
+    """Add one flag per config field (nested ModelConfig fields included), in the
+    groups of :data:`FLAG_GROUPS`."""
+    fields = {}
+    for c in (TrainConfig, ModelConfig) if cls is TrainConfig else (cls,):
+        hints = typing.get_type_hints(c)
+        fields.update({f.metadata.get('flag', f.name): (f, hints) for f in dataclasses.fields(c)
+                       if f.name != 'model'})
+    for group, names in FLAG_GROUPS.items():
+        present = [n for n in names if n in fields]
+        if not present:
             continue
-        tp = _arg_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = '%s (default: %s)' % (f.metadata.get('help', ''), default)
-        kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
-        if tp is bool:
-            kwargs['action'] = argparse.BooleanOptionalAction
-        else:
-            kwargs['type'] = tp
-            kwargs['metavar'] = f.name.upper()
-        parser.add_argument(flag_name(f.name), **kwargs)
+        target = parser.add_argument_group(GROUP_TITLES[group])
+        for name in present:
+            flag, kwargs = _config_flag(*fields.pop(name))
+            target.add_argument(flag, **kwargs)
+    for f, hints in fields.values():  # a field no group names yet: still a flag
+        flag, kwargs = _config_flag(f, hints)
+        parser.add_argument(flag, **kwargs)
     return parser
 
 
@@ -95,11 +163,16 @@ def config_from_args(given, config_file=None):
     return cfg.validate()
 
 
-def train_parser():
+def train_parser(prog='train'):
     parser = OneLineParser(
-        prog='train', description='Train a U-Net on all the given devices. Without --data, trains on '
-                                  'generated nuclei (a demo that ends in an exported model).')
-    parser.add_argument('--config', help='JSON file with config values (flags override it)')
+        prog=prog, usage='%(prog)s [--data PATH] [--gpus IDS | --cpus N] [options]',
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_EXAMPLES,
+        description='Train a U-Net on all the given devices. Without --data, trains on generated\n'
+                    'nuclei (a demo that ends in an exported model). Every flag is a field of\n'
+                    'TrainConfig (gluon_unet/config.py); --config FILE.json sets them from a file.')
+    add_version_flag(parser)
+    parser.add_argument('--config', metavar='FILE.json',
+                        help='JSON file with config values (flags override it)')
     return add_config_arguments(parser)
 
 
@@ -161,8 +234,20 @@ def demo_predictions(cfg, run_dir, count=8):
                       sum(r['objects'] for r in records), out)
 
 
+def _asks_version(argv):
+    """Print the versions when ``argv`` holds ``--version`` (before any ``--``): answered
+    here, before the command's module (and mxnet) loads. True when it did."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if '--version' in args[:args.index('--') if '--' in args else len(args)]:
+        print(version_string())
+        return True
+    return False
+
+
 def predict_main(argv=None):
     """``bin/predict``: :func:`gluon_unet.predict.main` with all the cores."""
+    if _asks_version(argv):
+        return 0
     apply_runtime_defaults()
     from .predict import main
     return main(argv)
@@ -170,6 +255,8 @@ def predict_main(argv=None):
 
 def evaluate_main(argv=None):
     """``bin/evaluate``: :func:`gluon_unet.evaluate.main` with all the cores."""
+    if _asks_version(argv):
+        return 0
     apply_runtime_defaults()
     from .evaluate import main
     return main(argv)
@@ -177,6 +264,86 @@ def evaluate_main(argv=None):
 
 def export_main(argv=None):
     """``bin/export``: :func:`gluon_unet.export.main` with all the cores."""
+    if _asks_version(argv):
+        return 0
     apply_runtime_defaults()
     from .export import main
     return main(argv)
+
+
+def doctor_main(argv=None):
+    """``gluon-unet doctor``: :func:`gluon_unet.doctor.main` (it chooses the thread
+    settings for its own ``--cpus`` before mxnet loads, as ``bin/train`` does)."""
+    from .doctor import main
+    return main(argv)
+
+
+def launch_main(argv=None):
+    """``bin/launch``: :func:`gluon_unet.launch.main` (sets nothing: each process of the
+    job chooses its own settings)."""
+    from .launch import main
+    return main(argv)
+
+
+# -- the one entry point: gluon-unet / python -m gluon_unet -----------------------------------
+
+# command -> (entry point in this module, one line for the overview)
+COMMANDS = {
+    'train': ('train_main', 'train a U-Net on the given devices (no --data: the built-in demo)'),
+    'predict': ('predict_main', 'segment images with an exported model (tiling, TTA, instances)'),
+    'evaluate': ('evaluate_main', 'score predicted masks against ground truth (DSB score, IoU, Dice)'),
+    'export': ('export_main', 'export a run or checkpoint for inference (symbol + params + model.json)'),
+    'launch': ('launch_main', 'run a command as a distributed job (scheduler, servers, workers)'),
+    'doctor': ('doctor_main', 'check the install: versions, MXNet features, GPUs, threads; --gpus runs a step'),
+}
+
+
+def overview(prog):
+    """The top-level ``--help`` text."""
+    width = max(len(c) for c in COMMANDS)
+    lines = ['usage: %s COMMAND [ARGS ...]' % prog, '       %s --version' % prog, '',
+             'Train U-Net segmentation models on all the GPUs of a machine with MXNet Gluon.', '',
+             'commands:']
+    lines += ['  %-*s  %s' % (width, name, text) for name, (_, text) in COMMANDS.items()]
+    lines += ['', "'%s COMMAND --help' lists a command's flags. bin/train, bin/predict, ... and the" % prog,
+              'gluon-unet-train, gluon-unet-predict, ... scripts are the same commands.', '',
+              'examples:',
+              '  # the built-in demo (~1-2 min on 2 CPU cores)', '  %s train' % prog,
+              '  # check the GPU build and every card before a long run', '  %s doctor --gpus all' % prog,
+              '  # train on eight GPUs, then segment new images',
+              '  %s train --data DIR --gpus 0-7 --batch-size 64 --output runs/a' % prog,
+              '  %s predict --model runs/a --input images/ --output masks/' % prog]
+    return '\n'.join(lines)
+
+
+def main(argv=None, prog='gluon-unet'):
+    """``gluon-unet COMMAND ARGS`` / ``python -m gluon_unet COMMAND ARGS``: run COMMAND's
+    entry point with ARGS exactly as ``bin/COMMAND ARGS`` would (same flags, output and
+    exit code). Returns the exit code; a usage error is one line and exit code 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        print('%s: error: a command is required: %s (%s --help for more)'
+              % (prog, ', '.join(COMMANDS), prog), file=sys.stderr)
+        return 2
+    command, rest = argv[0], argv[1:]
+    if command in ('-h', '--help', 'help'):
+        print(overview(prog))
+        return 0
+    if command == '--version':
+        print(version_string())
+        return 0
+    if command not in COMMANDS:
+        print('%s: error: unknown command %r (choose from %s)' % (prog, command, ', '.join(COMMANDS)),
+              file=sys.stderr)
+        return 2
+    entry = globals()[COMMANDS[command][0]]
+    try:
+        code = entry(rest)
+    except SystemExit as exc:  # argparse: --help, --version, usage errors
+        code = exc.code
+    if code is None:
+        return 0
+    if not isinstance(code, int):
+        print(code, file=sys.stderr)
+        return 1
+    return code

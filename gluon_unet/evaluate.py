@@ -7,11 +7,13 @@ Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a 
 mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
 code as the validation metrics in training.
 """
+import argparse
 import csv
 import os
 
 import numpy as np
 
+from . import add_version_flag
 from .data.io import merge_object_masks, read_labels
 from .data.layouts import is_dsb, is_dsb_sample, list_images
 from .errors import OneLineParser, UserError, reports_errors
@@ -151,11 +153,19 @@ def format_table(rows, mean):
     return '\n'.join(out)
 
 
+EXAMPLES = """examples:
+  # predictions of bin/predict against a Data Science Bowl folder, scores to a CSV
+  gluon-unet evaluate --pred runs/a/predictions --truth stage1_test/ --csv scores.csv
+  # probability maps against a folder of masks, foreground at 0.4
+  gluon-unet evaluate --pred probs/ --truth masks/ --threshold 0.4"""
+
+
 def build_parser():
     p = OneLineParser(
-        prog='evaluate',
-        description='Score predicted nuclei against ground truth: Data Science Bowl 2018 '
+        prog='evaluate', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
                     'instance score, pixel IoU and Dice per image and mean.')
+    add_version_flag(p)
     p.add_argument('--pred', required=True, metavar='DIR',
                    help='predictions: label images, binary masks or float probability maps named '
                         '<id>.png (suffixes _labels, _mask, ... allowed)')
@@ -163,7 +173,7 @@ def build_parser():
                    help='ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images')
     p.add_argument('--csv', metavar='FILE', help='write the per-image scores to this CSV')
     p.add_argument('--threshold', type=float, default=0.5,
-                   help='foreground cut for float probability-map predictions (default 0.5)')
+                   help='foreground cut for float probability-map predictions (default: 0.5)')
     return p
 
 

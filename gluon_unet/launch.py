@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from . import add_version_flag
 from .errors import OneLineParser, UserError, reports_errors
 from .runtime import LOCAL_WORKERS, user_environ
 
@@ -231,21 +232,34 @@ class Job:
             self.out.flush()
 
 
+LAUNCH_EXAMPLES = """examples:
+  # two workers and one server on this machine (loopback)
+  gluon-unet launch -n 2 -s 1 -- gluon-unet train --kvstore dist_sync --cpus 1 --batch-size 8
+  # four machines over ssh, four GPUs each; data and output on shared storage
+  gluon-unet launch -n 4 -s 4 --launcher ssh -H hosts -- gluon-unet train --kvstore dist_sync \\
+      --gpus 0-3 --batch-size 32 --data /shared/dsb --output /shared/runs/a
+
+Keep the parameter-server ports on a private network: ps-lite unpickles what it receives."""
+
+
 def launch_parser():
     parser = OneLineParser(
-        prog='launch', usage='launch -n WORKERS [-s SERVERS] [--launcher local|ssh] [-H HOSTFILE] '
+        prog='launch', usage='launch -n WORKERS [-s SERVERS] [--launcher {local,ssh}] [-H HOSTFILE] '
                              '[--port P] -- COMMAND ...',
-        description='Run COMMAND (e.g. bin/train ... --kvstore dist_sync) as a distributed MXNet job: '
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=LAUNCH_EXAMPLES,
+        description='Run COMMAND (e.g. bin/train ... --kvstore dist_sync) as a distributed MXNet job:\n'
                     'one scheduler, SERVERS parameter servers and WORKERS workers.')
-    parser.add_argument('-n', '--num-workers', type=int, required=True, help='worker processes')
-    parser.add_argument('-s', '--num-servers', type=int, default=None,
+    add_version_flag(parser)
+    parser.add_argument('-n', '--num-workers', type=int, required=True, metavar='N', help='worker processes')
+    parser.add_argument('-s', '--num-servers', type=int, default=None, metavar='N',
                         help='parameter servers (default: as many as workers)')
-    parser.add_argument('--launcher', choices=('local', 'ssh'), default='local')
+    parser.add_argument('--launcher', choices=('local', 'ssh'), default='local',
+                        help='local: every process on 127.0.0.1; ssh: on the hosts of -H (default: local)')
     parser.add_argument('-H', '--hostfile', help='ssh: file with one host name per line')
     parser.add_argument('--port', type=int, default=0, help='scheduler port (default: a free one)')
     parser.add_argument('--interface', help='network interface ps-lite binds to (e.g. eth0, ib0)')
-    parser.add_argument('--grace', type=float, default=10.0,
-                        help='seconds between SIGTERM and SIGKILL when stopping the job')
+    parser.add_argument('--grace', type=float, default=10.0, metavar='SECONDS',
+                        help='seconds between SIGTERM and SIGKILL when stopping the job (default: 10)')
     parser.add_argument('command', nargs=argparse.REMAINDER, help='-- COMMAND ...')
     return parser
 
