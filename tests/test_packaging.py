@@ -1,0 +1,72 @@
+"""Packaging that tells the truth (issue 14 item 5): pyproject.toml says which Pythons and
+dependencies, the sdist holds what installing and testing need, constraints.txt pins CI."""
+import os
+import re
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+import gluon_unet
+import gluon_unet.cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+tomllib = pytest.importorskip('tomllib')  # Python 3.11+
+
+
+def _pyproject():
+    with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+        return tomllib.load(f)
+
+
+def _requirements(name):
+    with open(os.path.join(ROOT, name)) as f:
+        return [line.split('#')[0].strip() for line in f
+                if line.split('#')[0].strip() and not line.startswith('-')]
+
+
+def test_pyproject_states_pythons_dependencies_extras_and_scripts():
+    project = _pyproject()['project']
+    assert project['requires-python'] == '>=3.9,<3.12'
+    assert sorted(project['dependencies']) == sorted(_requirements('requirements-base.txt'))
+    extras = project['optional-dependencies']
+    assert extras['cpu'] == ['mxnet==1.9.1'] and extras['cu117'] == ['mxnet-cu117==1.9.1']
+    assert {'cu112', 'cu110', 'test', 'tensorboard'} <= set(extras)
+    assert all(re.fullmatch(r'mxnet-cu\d+==1\.9\.1', extras[k][0]) for k in extras if k.startswith('cu'))
+    scripts = project['scripts']
+    assert scripts['gluon-unet'] == 'gluon_unet.cli:main'
+    for command in ('train', 'predict', 'evaluate', 'export', 'launch', 'doctor'):
+        module, _, function = scripts['gluon-unet-' + command].partition(':')
+        assert module == 'gluon_unet.cli' and callable(getattr(gluon_unet.cli, function))
+    assert _requirements('requirements.txt') == ['mxnet==1.9.1']
+
+
+def test_constraints_pin_what_is_installed_here():
+    from importlib import metadata
+    pins = dict(line.split('==') for line in _requirements('constraints.txt'))
+    for name in ('mxnet', 'numpy', 'opencv-python-headless', 'scikit-image', 'scipy', 'pytest'):
+        assert pins[name] == metadata.version(name), name
+    with open(os.path.join(ROOT, '.ci', 'run')) as f:
+        assert '-c constraints.txt' in f.read()
+
+
+@pytest.mark.skipif(subprocess.run([sys.executable, '-c', 'import build'], capture_output=True).returncode,
+                    reason='needs the build package (pip install build)')
+def test_sdist_builds_and_holds_what_installing_needs(tmp_path):
+    done = subprocess.run([sys.executable, '-m', 'build', '--sdist', '--no-isolation', '--outdir', str(tmp_path),
+                           ROOT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    path = tmp_path / ('gluon_unet-%s.tar.gz' % gluon_unet.__version__)
+    with tarfile.open(path) as tar:
+        names = {n.split('/', 1)[1] for n in tar.getnames() if '/' in n}
+        top = 'gluon_unet-%s/' % gluon_unet.__version__
+        pkg_info = tar.extractfile(top + 'PKG-INFO').read().decode()
+        requires = tar.extractfile(top + 'gluon_unet.egg-info/requires.txt').read().decode()
+    for needed in ('pyproject.toml', 'README.md', 'requirements-base.txt', 'requirements.txt',
+                   'constraints.txt', 'gluon_unet/__main__.py', 'gluon_unet/doctor.py',
+                   'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini'):
+        assert needed in names, needed
+    assert not any('__pycache__' in n or n.endswith('.pyc') for n in names)
+    assert 'Requires-Python: <3.12,>=3.9' in pkg_info
+    assert '\n[cu117]\nmxnet-cu117==1.9.1\n' in requires and 'numpy<1.24,>=1.21' in requires
