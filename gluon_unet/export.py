@@ -5,6 +5,7 @@ The export is always an ordinary float32, single-device network with plain Batch
 whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt from
 the config and the checkpoint, not from the live training block.
 """
+import argparse
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import tempfile
 
 import mxnet as mx
 
+from . import add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
@@ -264,15 +266,24 @@ def find_export(path):
     raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
 
 
+EXPORT_EXAMPLES = """examples:
+  # the run's best checkpoint (else its latest) to runs/a/export/
+  gluon-unet export runs/a
+  # one checkpoint, to another folder
+  gluon-unet export runs/a/checkpoints/epoch0040.ckpt --output models/a-epoch40"""
+
+
 @reports_errors
 def main(argv=None):
     """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
-    parser = OneLineParser(prog='export', description='Export a trained model for inference: '
-                           'model-symbol.json + model-0000.params + model.json, loadable with '
-                           'mx.gluon.SymbolBlock.imports alone.')
+    parser = OneLineParser(
+        prog='export', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EXAMPLES,
+        description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
+                    '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
+    add_version_flag(parser)
     parser.add_argument('run', metavar='RUN_DIR|CHECKPOINT',
                         help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
-    parser.add_argument('--output', help='export folder (default: <run>/export)')
+    parser.add_argument('--output', metavar='DIR', help='export folder (default: <run>/export)')
     args = parser.parse_args(argv)
     ckpt, out = _resolve_run(args.run, args.output)
     prefix = export_checkpoint(ckpt, out)
