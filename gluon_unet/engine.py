@@ -55,14 +55,20 @@ class Diverged(Exception):
 
 
 def data_fingerprint(train_ds, val_ds, num_workers=1):
-    """What identifies the data a run trains on, for resume to compare: sample counts, a
-    digest of the sample names in order (the split and the batches follow from them), and
-    the number of workers (with a dist kvstore they set the global batch)."""
-    digest = hashlib.sha1()
+    """What identifies the data a run trains on, for resume to compare and the model card
+    to record: sample counts, a digest of the sample names in order (the split and the
+    batches follow from them), a digest of the decoded images and masks, and the number
+    of workers (with a dist kvstore they set the global batch)."""
+    names, content = hashlib.sha1(), hashlib.sha1()
     for ds in (train_ds, val_ds):
-        digest.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
+        names.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
+        for i in range(0 if ds is None else len(ds)):
+            for arr in (ds.images[i], ds.masks[i]):
+                arr = np.ascontiguousarray(arr)
+                content.update(str(arr.shape).encode())
+                content.update(arr.data)
     return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
-            'names_sha1': digest.hexdigest(), 'workers': num_workers}
+            'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers}
 
 
 def check_resumable(path, meta, cfg, data_id):
@@ -74,10 +80,10 @@ def check_resumable(path, meta, cfg, data_id):
         raise UserError('--resume %s: the run was trained with %s; resume with the same values (or start a '
                         'new run)' % (path, ', '.join(conflicts)))
     old = meta.get('data')
-    if old and (old['train'], old['val'], old['names_sha1']) != (data_id['train'], data_id['val'],
-                                                                  data_id['names_sha1']):
+    keys = ('train', 'val', 'names_sha1', 'content_sha1')
+    if old and any(k in old and old[k] != data_id[k] for k in keys):
         raise UserError('--resume %s: the data changed since the checkpoint (it trained on %d images and '
-                        'validated on %d, now %d and %d, or other files); resume with the same --data'
+                        'validated on %d, now %d and %d, or other files or pixels); resume with the same --data'
                         % (path, old['train'], old['val'], data_id['train'], data_id['val']))
     if old and old.get('workers', 1) != data_id['workers']:
         raise UserError('--resume %s: the run had %d worker(s), now %d: the global batch would change; '
@@ -136,14 +142,23 @@ def data_channels(ds):
 
 # -- network -------------------------------------------------------------------------------
 
-def build_network(cfg, ctxs, amp_dtype=None):
+def build_network(cfg, ctxs, amp_dtype=None, net=None):
     """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized.
-    ``amp_dtype``: :func:`init_amp`'s result (None = float32)."""
+
+    ``amp_dtype``: :func:`init_amp`'s result (None = float32). ``net``: your own
+    HybridBlock instead of the U-Net of ``cfg.model`` (initialized here unless it
+    already is).
+    """
     configure_runtime(len(ctxs), ctxs[0].device_type)  # process-wide knobs: one place
-    net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
-                      amp_dtype=amp_dtype)
     mx.random.seed(cfg.seed)
-    net.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
+    init = mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2)
+    if net is None:
+        net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
+                          amp_dtype=amp_dtype)
+        net.initialize(init, ctx=ctxs)
+    else:
+        net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized
+        net.collect_params().reset_ctx(ctxs)
     if cfg.hybridize:
         # static_alloc is the fast path, but with SyncBatchNorm MXNet 1.9's static
         # CachedOp loses the running-statistics update of each step (measured: they lag
@@ -381,7 +396,7 @@ def _val_instances(dataset, i, truth_mask):
 
 # -- the whole run -------------------------------------------------------------------------
 
-def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
+def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     """Train a U-Net as configured; the Python API behind ``bin/train``.
 
     Parameters
@@ -396,6 +411,12 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
         ``cb.on_epoch_end(record, context)`` with an :class:`EpochContext` (network,
         trainer, run state, config). Returning True ends training there, like early
         stopping.
+    net : HybridBlock, optional
+        Your own network instead of the U-Net of ``cfg.model``: any block mapping
+        ``(N, C, H, W)`` to logits ``(N, classes, H, W)``; it is trained on all the
+        devices, checkpointed and exported the same way (set ``cfg.model.in_channels``,
+        ``classes`` and ``depth`` - input sides are multiples of ``2**depth`` - to match
+        it; not with ``amp``).
 
     Returns
     -------
@@ -407,6 +428,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
     check_amp_support(cfg, ctxs)
+    if net is not None and cfg.amp:
+        raise UserError('amp with your own network: MXNet AMP rewrites the operators for the whole process, '
+                        'so its float32 export is rebuilt from cfg.model in a fresh process; train it in float32')
     if cfg.tensorboard:
         require_tensorboardx()
     strategy = distributed.make_strategy(cfg.kvstore)
@@ -415,7 +439,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=()):
     # minutes of a decode; released - and removed if still empty - on any error.
     with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:
         cfg.output = folder.path
-        history = _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks)
+        history = _train(cfg, ctxs, strategy, (train_ds, val_ds), verbose, callbacks, net)
     return FitResult(history, output=cfg.output, is_main=strategy.is_main)
 
 
@@ -448,7 +472,7 @@ class _Run:
     recorder: RunRecorder
 
 
-def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
+def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     """The stages of a run: data, resume point, run folder, network and step, epochs, export."""
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and strategy.is_main)
@@ -457,13 +481,14 @@ def _train(cfg, ctxs, strategy, train_ds, val_ds, verbose, callbacks):
     if cfg.workers is None:  # decoding and the loader scale with the GPUs
         cfg.workers = default_workers(len(gpus))
         workers_note = ' (default for %d GPU(s); --workers to change)' % len(gpus)
-    train_ds, val_ds, data_id = prepare_data(cfg, train_ds, val_ds, strategy.num_workers)
+    train_ds, val_ds, data_id = prepare_data(cfg, *datasets, strategy.num_workers)
     resume_path, resume_meta = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
-    recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose)
+    recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
+                           user_net=user_net)
     recorder.start()
     amp_dtype = init_amp(cfg, ctxs)
-    net = build_network(cfg, ctxs, amp_dtype)
+    net = build_network(cfg, ctxs, amp_dtype, user_net)
     strategy.prepare_network(net, ctxs)
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=strategy.num_workers, shard=strategy.rank,

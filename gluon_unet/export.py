@@ -42,12 +42,28 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     cfg = TrainConfig.from_dict(meta['config'])
     net = build_model(cfg.model)
     net.initialize(ctx=mx.cpu())
-    side = cfg.crop or cfg.size
-    dummy = mx.nd.zeros((1, cfg.model.in_channels, side, side))
-    net(dummy)  # resolves the deferred parameter shapes before loading
+    net(_dummy_input(cfg, mx.cpu()))  # resolves the deferred parameter shapes before loading
     load_checkpoint(checkpoint, net=net)
+    return export_block(net, cfg, out_dir, meta, sidecar_extra)
+
+
+def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
+    """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
+    ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``, atomically.
+
+    Parameters shared over several devices are averaged into one copy (MXNet's
+    ``export``); ``cfg.model.depth`` is what the sidecar tells predictors about the
+    input sides (multiples of ``2**depth``).
+
+    Returns
+    -------
+    str
+        The export prefix ``out_dir/model``.
+    """
+    meta = meta or {}
+    ctx = next(iter(net.collect_params().values())).list_ctx()[0]
     net.hybridize(static_alloc=True, static_shape=True)
-    net(dummy)  # export needs one forward of the hybridized graph
+    net(_dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -64,7 +80,7 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
             'classes': cfg.model.classes,
             'depth': cfg.model.depth,
             'multiple': 2 ** cfg.model.depth,
-            'train_size': side,
+            'train_size': cfg.crop or cfg.size,
             'resize_mode': 'crop' if cfg.crop else 'resize',
             'normalization': 'uint8 / 255 per channel (16-bit and float images: '
                              'percentile-scaled to uint8 first)',
@@ -84,6 +100,11 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
     return os.path.join(out_dir, 'model')
+
+
+def _dummy_input(cfg, ctx):
+    side = cfg.crop or cfg.size
+    return mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctx)
 
 
 def export_in_subprocess(checkpoint, out_dir):

@@ -9,8 +9,8 @@ training loop calls it the same way everywhere.
 import os
 from dataclasses import dataclass, field
 
-from .checkpoint import CheckpointSaver
-from .export import export_checkpoint, export_in_subprocess
+from .checkpoint import CheckpointSaver, load_checkpoint
+from .export import export_block, export_checkpoint, export_in_subprocess
 from .reporting import MetricsTable, plot_curves, setup_logging
 from .tblog import TensorBoardLog
 from .utils import atomic_open
@@ -53,10 +53,13 @@ class RunRecorder:
         False: write nothing (keep score, log to the console only).
     verbose : bool
         Log to stderr.
+    user_net : HybridBlock, optional
+        The network passed to ``fit``, exported from its best weights.
     """
 
-    def __init__(self, cfg, monitor, data_id, enabled=True, verbose=True):
+    def __init__(self, cfg, monitor, data_id, enabled=True, verbose=True, user_net=None):
         self.cfg, self.monitor, self.data_id, self.enabled = cfg, monitor, data_id, enabled
+        self.user_net = user_net
         self.saver = CheckpointSaver(os.path.join(cfg.output, 'checkpoints') if enabled else None, monitor,
                                      'min' if monitor.endswith('loss') else 'max', cfg.keep_last,
                                      cfg.min_delta)
@@ -109,9 +112,15 @@ class RunRecorder:
             return
         best_ckpt = os.path.join(self.saver.folder, 'best.ckpt')
         out = os.path.join(self.cfg.output, 'export')
-        # An AMP run's process has AMP switched on for good (amp.init is process-wide),
-        # so its float32 export is built in a fresh process.
-        prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best_ckpt, out)
+        if self.user_net is not None:
+            # Your own network cannot be rebuilt from the config: the best weights go
+            # back into it, and it is exported as it is.
+            meta = load_checkpoint(best_ckpt, net=self.user_net)
+            prefix = export_block(self.user_net, self.cfg, out, meta)
+        else:
+            # An AMP run's process has AMP switched on for good (amp.init is
+            # process-wide), so its float32 export is built in a fresh process.
+            prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best_ckpt, out)
         self.log.info('exported %s-symbol.json / -0000.params', prefix)
         best = next((r for r in state.history if r['epoch'] == self.saver.best_epoch), state.history[-1])
         metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')

@@ -29,3 +29,49 @@ def test_callback_objects_get_the_network_and_the_run_state(tiny):
     assert rec.seen[0][3] != rec.seen[1][3]  # the weights it read are the live, training ones
     assert rec.seen[0][5] == history.output
     assert [r['epoch'] for r in plain] == [1, 2]  # plain functions still get the record
+
+
+class TinyNet(__import__('mxnet').gluon.HybridBlock):
+    """Not a U-Net: two convolutions, same H and W in and out."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from mxnet.gluon import nn
+        with self.name_scope():
+            self.body = nn.HybridSequential()
+            self.body.add(nn.Conv2D(6, 3, padding=1, activation='relu'), nn.Conv2D(1, 3, padding=1))
+
+    def hybrid_forward(self, F, x):
+        return self.body(x)
+
+
+def test_fit_trains_checkpoints_and_exports_your_own_hybridblock(tiny, tmp_path):
+    import subprocess
+    import sys
+    import mxnet as mx
+    from gluon_unet.errors import UserError
+    import pytest
+    net = TinyNet()
+    cfg = tiny(epochs=3, cpus=2, synthetic_count=16, batch_size=4, val_split=0.25, lr=1e-2)
+    history = fit(cfg, verbose=False, net=net)
+    assert len(history) == 3 and history[-1]['train_loss'] < history[0]['train_loss']
+    best = max(history, key=lambda r: r['val_iou'])
+    # The export is the user's network with the best epoch's weights, loadable alone.
+    prefix = history.output + '/export/model'
+    code = ('import mxnet as mx, numpy as np, sys; net = mx.gluon.SymbolBlock.imports(sys.argv[1] + "-symbol.json", '
+            '["data"], sys.argv[1] + "-0000.params"); x = mx.nd.array(np.load(sys.argv[2])); '
+            'np.save(sys.argv[3], net(x).asnumpy())')
+    x = np.random.RandomState(0).rand(2, 1, 32, 32).astype(np.float32)
+    np.save(str(tmp_path / 'x.npy'), x)
+    done = subprocess.run([sys.executable, '-c', code, prefix, str(tmp_path / 'x.npy'), str(tmp_path / 'y.npy')],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rebuilt = TinyNet()
+    rebuilt.initialize()
+    rebuilt(mx.nd.array(x))
+    from gluon_unet.checkpoint import load_checkpoint
+    meta = load_checkpoint(history.output + '/checkpoints/best.ckpt', net=rebuilt)
+    assert meta['epoch'] == best['epoch']
+    np.testing.assert_allclose(np.load(str(tmp_path / 'y.npy')), rebuilt(mx.nd.array(x)).asnumpy(), atol=1e-5)
+    with pytest.raises(UserError, match='own network'):
+        fit(tiny(epochs=1, amp=True, output=str(tmp_path / 'amp')), verbose=False, net=TinyNet())

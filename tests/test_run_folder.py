@@ -192,3 +192,15 @@ def test_resume_of_another_runs_checkpoint_into_a_folder_holding_a_run_is_refuse
     with pytest.raises(UserError, match='not from the run'):
         fit(tiny(output=str(tmp_path / 'b'), epochs=2, resume=str(tmp_path / 'a' / 'checkpoints' / 'epoch0001.ckpt')),
             train_ds=ds, verbose=False)
+
+
+def test_resume_refuses_data_whose_pixels_changed(tiny, tmp_path):
+    ds = synthetic_dataset(16, size=32, seed=0)
+    common = dict(epochs=2, lr_schedule='constant', output=str(tmp_path / 'r'))
+    fit(tiny(**common), train_ds=ds, verbose=False, callbacks=[lambda r: r['epoch'] == 1])
+    changed = synthetic_dataset(16, size=32, seed=0)
+    changed.images = np.array(changed.images)
+    changed.images[3] = 255 - changed.images[3]  # same names and count, other pixels
+    with pytest.raises(UserError, match='the data changed'):
+        fit(tiny(resume='auto', **common), train_ds=changed, verbose=False)
+    assert len(fit(tiny(resume='auto', **common), train_ds=ds, verbose=False)) == 2
