@@ -24,6 +24,14 @@ MXNET_SUBGRAPH_BACKEND=MKLDNN           graph binding        inference/quantizat
                                                              training CachedOp ignores it
 ======================================  ===================  ================================
 
+With GPUs (``bin/train --gpus``) gluon_unet leaves ``OMP_NUM_THREADS`` unset: MXNet then
+keeps one core (two from 8 OpenMP threads up) free of operator threads for the threads
+that feed the GPUs (``src/engine/threaded_engine_perdevice.cc``, ``GetReserveCoreCount``
+via ``OpenMP::set_reserve_cores``), which it does only when ``OMP_NUM_THREADS`` is not
+set (``src/engine/openmp.cc``: with the variable set, ``GetRecommendedOMPThreadCount``
+returns it as is). And it sets ``CUDA_VISIBLE_DEVICES`` to the GPUs asked for
+(:func:`restrict_visible_gpus`), so ``--gpus 4-7`` creates no CUDA context on GPU 0.
+
 "Read at ``import mxnet``" means that setting ``os.environ`` afterwards has no effect:
 set them in the shell (``OMP_NUM_THREADS=1 bin/train ...``). gluon_unet sets its two only
 when you did not, and never as a side effect of ``import gluon_unet``:
@@ -77,10 +85,14 @@ TEMP_COPIES_PER_CONTEXT = 32
 LOCAL_WORKERS = 'GLUON_UNET_LOCAL_WORKERS'
 
 
-def recommended_settings(contexts=1, environ=None):
+def recommended_settings(contexts=1, environ=None, gpus=False):
     """The values :func:`apply_runtime_defaults` chooses for ``contexts`` CPU contexts
     (reading ``GLUON_UNET_LOCAL_WORKERS`` from ``environ``), whoever set what: a dict of
-    ``OMP_NUM_THREADS`` and, for 2 or more contexts, ``MXNET_CPU_TEMP_COPY``, as strings."""
+    ``OMP_NUM_THREADS`` and, for 2 or more contexts, ``MXNET_CPU_TEMP_COPY``, as strings.
+    Empty when training on GPUs (``gpus``): MXNet's own thread choice keeps cores free for
+    feeding them (module docstring)."""
+    if gpus:
+        return {}
     env = os.environ if environ is None else environ
     contexts = max(1, contexts)
     try:
@@ -93,7 +105,7 @@ def recommended_settings(contexts=1, environ=None):
     return wanted
 
 
-def apply_runtime_defaults(environ=None, contexts=1):
+def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
     """Set MXNet's load-time variables for ``contexts`` CPU contexts, unless the user did.
 
     MXNet reads both once, when ``libmxnet`` loads, so call this before the first
@@ -130,6 +142,14 @@ def apply_runtime_defaults(environ=None, contexts=1):
         dict (a child process's environment) every value present is the user's.
     contexts : int
         CPU contexts that will train in this process.
+    gpus : bool
+        The process trains on GPUs: set nothing, and take back an ``OMP_NUM_THREADS``
+        this process set earlier (never the user's). With ``OMP_NUM_THREADS`` unset MXNet
+        runs operators on half the logical CPUs less one or two it keeps for the threads
+        feeding the GPUs (``src/engine/threaded_engine_perdevice.cc`` GetReserveCoreCount,
+        ``src/engine/openmp.cc`` set_reserve_cores); with it set, MXNet reserves nothing
+        (openmp.cc: GetRecommendedOMPThreadCount returns the variable's value as is), so
+        all-cores operator threads would compete with the feeders.
 
     Returns
     -------
@@ -140,14 +160,103 @@ def apply_runtime_defaults(environ=None, contexts=1):
     env = os.environ if own else environ
     if own and 'mxnet' in sys.modules:
         return {}
+    if gpus and own and is_default('OMP_NUM_THREADS'):
+        del env['OMP_NUM_THREADS']
+        _applied.pop('OMP_NUM_THREADS')
     done = {}
-    for key, value in recommended_settings(contexts, env).items():
+    for key, value in recommended_settings(contexts, env, gpus=gpus).items():
         if key in env and not (own and is_default(key)):
             continue  # the user's own value always wins
         env[key] = done[key] = value
     if own:
         _applied.update(done)
     return done
+
+
+CUDA_VISIBLE = 'CUDA_VISIBLE_DEVICES'
+# The GPUs restrict_visible_gpus() left visible, in CUDA's order: MXNet's gpu(i) is
+# GPU _visible_gpus[i]. None when this process did not renumber them.
+_visible_gpus = None
+
+
+def restrict_visible_gpus(gpus):
+    """Show MXNet only the GPUs ``--gpus`` asks for: ``CUDA_VISIBLE_DEVICES``, set before
+    mxnet loads.
+
+    ``--gpus 4-7`` gives ``CUDA_VISIBLE_DEVICES=4,5,6,7``: MXNet's ``gpu(0..3)`` are then
+    GPUs 4-7, and nothing can create a CUDA context on GPU 0. Without it MXNet does, even
+    when training on 4-7: the kvstore stages gradients through ``cpu_pinned(0)``
+    (``src/kvstore/comm.h``: ``pinned_ctx_ = Context::CPUPinned(0)``) and pinned memory is
+    allocated with device 0 current (``src/storage/pinned_memory_storage.h``:
+    ``DeviceStore device_store(handle->ctx.real_dev_id())`` before ``cudaHostAlloc``) -
+    a CUDA context of some 300 MB on a card that may be someone else's.
+
+    The ids keep their meaning: CUDA interprets ``CUDA_VISIBLE_DEVICES`` in the same
+    order (``CUDA_DEVICE_ORDER``) as it numbers the GPUs without it.
+    :func:`gluon_unet.devices.make_contexts` maps the user's ids onto the renumbered
+    devices (``--gpus 4-7`` -> ``gpu(0..3)``; error messages and logs still say GPU 4-7:
+    :func:`gluon_unet.devices.context_names`).
+
+    Changes nothing (returns ``{}``) when the user set ``CUDA_VISIBLE_DEVICES`` (theirs
+    wins, and ``--gpus`` counts within it, as CUDA does), for ``--gpus all`` and for CPU
+    runs, when mxnet is already loaded (CUDA has read the variable), or for a ``--gpus``
+    value that does not parse (:func:`~gluon_unet.devices.make_contexts` reports it).
+    The value is this process's choice: :func:`user_environ` leaves it out, so
+    ``bin/launch``'s processes and the export subprocess choose their own.
+
+    Returns
+    -------
+    dict
+        ``{mxnet_gpu_index: gpu_id}`` (``{0: 4, 1: 5, 2: 6, 3: 7}``), empty when nothing
+        was changed.
+    """
+    global _visible_gpus
+    from .devices import parse_gpu_list
+    from .errors import UserError
+    if 'mxnet' in sys.modules:
+        return {}
+    if CUDA_VISIBLE in os.environ and not is_default(CUDA_VISIBLE):
+        return {}
+    try:
+        ids = parse_gpu_list(gpus)
+    except UserError:
+        return {}
+    if not ids:  # CPU, or 'all'
+        if is_default(CUDA_VISIBLE):  # an earlier call's choice no longer applies
+            del os.environ[CUDA_VISIBLE]
+            _applied.pop(CUDA_VISIBLE)
+            _visible_gpus = None
+        return {}
+    value = ','.join(map(str, ids))
+    os.environ[CUDA_VISIBLE] = _applied[CUDA_VISIBLE] = value
+    _visible_gpus = list(ids)
+    return dict(enumerate(ids))
+
+
+def gpu_renumbering():
+    """The GPU ids :func:`restrict_visible_gpus` left visible (``[4, 5, 6, 7]``: MXNet's
+    ``gpu(i)`` is GPU ``[...][i]``), or None when this process did not renumber them (or
+    ``CUDA_VISIBLE_DEVICES`` was changed since)."""
+    if _visible_gpus is None or not is_default(CUDA_VISIBLE):
+        return None
+    return list(_visible_gpus)
+
+
+def prepare_training_process(gpus, cpus=1):
+    """Everything ``bin/train`` sets before mxnet loads, once its flags are known:
+    :func:`restrict_visible_gpus` for ``--gpus``, then :func:`apply_runtime_defaults` for
+    its CPU contexts (nothing about threads when training on GPUs).
+
+    Returns
+    -------
+    dict
+        :func:`restrict_visible_gpus`'s renumbering (``{0: 4, ...}``; empty if none).
+    """
+    from .devices import cpu_context_count
+    renumbered = restrict_visible_gpus(gpus)
+    cpu_contexts = cpu_context_count(gpus, cpus)
+    apply_runtime_defaults(contexts=max(1, cpu_contexts), gpus=cpu_contexts == 0)
+    return renumbered
 
 
 def use_all_cores(contexts=1):
@@ -239,10 +348,17 @@ def configure_runtime(num_contexts=1, device_type='cpu'):
         :func:`runtime_settings` plus ``contexts`` and ``device_type``.
     """
     settings = dict(runtime_settings(), contexts=num_contexts, device_type=device_type)
+    source = settings['omp_source']
+    if device_type == 'gpu' and source == 'mxnet default':
+        # MXNet keeps 1 core (2 from 8 threads up) for the GPU feeder threads
+        # (threaded_engine_perdevice.cc GetReserveCoreCount): only without OMP_NUM_THREADS.
+        reserve = 2 if settings['omp_threads'] >= 8 else 1
+        settings['omp_threads'] = max(1, settings['omp_threads'] - reserve)
+        source = 'mxnet default, %d core(s) kept for feeding the GPUs' % reserve
     log = get_logger()
     log.info('runtime: %d %s context(s), OMP_NUM_THREADS=%d (%s), %d physical core(s), '
              'MXNET_CPU_TEMP_COPY=%d, MXNET_CPU_WORKER_NTHREADS=%d, engine %s', num_contexts,
-             device_type, settings['omp_threads'], settings['omp_source'], settings['physical_cores'],
+             device_type, settings['omp_threads'], source, settings['physical_cores'],
              settings['cpu_temp_copy'], settings['cpu_worker_threads'], settings['engine'])
     if device_type == 'cpu' and num_contexts > 1:
         # What bin/train would have chosen here (also dividing among bin/launch's workers).

@@ -207,3 +207,80 @@ def test_bin_train_gives_each_cpu_context_its_share_of_the_cores(tmp_path):
     assert len(line) == 1 and '2 cpu context(s), OMP_NUM_THREADS=%d (gluon_unet)' % expected in line[0], line
     assert 'MXNET_CPU_TEMP_COPY=64,' in line[0], line
     assert 'train slower' not in done.stderr
+
+
+# -- GPU runs: CUDA_VISIBLE_DEVICES and the threads MXNet keeps for feeding the GPUs --------
+
+def _gpu_child_env(**extra):
+    env = _child_env()
+    env.pop('CUDA_VISIBLE_DEVICES', None)
+    env.update(extra)
+    return env
+
+
+PREPARE = ('import os, sys; from gluon_unet import runtime\n'
+           'before = runtime.use_all_cores() if "--use-all-cores" in sys.argv else None\n'
+           'print(runtime.prepare_training_process(sys.argv[1], 1))\n'
+           'print(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS"), '
+           'runtime.gpu_renumbering(), "CUDA_VISIBLE_DEVICES" in runtime.user_environ(), "mxnet" in sys.modules)\n')
+
+
+def _prepare(spec, env, *flags):
+    done = subprocess.run([sys.executable, '-c', PREPARE, spec] + list(flags), cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()
+
+
+def test_gpus_4_7_show_mxnet_only_gpus_4_7_renumbered_from_0():
+    # Without it, the kvstore's cpu_pinned(0) staging buffers create a CUDA context on GPU 0.
+    assert _prepare('4-7', _gpu_child_env()) == ['{0: 4, 1: 5, 2: 6, 3: 7}', '4,5,6,7 None [4, 5, 6, 7] False False']
+    assert _prepare('0,2,5', _gpu_child_env()) == ['{0: 0, 1: 2, 2: 5}', '0,2,5 None [0, 2, 5] False False']
+
+
+def test_a_users_cuda_visible_devices_wins():
+    # --gpus then counts within the user's list, as CUDA does.
+    assert _prepare('0-1', _gpu_child_env(CUDA_VISIBLE_DEVICES='4,6')) == ['{}', '4,6 None None True False']
+
+
+@pytest.mark.parametrize('spec', ['all', '', 'x-y'])
+def test_gpus_all_cpu_runs_and_bad_specs_leave_cuda_visible_devices_alone(spec):
+    omp = str(runtime.physical_cores()) if spec == '' else 'None'
+    assert _prepare(spec, _gpu_child_env()) == ['{}', 'None %s None False False' % omp]
+
+
+def test_gpu_runs_leave_omp_num_threads_to_mxnet(eight_cores, nothing_applied):
+    # MXNet keeps 1-2 cores for the GPU feeder threads only when OMP_NUM_THREADS is unset
+    # (src/engine/openmp.cc: GetRecommendedOMPThreadCount returns the variable as is).
+    assert runtime.recommended_settings(1, {}, gpus=True) == {}
+    env = {}
+    assert runtime.apply_runtime_defaults(env, contexts=1, gpus=True) == {} and env == {}
+    # A value this process chose earlier is taken back; the user's stays.
+    assert _prepare('0', _gpu_child_env(), '--use-all-cores')[1] == '0 None [0] False False'
+    assert _prepare('0', _gpu_child_env(OMP_NUM_THREADS='3'), '--use-all-cores')[1] == '0 3 [0] False False'
+
+
+def test_restrict_visible_gpus_changes_nothing_once_mxnet_is_loaded(monkeypatch):
+    monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+    assert runtime.restrict_visible_gpus('4-7') == {}
+    assert 'CUDA_VISIBLE_DEVICES' not in os.environ and runtime.gpu_renumbering() is None
+
+
+def test_the_runtime_line_of_a_gpu_run_says_cores_are_kept_for_feeding(monkeypatch, log_lines):
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    monkeypatch.setattr(runtime, 'cpu_cores', lambda: 32)
+    settings = runtime.configure_runtime(8, 'gpu')
+    assert settings['omp_threads'] == 14  # 32 / 2, less 2 kept (16 >= 8 threads)
+    assert any('OMP_NUM_THREADS=14 (mxnet default, 2 core(s) kept for feeding the GPUs)' in m for _, m in log_lines)
+
+
+def test_bin_train_restricts_the_gpus_before_mxnet_loads():
+    from gluon_unet import cli
+    if not hasattr(cli, 'prepare_training_process'):
+        pytest.skip('cli.train_main does not call runtime.prepare_training_process yet')
+    # On this CPU build --gpus stops with one line; what matters is what was set first.
+    code = ('import os, sys; from gluon_unet import cli\n'
+            'code = cli.train_main(["--gpus", "4-7", "--benchmark", "--no-progress"])\n'
+            'print(code, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS"))\n')
+    out = _python(code, env=_gpu_child_env()).splitlines()[-1]
+    assert out.split()[1:] == ['4,5,6,7', 'None'], out
