@@ -9,6 +9,9 @@ import pytest
 # tests (launcher jobs of 4 processes, subprocess CLIs) from oversubscribing small CI
 # machines. Set before gluon_unet (and so mxnet) is imported; inherited by subprocesses.
 os.environ.setdefault('OMP_NUM_THREADS', '1')
+# The GPU lane compares float32 results with CPU ones: no TF32 in cuDNN/cuBLAS on Ampere+
+# (read when they initialize, at the first GPU operation; no effect without GPUs).
+os.environ.setdefault('NVIDIA_TF32_OVERRIDE', '0')
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), '..')))
 warnings.filterwarnings('ignore', category=DeprecationWarning)
 
@@ -106,3 +109,22 @@ def pids_with(marker):
         except OSError:
             pass
     return found
+
+
+# -- the GPU lane ---------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` (``@pytest.mark.gpu`` or ``@pytest.mark.gpu(min_gpus=2)``) run
+    where MXNet sees enough GPUs; elsewhere they are collected and skipped with the reason
+    from :func:`gluon_unet.devices.gpu_status` (``pytest -m gpu -rs`` prints it)."""
+    marked = [item for item in items if item.get_closest_marker('gpu')]
+    if not marked:
+        return
+    from gluon_unet.devices import gpu_status
+    count, reason = gpu_status()
+    for item in marked:
+        need = item.get_closest_marker('gpu').kwargs.get('min_gpus', 1)
+        if count == 0:
+            item.add_marker(pytest.mark.skip(reason='no GPU: %s' % reason))
+        elif count < need:
+            item.add_marker(pytest.mark.skip(reason='needs %d GPUs: MXNet sees %d' % (need, count)))

@@ -1,0 +1,252 @@
+"""The multi-device guarantees as functions of the devices, shared by the CPU-context
+tests and the GPU lane (``tests/test_gpu.py``, tests marked ``gpu``).
+
+Each ``check_*`` function takes how to make the devices (``make_ctxs(n)`` -> ``n``
+contexts, or the ``--gpus``/``--cpus`` settings) and asserts one guarantee. The CPU tests
+call them with ``mx.cpu(i)`` contexts, so every line of the logic runs on this machine;
+the GPU lane calls the same functions with ``mx.gpu(i)``. Only the tolerances differ:
+on GPUs cuDNN picks its convolution algorithms per shape (so a split batch is summed in
+another order) and float32 is compared against oneDNN.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import mxnet as mx
+import numpy as np
+
+from gluon_unet.data import synthetic_nuclei
+from gluon_unet.engine import build_network
+from gluon_unet.losses import SegmentationLoss
+from gluon_unet.optim import make_trainer
+from gluon_unet.parallel import DataParallelStep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+#: max |difference| allowed between parameters / probabilities, per device type
+CPU_TOL = 1e-5
+GPU_TOL = 1e-4
+
+
+def cpu_contexts(n):
+    return [mx.cpu(i) for i in range(n)]
+
+
+def gpu_contexts(n):
+    return [mx.gpu(i) for i in range(n)]
+
+
+def child_env():
+    """The environment for child processes: this checkout first on PYTHONPATH."""
+    env = dict(os.environ)
+    env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
+    return env
+
+
+# -- 1 vs N devices -------------------------------------------------------------------------
+
+def uneven_batches():
+    """Three batches: 8 (even), 10 (3,3,2,2 on 4 devices), 3 (fewer samples than devices)."""
+    images, masks, _ = synthetic_nuclei(21, size=32, seed=3)
+    x = images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    y = masks[:, None].astype(np.float32)
+    return [(x[:8], y[:8]), (x[8:18], y[8:18]), (x[18:21], y[18:21])]
+
+
+def train_params(cfg, ctxs, batches, kvstore='device', clip=0.0, update_on_kvstore=None, tol=0.0):
+    """Train ``cfg``'s network on ``ctxs`` over ``batches`` (SGD, momentum 0.9) and return
+    the parameters of the first replica, after checking that all replicas agree (within
+    ``tol``: exactly on CPU) and that every sample was computed once."""
+    net = build_network(cfg, ctxs)
+    if clip:
+        update_on_kvstore = False  # clipping needs the summed gradients before the update
+    trainer = make_trainer(net.collect_params(), 'sgd', 0.1, ctxs, kvstore=kvstore, momentum=0.9,
+                           update_on_kvstore=update_on_kvstore)
+    step = DataParallelStep(net, SegmentationLoss('bce_dice'), trainer, ctxs, clip_grad=clip)
+    for image, target in batches:
+        out = step(mx.nd.array(image), mx.nd.array(target), mx.nd.ones_like(mx.nd.array(target)))
+        assert out['samples'] == image.shape[0]
+        assert sum(out['per_device']) == image.shape[0]
+    params = {k: [d.asnumpy() for d in p.list_data()] for k, p in net._collect_params_with_prefix().items()}
+    # Replicas must agree with each other after every update.
+    for k, datas in params.items():
+        for d in datas[1:]:
+            if tol:
+                np.testing.assert_allclose(d, datas[0], rtol=0, atol=tol, err_msg=k)
+            else:
+                np.testing.assert_array_equal(d, datas[0], err_msg=k)
+    return {k: v[0] for k, v in params.items()}
+
+
+def max_diff(a, b):
+    return max(np.abs(a[k] - b[k]).max() for k in a)
+
+
+def check_devices_equivalent(make_ctxs, ndevs, kvstore, cfg, batches=None, tol=CPU_TOL):
+    """Training on 1 device and on each of ``ndevs`` devices (``make_ctxs(n)``) with the
+    ``kvstore`` gives the same parameters, over uneven batches. Returns the differences."""
+    batches = batches if batches is not None else uneven_batches()
+    reference = train_params(cfg, make_ctxs(1), batches)
+    untrained = train_params(cfg, make_ctxs(1), batches[:0])
+    assert max_diff(reference, untrained) > 1e-3, \
+        'training must change the parameters for this test to mean anything'
+    diffs = {}
+    for ndev in ndevs:
+        got = train_params(cfg, make_ctxs(ndev), batches, kvstore=kvstore, tol=0.0 if tol <= CPU_TOL else tol)
+        diffs[ndev] = max_diff(got, reference)
+        print('kvstore %s: max |params(%d devices) - params(1 device)| = %.2e' % (kvstore, ndev, diffs[ndev]))
+        assert diffs[ndev] <= tol, (ndev, diffs[ndev])
+    return diffs
+
+
+def check_clipping_device_invariant(make_ctxs, ndev, cfg, batches=None, tol=CPU_TOL):
+    batches = batches if batches is not None else uneven_batches()
+    ref = train_params(cfg, make_ctxs(1), batches, clip=0.05)
+    unclipped = train_params(cfg, make_ctxs(1), batches)
+    assert max_diff(ref, unclipped) > 1e-4, 'clipping must bite here'
+    got = train_params(cfg, make_ctxs(ndev), batches, clip=0.05, tol=0.0 if tol <= CPU_TOL else tol)
+    assert max_diff(got, ref) <= tol
+
+
+# -- SyncBatchNorm --------------------------------------------------------------------------
+
+def sync_bn_params(cfg, ctxs, x, y, steps=2):
+    """Parameters (running statistics included) after ``steps`` SGD steps on ``ctxs``."""
+    net = build_network(cfg, ctxs)
+    trainer = make_trainer(net.collect_params(), 'sgd', 0.5, ctxs, momentum=0.0)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs, sync_bn=cfg.sync_bn)
+    for _ in range(steps):
+        step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape))
+    mx.nd.waitall()
+    return {k: p.list_data()[0].asnumpy() for k, p in net._collect_params_with_prefix().items()}
+
+
+def check_sync_bn_matches_whole_batch(make_ctxs, tiny, tol=1e-4):
+    """SyncBatchNorm over 2 devices equals BatchNorm over the whole batch on one device
+    (weights and running statistics), and per-device BN does not (so the test means
+    something)."""
+    images, masks, _ = synthetic_nuclei(8, size=32, seed=5)
+    x = images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    y = masks[:, None].astype(np.float32)
+    whole = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(1), x, y)
+    synced = sync_bn_params(tiny(batch_norm=True, sync_bn=True), make_ctxs(2), x, y)
+    unsynced = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(2), x, y)
+    diff = max_diff(synced, whole)
+    gap = max_diff(unsynced, whole)
+    print('sync-bn vs whole-batch BN: %.2e; per-device BN vs whole-batch BN: %.2e' % (diff, gap))
+    assert diff <= tol
+    assert gap > 10 * max(diff, 1e-6), 'per-device BN must differ, or this test proves nothing'
+
+
+# -- mixed precision ------------------------------------------------------------------------
+
+AMP_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import mxnet as mx
+    from gluon_unet.config import TrainConfig, ModelConfig
+    from gluon_unet.engine import fit
+    cfg = TrainConfig(model=ModelConfig(width=8, depth=2, in_channels=1), size=32, epochs=4,
+                      batch_size=8, synthetic_count=48, workers=0, output=sys.argv[1], progress=False,
+                      amp=True, lr=3e-3, augment=False, patience=0, **json.loads(sys.argv[2]))
+    h = fit(cfg, verbose=False)
+    print(json.dumps([r['train_loss'] for r in h]))
+''')
+
+
+def check_amp_trains_and_exports_float32(tmp_path, devices, timeout=300):
+    """``--amp`` on ``devices`` (``{'cpus': 2}``: bfloat16; ``{'gpus': '0,1'}``: float16)
+    trains (the loss falls) and exports a float32 model without casts. In a child
+    process: ``amp.init()`` patches MXNet for the whole process."""
+    out = tmp_path / 'run'
+    done = subprocess.run([sys.executable, '-c', AMP_SCRIPT, str(out), json.dumps(devices)],
+                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path), env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0] * 0.8, losses
+    symbol = (out / 'export' / 'model-symbol.json').read_text()
+    assert 'bfloat16' not in symbol and 'float16' not in symbol and 'amp_cast' not in symbol
+    params = mx.nd.load(str(out / 'export' / 'model-0000.params'))
+    assert params and all(v.dtype == np.float32 for v in params.values())
+    return losses
+
+
+# -- export, predicted on other devices -----------------------------------------------------
+
+def check_export_predicts_like_cpu(cfg, predict_ctxs, tol=CPU_TOL):
+    """Train ``cfg`` (its devices: ``cfg.gpus`` / ``cfg.cpus``), then predict images of
+    several sizes with the export on ``predict_ctxs`` and on one CPU: the same
+    probabilities. Returns the largest difference."""
+    from gluon_unet.engine import fit
+    from gluon_unet.inference import load_model, predict_image
+    fit(cfg, verbose=False)
+    params = mx.nd.load(os.path.join(cfg.output, 'export', 'model-0000.params'))
+    assert params and {v.dtype for v in params.values()} == {np.float32}
+    on_cpu = load_model(cfg.output, [mx.cpu()])
+    on_devices = load_model(cfg.output, predict_ctxs)
+    worst = 0.0
+    for size, seed in ((32, 11), (48, 12), (72, 13)):
+        image = synthetic_nuclei(1, size=size, channels=1, seed=seed)[0][0]
+        expected = predict_image(on_cpu.net, on_cpu.meta, image, on_cpu.ctxs)
+        got = predict_image(on_devices.net, on_devices.meta, image, on_devices.ctxs)
+        assert got.shape == expected.shape == image.shape[:2]
+        worst = max(worst, float(np.abs(got - expected).max()))
+    print('export: max |p(%s) - p(cpu)| = %.2e' % (','.join(map(str, predict_ctxs)), worst))
+    assert worst <= tol
+    return worst
+
+
+# -- bin/train --benchmark ------------------------------------------------------------------
+
+def check_benchmark_json(capsys, monkeypatch, tmp_path, device_flags, ndev):
+    """``bin/train --benchmark`` on ``device_flags`` (``['--cpus', '2']`` /
+    ``['--gpus', '0,1']``) ends with one JSON line describing ``ndev`` devices."""
+    from gluon_unet import benchmark
+    from gluon_unet.cli import train_main
+    monkeypatch.setattr(benchmark, 'REPEATS', 2)
+    monkeypatch.setattr(benchmark, 'MIN_REPEAT_SECONDS', 0.0)
+    code = train_main(['--benchmark', '--width', '4', '--depth', '2', '--size', '32',
+                       '--batch-size', str(2 * ndev), '--output', str(tmp_path / 'run'), '--no-progress']
+                      + list(device_flags))
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert set(record) >= {'images_per_s', 'per_device', 'devices', 'scaling_efficiency', 'gflops'}
+    assert record['devices'] == ndev and len(record['per_device']) == ndev
+    assert record['images_per_s'] > 0 and record['gflops'] > 0 and record['scaling_efficiency'] > 0
+    assert abs(sum(record['per_device']) - record['images_per_s']) < 1e-6 * record['images_per_s']
+    assert len(set(record['per_device'])) == 1  # an even split: the same share each
+    assert not (tmp_path / 'run').exists()  # a benchmark writes no run folder
+    return record
+
+
+# -- the engine's step: kvstore and update placement ----------------------------------------
+
+def engine_step_trainer(cfg, ctxs):
+    """Build the step the way fit() does (strategy, update_on_kvstore, make_step), train
+    one batch, and return the trainer (its kvstore is created at the first step)."""
+    from gluon_unet import distributed
+    from gluon_unet.engine import make_step, resolve_update_on_kvstore
+    strategy = distributed.make_strategy(cfg.kvstore)
+    net = build_network(cfg, ctxs)
+    update_on_kv = resolve_update_on_kvstore(cfg, None, strategy)
+    step = make_step(cfg, net, ctxs, None, strategy, None, update_on_kv)
+    image, target = uneven_batches()[1]
+    step(mx.nd.array(image), mx.nd.array(target), mx.nd.ones_like(mx.nd.array(target)))
+    mx.nd.waitall()
+    return step.trainer
+
+
+# -- the input pipeline ---------------------------------------------------------------------
+
+def check_loader_pins_memory(pin_device):
+    """A loader feeding GPU ``pin_device`` returns batches in page-locked host memory
+    (``cpu_pinned``), from which copies to the GPU are asynchronous DMA."""
+    from gluon_unet.data import synthetic_dataset
+    from gluon_unet.data.dataset import make_loader
+    loader = make_loader(synthetic_dataset(4, size=32, seed=0), 2, shuffle=False, seed=0, pin_device=pin_device)
+    batch = next(iter(loader))
+    assert all(a.context == mx.Context('cpu_pinned', pin_device) for a in batch), [a.context for a in batch]
+    return batch
