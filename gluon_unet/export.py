@@ -8,14 +8,16 @@ the config and the checkpoint, not from the live training block.
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import mxnet as mx
 
-from . import add_version_flag
+from . import __version__, add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
@@ -89,6 +91,7 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             'epoch': meta.get('epoch'),
             'metrics': meta.get('metrics', {}),
             'config': cfg.to_dict(),
+            'card': model_card(cfg, meta),
         }
         sidecar.update(sidecar_extra or {})
         with open(os.path.join(tmp, SIDECAR), 'w') as f:
@@ -100,6 +103,37 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
     return os.path.join(out_dir, 'model')
+
+
+def model_card(cfg, meta):
+    """Where a model came from, for whoever finds it on disk in a year: versions, date,
+    training data (path, image counts, a digest of the decoded pixels), the best epoch's
+    metrics and the post-processing settings."""
+    data = meta.get('data') or {}
+    metrics = meta.get('metrics') or {}
+    return {
+        'gluon_unet': __version__, 'mxnet': mx.__version__, 'python': platform.python_version(),
+        'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
+        'data': {'path': os.path.abspath(cfg.data) if cfg.data else 'generated demo nuclei (seed %d)' % cfg.seed,
+                 'train_images': data.get('train'), 'val_images': data.get('val'),
+                 'content_sha1': data.get('content_sha1')},
+        'best_epoch': meta.get('epoch'),
+        'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
+        'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'instances': 'marker watershed'},
+    }
+
+
+def card_summary(meta):
+    """One line about an export's origin (``model.json``'s card), or '' when it has none."""
+    card = meta.get('card')
+    if not isinstance(card, dict):
+        return ''
+    data = card.get('data') or {}
+    metrics = card.get('best_metrics') or {}
+    scores = ', '.join('%s %.4f' % (k, metrics[k]) for k in ('val_iou', 'val_dsb') if isinstance(metrics.get(k), float))
+    return 'model: gluon_unet %s, trained %s on %s (%s images), best epoch %s%s' % (
+        card.get('gluon_unet'), str(card.get('created', '?'))[:10], data.get('path'), data.get('train_images'),
+        card.get('best_epoch'), ' (%s)' % scores if scores else '')
 
 
 def _dummy_input(cfg, ctx):

@@ -31,6 +31,7 @@ import numpy as np
 from .data.io import IMAGE_TYPES, is_image_file, normalize_image, read_image
 from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
+from .export import card_summary
 from .inference import _Done, load_model, match_channels
 from .postprocess import SPLITS, instances_from_prob, overlay as draw_overlay, submission_rows
 from .tiling import MODES
@@ -363,7 +364,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         raise UserError('--output %s: is a file, not a folder' % output_dir)
     if config.rle and os.path.isdir(config.rle):
         raise UserError('--rle %s: is a folder; give a CSV file name' % config.rle)
-    run = _Run(load_model(model, ctxs), files, output_dir, config)
+    loaded = load_model(model, ctxs)
+    if config.progress and card_summary(loaded.meta):
+        print(card_summary(loaded.meta))
+    run = _Run(loaded, files, output_dir, config)
     t0 = time.time()
     result = run.run()
     if config.progress:

@@ -75,3 +75,36 @@ def test_fit_trains_checkpoints_and_exports_your_own_hybridblock(tiny, tmp_path)
     np.testing.assert_allclose(np.load(str(tmp_path / 'y.npy')), rebuilt(mx.nd.array(x)).asnumpy(), atol=1e-5)
     with pytest.raises(UserError, match='own network'):
         fit(tiny(epochs=1, amp=True, output=str(tmp_path / 'amp')), verbose=False, net=TinyNet())
+
+
+def test_the_export_carries_a_model_card_and_predict_prints_it(tiny, tmp_path):
+    import json
+    import os
+    import platform
+    import mxnet as mx
+    import gluon_unet
+    from gluon_unet.predict import predict_paths
+    from gluon_unet.data.synthetic import synthetic_nuclei
+    import cv2
+    history = fit(tiny(epochs=2, val_split=0.25), verbose=False)
+    meta = json.load(open(os.path.join(history.output, 'export', 'model.json')))
+    card = meta['card']
+    assert (card['gluon_unet'], card['mxnet'], card['python']) == (gluon_unet.__version__, mx.__version__,
+                                                                   platform.python_version())
+    assert card['data']['train_images'] == 18 and card['data']['val_images'] == 6
+    assert len(card['data']['content_sha1']) == 40 and card['data']['path'].startswith('generated demo nuclei')
+    best = max(history, key=lambda r: r['val_iou'])
+    assert card['best_epoch'] == best['epoch'] and card['best_metrics']['val_iou'] == best['val_iou']
+    assert card['postprocess']['threshold'] == 0.5 and card['created'].endswith('Z')
+    images, _, _ = synthetic_nuclei(2, size=32, channels=1, seed=9)
+    os.makedirs(str(tmp_path / 'in'))
+    for i, im in enumerate(images):
+        cv2.imwrite(str(tmp_path / 'in' / ('a%d.png' % i)), im)
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'out'), progress=True)
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith('model: gluon_unet %s, trained ' % gluon_unet.__version__)
+    assert 'generated demo nuclei' in first and 'best epoch %d' % best['epoch'] in first
