@@ -358,6 +358,7 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     loss_total, offset = 0.0, 0
     t0 = time.time()
     loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
+    seeds = loader.epoch_sampler.seeds()  # the crops the loader makes, to crop the labels alike
     binary = True
     for batch in loader:
         target = batch[1]
@@ -372,7 +373,7 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
         if binary and instance_metric:
             for k in range(len(prob)):
                 pred_labels = postprocess.instances_from_prob(prob[k], threshold)
-                dsb.update(pred_labels, _val_instances(dataset, offset + k, truth[k]))
+                dsb.update(pred_labels, val_instances(dataset, offset + k, seeds[offset + k]))
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
@@ -386,12 +387,13 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
 
 
-def _val_instances(dataset, i, truth_mask):
-    """Instance labels aligned with the validation target (crops change the geometry)."""
+def val_instances(dataset, i, seed):
+    """The true instance labels of validation sample ``i`` as the network saw it (cropped
+    like the image with the loader's ``seed``): touching nuclei count as separate
+    objects, as in the DSB metric itself - not as connected components of the mask."""
     if dataset.transform is None:
         return dataset.instances(i)
-    from skimage.measure import label
-    return label(truth_mask > 0, connectivity=1)
+    return dataset.sample(i, seed)[2]
 
 
 # -- the whole run -------------------------------------------------------------------------

@@ -77,11 +77,18 @@ class SegmentationDataset(gluon.data.Dataset):
             [self.names[i] for i in indices], transform, weight_fn,
             None if self.original_sizes is None else [self.original_sizes[i] for i in indices])
 
-    def __getitem__(self, idx):
-        i, seed = idx if isinstance(idx, tuple) else (idx, None)
+    def sample(self, i, seed=None):
+        """``(image HWC, mask HW, instances HW)`` of sample ``i`` after its transform with
+        ``seed``: the instance labels follow every crop and flip (nearest neighbour), so
+        touching nuclei stay apart for the DSB metric."""
         image, mask, inst = self.raw(i)
         if self.transform is not None:
             image, mask, inst = self.transform(image, mask, inst, np.random.default_rng(seed))
+        return image, mask, inst
+
+    def __getitem__(self, idx):
+        i, seed = idx if isinstance(idx, tuple) else (idx, None)
+        image, mask, inst = self.sample(i, seed)
         if image.dtype == np.uint8:
             image = image.astype(np.float32) * (1.0 / 255)
         image = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32)
@@ -158,8 +165,12 @@ class EpochSampler(gluon.data.Sampler):
         blocks = padded.reshape(-1, self.num_shards, self.block)  # (round, shard, block)
         return blocks[:, self.shard].reshape(-1)
 
+    def seeds(self):
+        """Each sample's augmentation seed in the current epoch, by sample index."""
+        return np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
+
     def __iter__(self):
-        base = np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
+        base = self.seeds()
         for i in self.order()[self.skip:]:
             yield int(i), int(base[i])
 
