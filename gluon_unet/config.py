@@ -115,6 +115,8 @@ class TrainConfig:
     resume: Optional[str] = _opt(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
                                        "--output; without --output, the newest runs/unet-N)")
     threshold: float = _opt(0.5, 'probability threshold for masks')
+    tune_postprocess: bool = _opt(True, 'after training, choose the threshold, watershed h and minimum object '
+                                        'size on the validation split; stored in the export for bin/predict')
     benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = _opt(True, 'show progress bars')
     tensorboard: bool = _opt(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '

@@ -387,6 +387,32 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
 
 
+def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
+    """Search the post-processing settings (``postprocess.TUNE_GRID``) that give the best
+    DSB score on the validation split with ``net`` as it is (the best checkpoint's
+    weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
+
+    Returns
+    -------
+    dict
+        :func:`postprocess.tune_postprocess`'s result, plus ``seconds``.
+    """
+    t0 = time.time()
+    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
+    seeds = loader.epoch_sampler.seeds()
+    pairs = []
+    for batch in loader:
+        prob, _, _ = _forward_eval(net, ctxs, list(batch), loss_fn)
+        for p in prob:
+            if len(pairs) < max_images:
+                pairs.append((p, val_instances(dataset, len(pairs), seeds[len(pairs)])))
+        if len(pairs) >= max_images:
+            break
+    result = postprocess.tune_postprocess(pairs)
+    result['seconds'] = time.time() - t0
+    return result
+
+
 def val_instances(dataset, i, seed):
     """The true instance labels of validation sample ``i`` as the network saw it (cropped
     like the image with the loader's ``seed``): touching nuclei count as separate
@@ -522,7 +548,16 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
         recorder.close()
-    recorder.finish(state, amp_dtype)
+    tuned = None
+    if cfg.tune_postprocess and run.val_ds is not None and len(run.val_ds) and state.history \
+            and cfg.model.classes == 1:
+        load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
+        tuned = tune_postprocessing(net, ctxs, run.val_ds, cfg.batch_size, step.loss_fn)
+        log.info('post-processing chosen on %d validation images in %.1f s: threshold %.2f, h %.1f, min size '
+                 '%d (val DSB %.4f, untuned %.4f); stored in the export, bin/predict uses it',
+                 tuned['images'], tuned['seconds'], tuned['threshold'], tuned['h'], tuned['min_size'],
+                 tuned['score'], tuned['base_score'])
+    recorder.finish(state, amp_dtype, tuned)
     return state.history
 
 

@@ -24,7 +24,7 @@ from .data.io import NORMALIZE_MODES
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
 from .runtime import apply_runtime_defaults, user_environ
-from .utils import dir_mode
+from .utils import atomic_open, dir_mode
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 
@@ -103,6 +103,16 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
     return os.path.join(out_dir, 'model')
+
+
+def update_sidecar(out_dir, extra):
+    """Add ``extra`` to an export's ``model.json`` (atomically)."""
+    path = os.path.join(out_dir, SIDECAR)
+    with open(path) as f:
+        sidecar = json.load(f)
+    sidecar.update(extra)
+    with atomic_open(path) as f:
+        json.dump(sidecar, f, indent=2)
 
 
 def model_card(cfg, meta):

@@ -240,6 +240,8 @@ class LoadedModel:
     channels: int
     threshold: float
     normalize: str
+    min_size: int = 0  # chosen on validation after training (sidecar 'postprocess'), else 0
+    h: float = 0.5
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -253,7 +255,9 @@ class LoadedModel:
 def load_model(model, ctxs):
     """Load an export (run folder, export folder or prefix) onto ``ctxs``, hybridized.
 
-    The threshold is the model's training threshold (0.5 if unknown); ``normalize`` the
+    The threshold, watershed ``h`` and minimum object size are those chosen on the
+    validation split after training when the sidecar has them (``postprocess``), else
+    the training threshold (0.5 if unknown), 0.5 and 0; ``normalize`` the
     ``--normalize`` it was trained with ('none' for exports from before it existed).
     """
     from .export import load_exported
@@ -262,5 +266,8 @@ def load_model(model, ctxs):
     net.hybridize(static_alloc=True)
     # Exports from before --normalize existed have no key: they were trained without it.
     normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
-    return LoadedModel(net, meta, list(ctxs), model_channels(net, meta), float(meta.get('threshold') or 0.5),
-                       normalize)
+    # Settings tuned on the validation split after training win over the training threshold.
+    tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
+    return LoadedModel(net, meta, list(ctxs), model_channels(net, meta),
+                       float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
+                       int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5))

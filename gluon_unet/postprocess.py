@@ -207,3 +207,51 @@ def overlay(image, labels, color=(255, 255, 0)):
     out = img.copy()
     out[find_boundaries(labels, mode='inner')] = color
     return out
+
+
+# The grid searched on the validation split after training (27 settings): the foreground
+# cut, the h of the distance watershed's h-maxima markers, and the smallest object kept.
+TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
+
+
+def tune_postprocess(pairs, grid=None, base=None):
+    """Choose the post-processing settings that score best on validation images.
+
+    Parameters
+    ----------
+    pairs : sequence of ((H, W) float, (H, W) int)
+        Foreground probabilities and the true instance labels, one pair per image.
+    grid : dict, optional
+        Candidate values of ``threshold``, ``h`` and ``min_size`` (default
+        :data:`TUNE_GRID`).
+    base : dict, optional
+        The untuned settings, scored too and kept on ties (so tuning never reports a
+        setting that does no better than the defaults).
+
+    Returns
+    -------
+    dict
+        ``threshold``, ``h``, ``min_size``, ``score`` (mean DSB score of the winner),
+        ``base_score`` and ``images``.
+    """
+    from .metrics import dsb_image_score
+    grid = grid or TUNE_GRID
+    base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
+
+    def score(setting):
+        return float(np.mean([dsb_image_score(instances_from_prob(p, threshold=setting['threshold'],
+                                                                  min_size=setting['min_size'], h=setting['h']), t)
+                              for p, t in pairs]))
+
+    best, best_score = dict(base), score(base)
+    base_score = best_score
+    for threshold in grid['threshold']:
+        for h in grid['h']:
+            for min_size in grid['min_size']:
+                setting = {'threshold': threshold, 'h': h, 'min_size': min_size}
+                if setting == base:
+                    continue
+                value = score(setting)
+                if value > best_score + 1e-9:
+                    best, best_score = setting, value
+    return dict(best, score=best_score, base_score=base_score, images=len(pairs))

@@ -58,7 +58,7 @@ class PredictConfig:
     mode: str = 'auto'                #: see :mod:`gluon_unet.tiling`
     tta: bool = False                 #: average the 8 flips / quarter turns
     threshold: Optional[float] = None  #: foreground cut; None = the model's training threshold
-    min_size: int = 0                 #: objects smaller than this many pixels are dropped
+    min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
@@ -78,7 +78,7 @@ class PredictConfig:
             raise UserError('--overlap must be in [0, 1) (got %r)' % self.overlap)
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
-        if self.min_size < 0:
+        if self.min_size is not None and self.min_size < 0:
             raise UserError('--min-size must be >= 0 (got %r)' % self.min_size)
         if self.split not in SPLITS:
             raise UserError('--split must be one of %s (got %r)' % (', '.join(SPLITS), self.split))
@@ -253,6 +253,7 @@ class _Run:
     def __init__(self, model, files, output_dir, config):
         self.model, self.files, self.output_dir, self.config = model, files, output_dir, config
         self.threshold = model.threshold if config.threshold is None else float(config.threshold)
+        self.min_size = model.min_size if config.min_size is None else int(config.min_size)
         self.records, self.rows, self.failures = [], [], []
         self.inputs_per_device = [0] * len(model.ctxs)
         self.bar = _progress_bar(len(files), config.progress)
@@ -310,7 +311,8 @@ class _Run:
 
     def _write(self, rec, image, prob, used):
         cfg = self.config
-        labels = instances_from_prob(prob, threshold=self.threshold, min_size=cfg.min_size, split=cfg.split)
+        labels = instances_from_prob(prob, threshold=self.threshold, min_size=self.min_size, split=cfg.split,
+                                     h=self.model.h)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         os.makedirs(self.output_dir, exist_ok=True)
@@ -421,8 +423,10 @@ def build_parser():
                              'padded, or auto (tile if larger than the training size; default)')
     parser.add_argument('--tta', action='store_true', help='average the 8 flips / quarter turns')
     parser.add_argument('--threshold', type=float, default=None,
-                        help="foreground probability cut (default: the model's training threshold)")
-    parser.add_argument('--min-size', type=int, default=0, help='drop objects under N pixels (default 0)')
+                        help="foreground probability cut (default: the model's, chosen on validation after "
+                             "training; else its training threshold)")
+    parser.add_argument('--min-size', type=int, default=None,
+                        help="drop objects under N pixels (default: the model's, chosen on validation; else 0)")
     parser.add_argument('--split', default='watershed', choices=SPLITS,
                         help='separate touching nuclei with a distance watershed (default) or keep '
                              'plain connected components (none)')

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointSaver, load_checkpoint
-from .export import export_block, export_checkpoint, export_in_subprocess
+from .export import export_block, export_checkpoint, export_in_subprocess, update_sidecar
 from .reporting import MetricsTable, plot_curves, setup_logging
 from .tblog import TensorBoardLog
 from .utils import atomic_open
@@ -105,12 +105,17 @@ class RunRecorder:
             self.tb.close()
             self.tb = None
 
-    def finish(self, state, amp_dtype):
-        """Export the best checkpoint and log the summary."""
+    def best_checkpoint(self):
+        """Path of ``best.ckpt`` (None when this recorder writes nothing)."""
+        return None if self.saver.folder is None else os.path.join(self.saver.folder, 'best.ckpt')
+
+    def finish(self, state, amp_dtype, postprocess=None):
+        """Export the best checkpoint (with the tuned ``postprocess`` settings in its
+        sidecar) and log the summary."""
         self.close()
         if not (self.enabled and state.history):
             return
-        best_ckpt = os.path.join(self.saver.folder, 'best.ckpt')
+        best_ckpt = self.best_checkpoint()
         out = os.path.join(self.cfg.output, 'export')
         if self.user_net is not None:
             # Your own network cannot be rebuilt from the config: the best weights go
@@ -121,6 +126,8 @@ class RunRecorder:
             # An AMP run's process has AMP switched on for good (amp.init is
             # process-wide), so its float32 export is built in a fresh process.
             prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best_ckpt, out)
+        if postprocess:
+            update_sidecar(out, {'postprocess': postprocess})
         self.log.info('exported %s-symbol.json / -0000.params', prefix)
         best = next((r for r in state.history if r['epoch'] == self.saver.best_epoch), state.history[-1])
         metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')

@@ -1,0 +1,69 @@
+"""Post-processing chosen on the validation split after training, stored in the export."""
+import json
+import os
+
+import numpy as np
+
+from gluon_unet.engine import fit
+from gluon_unet.inference import load_model
+from gluon_unet.postprocess import tune_postprocess
+from gluon_unet import predict as predict_mod
+
+import mxnet as mx
+
+
+def _disc(shape, cy, cx, r):
+    yy, xx = np.mgrid[:shape[0], :shape[1]]
+    return (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
+
+
+def test_the_search_finds_the_threshold_and_min_size_the_data_needs():
+    rng = np.random.RandomState(0)
+    pairs = []
+    for _ in range(4):
+        truth = np.zeros((64, 64), np.int32)
+        prob = np.full((64, 64), 0.05, np.float32)
+        for k, (cy, cx) in enumerate([(16, 16), (16, 46), (46, 30)], start=1):
+            truth[_disc(truth.shape, cy, cx, 7)] = k
+            prob[_disc(truth.shape, cy, cx, 7)] = 0.9
+        # Speckles at 0.55: the default cut of 0.5 turns each into a false nucleus.
+        for y, x in rng.randint(2, 62, size=(6, 2)):
+            if truth[y, x] == 0:
+                prob[y - 1:y + 1, x - 1:x + 1] = 0.55
+        pairs.append((prob, truth))
+    result = tune_postprocess(pairs)
+    assert result['score'] > result['base_score']
+    assert result['threshold'] >= 0.6 or result['min_size'] >= 16
+    assert result['images'] == 4
+
+
+def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, monkeypatch):
+    history = fit(tiny(epochs=2, val_split=0.25), verbose=False)
+    meta = json.load(open(os.path.join(history.output, 'export', 'model.json')))
+    tuned = meta['postprocess']
+    assert set(tuned) >= {'threshold', 'h', 'min_size', 'score', 'base_score', 'images'}
+    assert tuned['images'] == 6 and tuned['score'] >= tuned['base_score']
+    model = load_model(history.output, [mx.cpu()])
+    assert (model.threshold, model.min_size, model.h) == (tuned['threshold'], tuned['min_size'], tuned['h'])
+    seen = {}
+    real = predict_mod.instances_from_prob
+
+    def spy(prob, **kw):
+        seen.update(kw)
+        return real(prob, **kw)
+
+    monkeypatch.setattr(predict_mod, 'instances_from_prob', spy)
+    from gluon_unet.data.synthetic import synthetic_nuclei
+    import cv2
+    os.makedirs(str(tmp_path / 'in'))
+    cv2.imwrite(str(tmp_path / 'in' / 'a.png'), synthetic_nuclei(1, size=32, channels=1, seed=5)[0][0])
+    predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'out'), progress=False)
+    assert (seen['threshold'], seen['min_size'], seen['h']) == (tuned['threshold'], tuned['min_size'], tuned['h'])
+    predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o2'), progress=False,
+                              threshold=0.7, min_size=3)
+    assert (seen['threshold'], seen['min_size']) == (0.7, 3)  # flags still win
+
+
+def test_no_tuning_when_switched_off(tiny):
+    history = fit(tiny(epochs=1, val_split=0.25, tune_postprocess=False), verbose=False)
+    assert 'postprocess' not in json.load(open(os.path.join(history.output, 'export', 'model.json')))
