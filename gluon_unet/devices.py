@@ -30,6 +30,25 @@ from .errors import UserError, mxnet_message
 
 # --gpus values that mean "no GPU: train on --cpus CPU contexts".
 _NO_GPU_SPECS = ('', 'none', 'cpu')
+# The GPU ids runtime.restrict_visible_gpus() made visible (CUDA_VISIBLE_DEVICES), in
+# order: MXNet's gpu(i) is GPU _renumbered[i]. None when this process renumbered none.
+_renumbered = None
+
+
+def set_gpu_renumbering(ids):
+    """Record that ``CUDA_VISIBLE_DEVICES`` now shows MXNet GPUs ``ids`` (None: none);
+    called by :func:`gluon_unet.runtime.restrict_visible_gpus`."""
+    global _renumbered
+    _renumbered = None if ids is None else [int(i) for i in ids]
+
+
+def gpu_renumbering():
+    """The GPU ids :func:`gluon_unet.runtime.restrict_visible_gpus` left visible
+    (``[4, 5, 6, 7]``: MXNet's ``gpu(i)`` is GPU ``[...][i]``), or None when this process
+    did not renumber them (or ``CUDA_VISIBLE_DEVICES`` was changed since)."""
+    if _renumbered is None or os.environ.get('CUDA_VISIBLE_DEVICES') != ','.join(map(str, _renumbered)):
+        return None
+    return list(_renumbered)
 
 
 def parse_gpu_list(spec):
@@ -112,9 +131,8 @@ def gpu_device_ids(spec):
     for ``--gpus 4-7``, MXNet sees those four GPUs as ``gpu(0..3)``: the user's ids are
     mapped onto them (``'all'`` means all four).
     """
-    from . import runtime
     shown = (spec or '').strip().lower()
-    visible = runtime.gpu_renumbering()
+    visible = gpu_renumbering()
     if visible is None:
         ids = parse_gpu_ids(spec)
     else:
@@ -183,8 +201,7 @@ def physical_gpu(device_id):
     ``CUDA_VISIBLE_DEVICES=4,5,6,7`` (set by gluon_unet or the user) makes GPU 4 the first
     one MXNet sees, the entry itself for UUIDs (``'GPU-...'``, ``'MIG-...'``), the id
     itself without ``CUDA_VISIBLE_DEVICES``."""
-    from . import runtime
-    visible = runtime.gpu_renumbering()
+    visible = gpu_renumbering()
     if visible is None:
         entries = [e.strip() for e in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if e.strip()]
         if 'CUDA_VISIBLE_DEVICES' not in os.environ or device_id >= len(entries):

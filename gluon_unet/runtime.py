@@ -174,9 +174,6 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
 
 
 CUDA_VISIBLE = 'CUDA_VISIBLE_DEVICES'
-# The GPUs restrict_visible_gpus() left visible, in CUDA's order: MXNet's gpu(i) is
-# GPU _visible_gpus[i]. None when this process did not renumber them.
-_visible_gpus = None
 
 
 def restrict_visible_gpus(gpus):
@@ -210,8 +207,7 @@ def restrict_visible_gpus(gpus):
         ``{mxnet_gpu_index: gpu_id}`` (``{0: 4, 1: 5, 2: 6, 3: 7}``), empty when nothing
         was changed.
     """
-    global _visible_gpus
-    from .devices import parse_gpu_list
+    from .devices import parse_gpu_list, set_gpu_renumbering
     from .errors import UserError
     if 'mxnet' in sys.modules:
         return {}
@@ -225,21 +221,18 @@ def restrict_visible_gpus(gpus):
         if is_default(CUDA_VISIBLE):  # an earlier call's choice no longer applies
             del os.environ[CUDA_VISIBLE]
             _applied.pop(CUDA_VISIBLE)
-            _visible_gpus = None
+            set_gpu_renumbering(None)
         return {}
     value = ','.join(map(str, ids))
     os.environ[CUDA_VISIBLE] = _applied[CUDA_VISIBLE] = value
-    _visible_gpus = list(ids)
+    set_gpu_renumbering(ids)
     return dict(enumerate(ids))
 
 
 def gpu_renumbering():
-    """The GPU ids :func:`restrict_visible_gpus` left visible (``[4, 5, 6, 7]``: MXNet's
-    ``gpu(i)`` is GPU ``[...][i]``), or None when this process did not renumber them (or
-    ``CUDA_VISIBLE_DEVICES`` was changed since)."""
-    if _visible_gpus is None or not is_default(CUDA_VISIBLE):
-        return None
-    return list(_visible_gpus)
+    """:func:`gluon_unet.devices.gpu_renumbering`: the GPU ids this process made visible."""
+    from .devices import gpu_renumbering as renumbering
+    return renumbering()
 
 
 def prepare_training_process(gpus, cpus=1):

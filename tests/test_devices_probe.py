@@ -58,7 +58,7 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(devices, 'gpu_properties', lambda i: state['props'].get(i, A100))
     monkeypatch.setattr(devices, '_mxnet_distribution', lambda: 'mxnet-cu117')
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
-    monkeypatch.setattr(runtime, '_visible_gpus', None)
+    monkeypatch.setattr(devices, '_renumbered', None)
     monkeypatch.setattr(runtime, '_applied', dict(runtime._applied))
     yield state
     devices._reset_gpu_caches()
@@ -249,7 +249,7 @@ def renumbered(fake_gpus, monkeypatch):
     """As after ``bin/train --gpus 4-7``: CUDA_VISIBLE_DEVICES=4,5,6,7 set by gluon_unet."""
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')
     monkeypatch.setitem(runtime._applied, 'CUDA_VISIBLE_DEVICES', '4,5,6,7')
-    monkeypatch.setattr(runtime, '_visible_gpus', [4, 5, 6, 7])
+    monkeypatch.setattr(devices, '_renumbered', [4, 5, 6, 7])
     fake_gpus['count'] = 4
     return fake_gpus
 
