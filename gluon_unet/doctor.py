@@ -72,15 +72,21 @@ def build_features(mx):
 
 def gpu_rows(mx, features):
     """``[('GPU 0', '15.8 GiB, 15.2 GiB free'), ...]``, or one row saying why there is none."""
-    if not features.get('CUDA'):
+    from . import devices
+    if hasattr(devices, 'gpu_status'):  # the driver-level diagnosis, when devices has it
+        count, reason = devices.gpu_status()
+        if not count:
+            return [('GPUs', 'none: %s' % reason)]
+    elif not features.get('CUDA'):
         return [('GPUs', 'none: this mxnet build has no CUDA support (package %s; the CUDA builds are '
                          'mxnet-cu117, mxnet-cu112, ...)' % mxnet_distribution().split()[0])]
-    try:
-        count = mx.context.num_gpus()
-    except mx.MXNetError as exc:
-        return [('GPUs', 'none: %s' % mxnet_message(exc))]
-    if not count:
-        return [('GPUs', 'none: the CUDA build of mxnet finds no GPU (driver, CUDA_VISIBLE_DEVICES?)')]
+    else:
+        try:
+            count = mx.context.num_gpus()
+        except mx.MXNetError as exc:
+            return [('GPUs', 'none: %s' % mxnet_message(exc))]
+        if not count:
+            return [('GPUs', 'none: the CUDA build of mxnet finds no GPU (driver, CUDA_VISIBLE_DEVICES?)')]
     rows = []
     for i in range(count):
         try:
