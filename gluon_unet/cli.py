@@ -18,10 +18,9 @@ import typing
 
 from . import add_version_flag, version_string
 from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
-from .devices import cpu_context_count
 from .errors import OneLineParser, UserError, reports_errors
 from .reporting import get_logger
-from .runtime import apply_runtime_defaults
+from .runtime import apply_runtime_defaults, prepare_training_process
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -188,11 +187,12 @@ def train_main(argv=None):
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
     cfg = config_from_args(args, config_file)
-    # N CPU contexts need cores / N OpenMP threads each and more of MXNet's shared CPU
-    # scratch buffers, or they oversubscribe the cores and take turns (4 contexts: +44 %
-    # time per step; docs/performance.md, finding 6). Only now is N known, and mxnet,
-    # which reads both settings once when it loads, is not loaded yet.
-    apply_runtime_defaults(contexts=max(1, cpu_context_count(cfg.gpus, cfg.cpus)))
+    # Only now are the devices known, and mxnet, which reads these settings once when it
+    # loads, is not loaded yet: N CPU contexts need cores / N OpenMP threads each and more
+    # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
+    # (4 contexts: +44 % time per step; docs/performance.md, finding 6); --gpus 4-7 sets
+    # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
+    prepare_training_process(cfg.gpus, cfg.cpus)
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)
@@ -245,10 +245,25 @@ def _asks_version(argv):
 
 
 def predict_main(argv=None):
-    """``bin/predict``: :func:`gluon_unet.predict.main` with all the cores."""
+    """``bin/predict``: :func:`gluon_unet.predict.main`, with the process settings its
+    devices and mode need applied before mxnet loads."""
     if _asks_version(argv):
         return 0
-    apply_runtime_defaults()
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument('--gpus', default='')
+    peek.add_argument('--cpus', default='1')
+    peek.add_argument('--mode', default='auto')
+    known, _ = peek.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cpus = int(known.cpus)
+    except ValueError:
+        cpus = 1  # predict's own parser reports the bad value
+    prepare_training_process(known.gpus, max(1, cpus))
+    if known.mode == 'whole' and 'MXNET_CUDNN_AUTOTUNE_DEFAULT' not in os.environ and 'mxnet' not in sys.modules:
+        # Whole images come in many sizes, and cuDNN times every convolution algorithm
+        # for each new shape on each GPU (the variable is read per new shape:
+        # cudnn_convolution-inl.h): its heuristics are the better deal there.
+        os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
     from .predict import main
     return main(argv)
 

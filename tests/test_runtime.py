@@ -284,3 +284,22 @@ def test_bin_train_restricts_the_gpus_before_mxnet_loads():
             'print(code, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS"))\n')
     out = _python(code, env=_gpu_child_env()).splitlines()[-1]
     assert out.split()[1:] == ['4,5,6,7', 'None'], out
+
+
+def test_bin_predict_sets_its_devices_and_whole_mode_knobs_before_mxnet_loads():
+    code = ('import os, sys; from gluon_unet import cli\n'
+            'try:\n    cli.predict_main(sys.argv[1:] + ["--help"])\nexcept SystemExit:\n    pass\n'
+            'print(os.environ.get("MXNET_CUDNN_AUTOTUNE_DEFAULT"), os.environ.get("MXNET_CPU_TEMP_COPY"), '
+            'os.environ.get("OMP_NUM_THREADS"))')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('OMP_', 'MXNET_'))}
+    whole = subprocess.run([sys.executable, '-c', code, '--mode', 'whole', '--cpus', '2'], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    cores = runtime.physical_cores()
+    assert whole.stdout.split()[-3:] == ['0', '64', str(max(1, cores // 2))], whole.stdout + whole.stderr
+    tiles = subprocess.run([sys.executable, '-c', code, '--mode', 'tile'], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert tiles.stdout.split()[-3:-1] == ['None', 'None'], tiles.stdout + tiles.stderr
+    mine = subprocess.run([sys.executable, '-c', code, '--mode', 'whole'], cwd=ROOT,
+                          env=dict(env, MXNET_CUDNN_AUTOTUNE_DEFAULT='2'), capture_output=True, text=True,
+                          timeout=120)
+    assert mine.stdout.split()[-3] == '2'  # the user's value wins
