@@ -18,9 +18,9 @@ import sys
 import time
 
 from . import __version__, add_version_flag, mxnet_distribution
-from .devices import cpu_context_count, parse_gpu_ids
+from .devices import cpu_context_count, make_contexts
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
-from .runtime import apply_runtime_defaults, recommended_settings, runtime_settings
+from .runtime import prepare_training_process, recommended_settings, runtime_settings
 
 # The build features a multi-GPU U-Net run depends on (mx.runtime.Features names;
 # MXNet 2 calls oneDNN ONEDNN, 1.x MKLDNN).
@@ -223,11 +223,9 @@ def requested_contexts(gpus, cpus):
     import mxnet as mx
     if (gpus or '').strip():
         try:
-            ids = parse_gpu_ids(gpus)
+            return make_contexts(gpus)  # the probe bin/train runs: one line per bad card
         except UserError as exc:
             raise CheckFailed(str(exc)) from None
-        if ids:
-            return [mx.gpu(i) for i in ids]
     if cpus is not None:
         return [mx.cpu(i) for i in range(cpus)]
     return []
@@ -240,7 +238,7 @@ def main(argv=None):
     if args.cpus is not None and args.cpus < 1:
         raise UserError('--cpus must be a positive integer (got %d)' % args.cpus)
     contexts = max(1, cpu_context_count(args.gpus, args.cpus or 1))
-    apply_runtime_defaults(contexts=contexts)  # as bin/train would, before mxnet loads
+    prepare_training_process(args.gpus, args.cpus or 1)  # as bin/train does, before mxnet loads
     print(format_table(table_rows(contexts)))
     sys.stdout.flush()
     try:

@@ -29,7 +29,7 @@ from .data.augment import make_transform
 from .data.dataset import default_workers, make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
 from .data.weights import unet_weight_map
-from .devices import has_gpu, make_contexts, require_cpu_bfloat16
+from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
 from .losses import SegmentationLoss
 from .model import build_model, foreground_probability
@@ -537,7 +537,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
                  ', %d batches into the next epoch' % state.step_in_epoch if state.step_in_epoch else '')
     strategy.join(step.trainer)  # not lazily inside the first step, racing with it
     log.info('training on %d device(s) %s%s, %d train / %d val images, %d steps per epoch, %d loader '
-             'worker(s)%s', len(ctxs), ','.join(str(c) for c in ctxs),
+             'worker(s)%s', len(ctxs), context_names(ctxs),
              ' (worker %d of %d)' % (strategy.rank, strategy.num_workers) if strategy.num_workers > 1 else '',
              len(train_ds), 0 if val_ds is None else len(val_ds), steps_per_epoch, cfg.workers, workers_note)
     # Validation runs on rank 0 only, over the whole validation set: the numbers are

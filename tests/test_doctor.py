@@ -54,7 +54,7 @@ def test_doctor_usage_errors_are_one_line_exit_2():
 
 @pytest.fixture
 def in_process(monkeypatch):
-    monkeypatch.setattr(doctor, 'apply_runtime_defaults', lambda **kw: {})  # leave this process's env
+    monkeypatch.setattr(doctor, 'prepare_training_process', lambda *a, **kw: {})  # leave this process's env
     import mxnet  # noqa: F401
 
 
