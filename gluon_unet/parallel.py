@@ -86,6 +86,10 @@ class DataParallelStep:
     # How long the other devices may still be waiting once one has failed, in the first
     # step with SyncBatchNorm, before the job is declared stuck (see _watch_first_step).
     failure_grace_s = 20.0
+    # ... and how long the first step may take with no device reporting anything (a device
+    # that hangs instead of failing, or waits that MXNet cannot serve: its WaitForVar runs
+    # on cpu(0)'s worker, which is itself a device when training on CPU contexts).
+    first_step_timeout_s = 1800.0
 
     def __init__(self, net, loss_fn, trainer, ctxs, clip_grad=0.0, loss_scaling=False, sync_bn=False,
                  workers=1):
@@ -193,7 +197,8 @@ class DataParallelStep:
         for i in range(len(parts)):
             if losses[i] is not None:
                 threading.Thread(target=wait, args=(i,), daemon=True).start()
-        failed_at = time.time() if errors else None
+        started = time.time()
+        failed_at = started if errors else None
         while True:
             failed = {i: o for i, o in enumerate(outcome) if isinstance(o, Exception)}
             failed.update(errors)
@@ -202,6 +207,12 @@ class DataParallelStep:
                 failed_at = time.time()
             if not pending or (failed and time.time() - failed_at > self.failure_grace_s):
                 break
+            if time.time() - started > self.first_step_timeout_s:
+                stuck = ', '.join(str(self.ctxs[i]) for i, o in enumerate(outcome) if o is None)
+                raise DeviceFailure('the first training step did not finish in %d s on %s, and no device reported '
+                                    'an error: a device that hangs keeps the others at SyncBatchNorm\'s barrier. '
+                                    'Check the devices (gluon-unet doctor) or train without --sync-bn'
+                                    % (self.first_step_timeout_s, stuck))
             time.sleep(0.05)  # the main thread stays free to take Ctrl-C
         if failed:
             i, exc = min(failed.items())

@@ -28,17 +28,35 @@ ctxs = [mx.cpu(0), mx.cpu(1)]
 net = build_network(cfg, ctxs)
 step = make_step(cfg, net, ctxs)
 step.failure_grace_s = 2.0
-real_loss = step.loss_fn
+real_loss, real_net = step.loss_fn, step.net
+
 
 def loss(logits, y, w):
-    if logits.context == mx.cpu(1):
-        if %(mode)r == 'queue':  # fails while its work is being queued
-            raise RuntimeError('simulated driver error')
-        # fails later, inside the engine (a LAPACK error, as an allocation failure would)
-        logits = logits + mx.nd.linalg.potrf(mx.nd.array([[-1.0]], ctx=logits.context)).sum()
+    if logits.context == mx.cpu(1) and %(mode)r == 'queue':
+        raise RuntimeError('simulated driver error')  # fails while its work is being queued
     return real_loss(logits, y, w)
 
-step.loss_fn = loss
+
+# Made here, not in the device threads: creating an array waits on cpu(0)'s engine worker.
+not_positive_definite = mx.nd.array([[-1.0]], ctx=mx.cpu(0))
+
+
+class FailingInput:
+    """Device 0's input comes from an op that fails inside the engine (a LAPACK error,
+    as an allocation failure would), so device 0 never reaches a SyncBatchNorm. Device 0,
+    not 1: MXNet serves every wait_to_read on cpu(0)'s worker, so on CPU contexts the
+    waiting device must not be cpu(0) (on GPUs any device can fail)."""
+
+    def __call__(self, x):
+        if x.context == mx.cpu(0) and %(mode)r == 'engine':
+            x = x + mx.nd.linalg.potrf(not_positive_definite).sum()
+        return real_net(x)
+
+    def collect_params(self, *args):
+        return real_net.collect_params(*args)
+
+
+step.loss_fn, step.net = loss, FailingInput()
 x = mx.nd.random.uniform(shape=(4, 1, 32, 32))
 try:
     step(x, mx.nd.zeros((4, 1, 32, 32)), mx.nd.ones((4, 1, 32, 32)))
@@ -56,7 +74,8 @@ def test_a_failing_device_in_the_first_syncbn_step_is_named_not_a_hang(mode):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     line = [l for l in done.stdout.splitlines() if l.startswith('DeviceFailure')][0]
-    assert 'cpu(1) failed at the first training step' in line
+    failing = 'cpu(1)' if mode == 'queue' else 'cpu(0)'
+    assert '%s failed at the first training step' % failing in line
     assert ('simulated' in line or 'potrf' in line) and '--sync-bn' in line and line.endswith('True')
 
 
@@ -76,5 +95,5 @@ sys.exit(main())
     done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     lines = [l for l in done.stderr.splitlines() if l.startswith('error:')]
-    assert len(lines) == 1 and 'cpu(1) failed at the first training step' in lines[0]
+    assert len(lines) == 1 and 'cpu(0) failed at the first training step' in lines[0]
     assert 'Traceback' not in done.stderr
