@@ -33,7 +33,6 @@ def _events(folder):
 
 
 def test_tensorboard_logs_steps_epochs_and_overlays(tiny):
-    pytest.importorskip('tensorboardX')
     cfg = tiny(epochs=2, tensorboard=True, synthetic_count=24, batch_size=8, val_split=0.25,
                lr_schedule='cosine')
     history = fit(cfg, verbose=False)
