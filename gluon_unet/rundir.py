@@ -91,7 +91,14 @@ class RunFolder:
         if discard_if_empty and self._created:
             try:
                 if set(os.listdir(self.path)) <= {LOCK_NAME}:
-                    shutil.rmtree(self.path)
+                    os.remove(os.path.join(self.path, LOCK_NAME))
+                    # and the parents made for it (runs/ of a first run), while empty
+                    folder = os.path.abspath(self.path)
+                    while True:
+                        os.rmdir(folder)
+                        if folder == self._created:
+                            break
+                        folder = os.path.dirname(folder)
             except OSError:
                 pass
 
@@ -103,8 +110,12 @@ class RunFolder:
 
 
 def _lock(path):
-    """Create ``path`` if needed and lock it; None when another process holds it."""
-    created = not os.path.isdir(path)
+    """Create ``path`` if needed and lock it; None when another process holds it. The
+    third value is the outermost folder this call created (None if it existed)."""
+    created = None
+    top = os.path.abspath(path)
+    while not os.path.isdir(top):
+        created, top = top, os.path.dirname(top)
     try:
         os.makedirs(path, exist_ok=True)
         fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)

@@ -204,3 +204,15 @@ def test_resume_refuses_data_whose_pixels_changed(tiny, tmp_path):
     with pytest.raises(UserError, match='the data changed'):
         fit(tiny(resume='auto', **common), train_ds=changed, verbose=False)
     assert len(fit(tiny(resume='auto', **common), train_ds=ds, verbose=False)) == 2
+
+
+def test_bad_input_found_after_the_folder_was_claimed_leaves_no_folder_behind(tmp_path):
+    # Without --output the run claims a new runs/demo before --resume is checked; the
+    # failure must remove it, and the runs/ made for it.
+    done = _train('--epochs', '1', '--resume', 'nosuch.ckpt', cwd=str(tmp_path))
+    assert done.returncode == 2 and '--resume nosuch.ckpt' in _one_line(done.stderr)
+    assert os.listdir(str(tmp_path)) == []
+    (tmp_path / 'runs').mkdir()
+    (tmp_path / 'runs' / 'mine.txt').write_text('x')
+    done = _train('--epochs', '1', '--resume', 'nosuch.ckpt', cwd=str(tmp_path))
+    assert done.returncode == 2 and os.listdir(str(tmp_path / 'runs')) == ['mine.txt']
