@@ -378,6 +378,10 @@ def main(argv=None):
         # Workers inherit the mask: multi-threaded setups would be measured on too few cores.
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '
               'rows will be distorted' % (len(os.sched_getaffinity(0)), os.cpu_count()), flush=True)
+    sys.path.insert(0, ROOT)
+    from gluon_unet.devices import cpu_description
+    machine = cpu_description()
+    print('machine: %s, %d CPUs' % (machine, os.cpu_count()), flush=True)
     print('load average at start: %s' % ' '.join(open('/proc/loadavg').read().split()[:3]), flush=True)
     if args.inference:
         args.cpus = [1]
@@ -399,7 +403,7 @@ def main(argv=None):
         sys.path.insert(0, ROOT)
         from gluon_unet.utils import atomic_open
         with atomic_open(args.json) as f:
-            json.dump(rows, f, indent=1)
+            json.dump([dict(r, cpu=machine) for r in rows], f, indent=1)
     return 0
 
 

@@ -18,6 +18,7 @@ import time
 import mxnet as mx
 import numpy as np
 
+from .devices import cpu_description
 from .devices import make_contexts
 from .model import flops_per_image
 from .parallel import split_batch
@@ -154,8 +155,10 @@ def format_table(record, cfg):
 def benchmark_main(cfg):
     """Entry point of ``bin/train --benchmark``; returns the process exit code."""
     record = run_benchmark(cfg)
+    record['cpu'] = cpu_description()  # figures differ between CPU kinds: say which one
+    print('machine: %s' % record['cpu'])
     print(format_table(record, cfg))
-    keys = ('images_per_s', 'per_device', 'devices', 'scaling_efficiency', 'gflops')
+    keys = ('images_per_s', 'per_device', 'devices', 'scaling_efficiency', 'gflops', 'cpu')
     print(json.dumps({k: record[k] for k in keys}))
     sys.stdout.flush()
     return 0

@@ -534,8 +534,9 @@ def _reset_gpu_caches():
 _CPUINFO = '/proc/cpuinfo'
 
 
-def _cpu_description():
-    """``'AMD EPYC 7B13, no AVX-512'``: the CPU model and its AVX-512 / bf16 flags."""
+def cpu_description():
+    """``'AMD EPYC 7B13, no AVX-512'``: the CPU model and its AVX-512 / bf16 flags, as every
+    benchmark figure and ``doctor`` quote it (speed differs between CPU kinds)."""
     model, flags = None, None
     try:
         with open(_CPUINFO) as f:
@@ -616,7 +617,7 @@ def cpu_bfloat16_support():
     """
     import mxnet as mx
     where = "in MXNet %s's oneDNN" % mx.__version__
-    cpu = 'this CPU (%s)' % _cpu_description()
+    cpu = 'this CPU (%s)' % cpu_description()
     try:
         deviation = _bfloat16_probe()
     except mx.base.MXNetError as exc:

@@ -107,7 +107,7 @@ def amp_plan(gpu_count, bf16_ok):
 def table_rows(contexts=1):
     """The ``(name, value)`` rows of the table (imports mxnet)."""
     import mxnet as mx
-    from .devices import _cpu_description, cpu_bfloat16_support
+    from .devices import cpu_bfloat16_support, cpu_description
     features = build_features(mx)
     gpus = gpu_rows(mx, features)
     gpu_count = sum(1 for name, value in gpus if name.startswith('GPU ') and not value.startswith('error'))
@@ -125,7 +125,7 @@ def table_rows(contexts=1):
             ('Python', '%s (%s)' % (platform.python_version(), sys.executable)),
             ('build', ', '.join('%s %s' % (k, 'yes' if v else 'no') for k, v in features.items()))]
     rows += gpus
-    rows += [('CPU', '%s; %d cores (%d physical)' % (_cpu_description(), settings['cores'],
+    rows += [('CPU', '%s; %d cores (%d physical)' % (cpu_description(), settings['cores'],
                                                       settings['physical_cores'])),
              ('threads', '%s (for %d CPU context%s)' % (threads, contexts, '' if contexts == 1 else 's')),
              ('bfloat16', '%s: %s' % ('yes' if bf16_ok else 'no', bf16_reason)),
