@@ -60,9 +60,10 @@ TRAIN_EXAMPLES = """examples:
   gluon-unet train
   # paired folders on eight GPUs (name.png <-> name_mask.png)
   gluon-unet train --data train_im/ --masks train_mask/ --gpus 0-7 --batch-size 64 --output runs/nuclei
-  # Data Science Bowl layout, Dice + BCE, best checkpoint by the DSB score; continue it later
+  # Data Science Bowl layout, Dice + BCE, best checkpoint by the DSB score; after a stop, the same
+  # command with --resume auto continues it
   gluon-unet train --data stage1_train/ --gpus all --loss bce_dice --monitor val_dsb --output runs/dsb
-  gluon-unet train --output runs/dsb --resume auto
+  gluon-unet train --data stage1_train/ --gpus all --loss bce_dice --monitor val_dsb --output runs/dsb --resume auto
 
 (bin/train and python -m gluon_unet train take the same flags.)"""
 
