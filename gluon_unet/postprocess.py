@@ -51,29 +51,33 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     if prob.ndim != 2:
         raise ValueError('prob must be (H, W), got shape %s' % (prob.shape,))
     mask = prob > threshold
-    comps = label(mask, connectivity=1)
-    if min_size > 0 and comps.max() > 0:
+    if min_size > 0 and mask.any():
+        comps = np.empty(mask.shape, np.int32)  # skimage's label would be int64
+        ndi.label(mask, output=comps)  # 4-connected, numbered in raster order like skimage's
         sizes = np.bincount(comps.ravel())
         small = sizes < min_size
         small[0] = False
         mask &= ~small[comps]
-        comps[~mask] = 0
+        del comps
     if split == 'none' or not mask.any():
-        return relabel_sequential(comps)[0].astype(np.int32)
-
-    if boundary is not None:
+        comps = np.empty(mask.shape, np.int32)
+        ndi.label(mask, output=comps)
+        return comps
+    if boundary is None and smooth > 0:
+        return _distance_watershed(mask, h, smooth)
+    if boundary is None:
+        # Unsmoothed distances tie a lot and the watershed breaks ties by visiting order,
+        # which a crop changes: the whole image at once, as before.
+        dist = ndi.distance_transform_edt(mask)
+        markers, elevation = _h_maxima_markers(dist, mask, h), -dist
+    else:
         boundary = np.asarray(boundary, dtype=np.float32)
         if boundary.shape != prob.shape:
             raise ValueError('boundary shape %s differs from prob %s' % (boundary.shape, prob.shape))
         markers = label((prob * (1 - boundary) > threshold) & mask, connectivity=1)
         elevation = boundary
-    else:
-        dist = ndi.distance_transform_edt(mask)
-        if smooth > 0:
-            dist = ndi.gaussian_filter(dist, smooth)
-        markers = _h_maxima_markers(dist, mask, h)
-        elevation = -dist
     labels = watershed(elevation, markers, mask=mask)
+
     # A blob without a marker (a boundary map that swallowed a whole small nucleus) is
     # still a nucleus: keep it as its own object rather than dropping it.
     orphan = mask & (labels == 0)
@@ -81,6 +85,117 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         extra = label(orphan, connectivity=1)
         labels[orphan] = extra[orphan] + labels.max()
     return relabel_sequential(labels)[0].astype(np.int32)
+
+
+def _gauss_radius(smooth):
+    """Half-width of scipy's gaussian_filter window (truncate=4)."""
+    return int(4.0 * float(smooth) + 0.5) if smooth > 0 else 0
+
+
+_EIGHT = np.ones((3, 3), bool)
+
+
+def _first_pixels(ids, y0, x0, width):
+    """Raster index in the whole image of the first pixel of every label 1..n of ``ids``
+    (a crop at ``(y0, x0)`` numbered in raster order), in label order."""
+    flat = np.flatnonzero(ids)
+    _, first = np.unique(ids.ravel()[flat], return_index=True)
+    cy, cx = np.divmod(flat[first], ids.shape[1])
+    return (cy + y0).astype(np.int64) * width + (cx + x0)
+
+
+def _distance_watershed(mask, h, smooth):
+    """The distance watershed of :func:`instances_from_prob`, group by group.
+
+    Whole-image temporaries (float64 distances, their smoothed copy, int64 h-maxima,
+    skimage's reconstruction ranks, watershed internals) cost ~100 bytes a pixel. But a
+    pixel's result depends only on the nuclei within the smoothing radius ``r`` of it:
+    the distance transform inside a 4-connected blob only sees that blob's pixels and the
+    background (every pixel outside the blob is at least as far as the nearest
+    background pixel, and a background pixel outside a crop with a background rim maps
+    to a rim pixel no farther away); the smoothed distance is 0 farther than ``r`` (the
+    filter's window) from the foreground, so the h-maxima reconstruction and the local
+    maxima cannot cross a gap of that width; the watershed floods only inside a blob. So
+    blobs whose ``r``-neighbourhoods touch form a group, and each group is solved in its
+    own crop (its bounding box + ``2r + 1``, clipped to the image, other groups' pixels
+    cleared). The result is bit-identical to the whole-image computation, label numbers
+    included (markers numbered by their first pixel in raster order, then blobs without a
+    marker), and the temporaries scale with the largest group.
+    """
+    from skimage.morphology import local_maxima
+    from skimage.segmentation import watershed
+
+    height, width = mask.shape
+    r = max(1, _gauss_radius(smooth))
+    near = mask.view(np.uint8)
+    if r:  # the mask dilated by a (2r+1)-square, as two 1-D passes
+        near = ndi.maximum_filter1d(near, 2 * r + 1, axis=0, mode='constant')
+        near = ndi.maximum_filter1d(near, 2 * r + 1, axis=1, mode='constant')
+    groups = np.empty(mask.shape, np.int32)
+    ndi.label(near, structure=_EIGHT, output=groups)
+    del near
+    margin = 2 * r + 1
+    out = np.zeros(mask.shape, np.int32)  # local ids offset per group; renumbered at the end
+    marker_keys, orphan_keys = [], []  # raster index of each object's first pixel
+    offset = n_orphans = 0
+    for g, box in enumerate(ndi.find_objects(groups), start=1):
+        if box is None:
+            continue
+        y0, y1 = max(0, box[0].start - margin), min(height, box[0].stop + margin)
+        x0, x1 = max(0, box[1].start - margin), min(width, box[1].stop + margin)
+        sub = groups[y0:y1, x0:x1] == g
+        sub &= mask[y0:y1, x0:x1]
+        dist = ndi.distance_transform_edt(sub)
+        if smooth > 0:
+            dist = ndi.gaussian_filter(dist, smooth)
+        hmax = _h_maxima(dist, h)
+        view = out[y0:y1, x0:x1]
+        if hmax.any():
+            peaks = local_maxima(hmax, connectivity=2, allow_borders=True) & sub
+            del hmax
+            markers, n = ndi.label(peaks, structure=_EIGHT)
+            if n:
+                marker_keys.append(_first_pixels(markers, y0, x0, width))
+                labels = watershed(-dist, markers, mask=sub)
+                del markers
+                view[sub] = labels[sub] + offset
+                offset += n
+                sub &= labels == 0
+                del labels
+        del dist
+        # Blobs without a marker (under h everywhere): each its own object, numbered after
+        # every marker (skimage finds no maximum on a constant image either).
+        orphans, n = ndi.label(sub)
+        if n:
+            orphan_keys.append(_first_pixels(orphans, y0, x0, width))
+            view[sub] = -(orphans[sub] + n_orphans)  # negative: told apart from markers
+            n_orphans += n
+    del groups
+    return _renumber(out, marker_keys, orphan_keys)
+
+
+def _h_maxima(dist, h):
+    """The h-maxima reconstruction of :func:`_h_maxima_markers`, on 1/100-pixel integers."""
+    from skimage.morphology import reconstruction
+
+    scaled = np.round(dist * 100).astype(np.int64)
+    step = max(1, int(round(h * 100)))
+    return reconstruction(np.maximum(scaled - step, 0), scaled, method='dilation')
+
+
+def _renumber(out, marker_keys, orphan_keys, rows=256):
+    """Markers (ids > 0) numbered by their first pixel in raster order, then the orphans
+    (ids < 0) likewise - the numbering of the whole-image computation - in place."""
+    markers = np.concatenate(marker_keys) if marker_keys else np.zeros(0, np.int64)
+    orphans = np.concatenate(orphan_keys) if orphan_keys else np.zeros(0, np.int64)
+    m, o = len(markers), len(orphans)
+    lut = np.zeros(m + o + 1, np.int32)  # index = id + o
+    lut[o + 1:][np.argsort(markers, kind='stable')] = np.arange(1, m + 1, dtype=np.int32)
+    lut[:o][::-1][np.argsort(orphans, kind='stable')] = np.arange(m + 1, m + o + 1, dtype=np.int32)
+    for y in range(0, out.shape[0], rows):  # row blocks: no whole-image temporary
+        block = out[y:y + rows]
+        block[...] = lut[block + o]
+    return out
 
 
 def _h_maxima_markers(dist, mask, h):

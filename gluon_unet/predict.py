@@ -224,7 +224,7 @@ def _write_image_outputs(rec, image, labels):
     remove what was written (no mask without its labels: a failed image has no outputs)."""
     written = []
     try:
-        for key, array in (('mask', lambda: ((labels > 0) * 255).astype(np.uint8)),
+        for key, array in (('mask', lambda: (labels > 0).view(np.uint8) * np.uint8(255)),  # no int64 temporary
                            ('labels', lambda: labels.astype(np.uint16)),
                            ('overlay', lambda: draw_overlay(image, labels))):
             if rec[key]:
