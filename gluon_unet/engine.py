@@ -357,23 +357,17 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     pixel, dsb = M.PixelMetrics(), M.DSBMetric()
     loss_total, offset = 0.0, 0
     t0 = time.time()
-    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
-    seeds = loader.epoch_sampler.seeds()  # the crops the loader makes, to crop the labels alike
     binary = True
-    for batch in loader:
-        target = batch[1]
-        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn)
+    for batch, prob, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
         loss_total += loss_sum
-        truth = target.asnumpy()[:, 0]
+        truth = batch[1].asnumpy()[:, 0]
         pixel.update(prob, truth > 0)  # foreground = any non-background class
         if keep is not None and len(keep) < KEEP_VAL_SAMPLES:
-            images = batch[0].asnumpy()
-            keep.extend(zip(images, truth, prob))
+            keep.extend(zip(batch[0].asnumpy(), truth, prob))
             del keep[KEEP_VAL_SAMPLES:]
         if binary and instance_metric:
             for k in range(len(prob)):
-                pred_labels = postprocess.instances_from_prob(prob[k], threshold)
-                dsb.update(pred_labels, val_instances(dataset, offset + k, seeds[offset + k]))
+                dsb.update(postprocess.instances_from_prob(prob[k], threshold), true_labels(k))
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
@@ -398,19 +392,29 @@ def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
         :func:`postprocess.tune_postprocess`'s result, plus ``seconds``.
     """
     t0 = time.time()
-    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
-    seeds = loader.epoch_sampler.seeds()
     pairs = []
-    for batch in loader:
-        prob, _, _ = _forward_eval(net, ctxs, list(batch), loss_fn)
-        for p in prob:
-            if len(pairs) < max_images:
-                pairs.append((p, val_instances(dataset, len(pairs), seeds[len(pairs)])))
+    for _, prob, _, _, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
+        pairs += [(p, true_labels(k)) for k, p in enumerate(prob[:max_images - len(pairs)])]
         if len(pairs) >= max_images:
             break
     result = postprocess.tune_postprocess(pairs)
     result['seconds'] = time.time() - t0
     return result
+
+
+def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
+    """The validation set in inference mode, batch by batch, in order, with the loader's
+    deterministic crops: yields ``(batch, prob, loss_sum, binary, true_labels)``, where
+    ``true_labels(k)`` are the true instance labels of the batch's sample ``k``, cropped
+    like its image (see :func:`val_instances`)."""
+    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
+    seeds = loader.epoch_sampler.seeds()
+    offset = 0
+    for batch in loader:
+        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn)
+        yield batch, prob, loss_sum, binary, \
+            (lambda k, first=offset: val_instances(dataset, first + k, seeds[first + k]))
+        offset += len(prob)
 
 
 def val_instances(dataset, i, seed):
@@ -510,7 +514,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         cfg.workers = default_workers(len(gpus))
         workers_note = ' (default for %d GPU(s); --workers to change)' % len(gpus)
     train_ds, val_ds, data_id = prepare_data(cfg, *datasets, strategy.num_workers)
-    resume_path, resume_meta = find_resume_point(cfg, data_id, strategy)
+    resume_path = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
                            user_net=user_net)
@@ -576,8 +580,8 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
 
 
 def find_resume_point(cfg, data_id, strategy):
-    """``(checkpoint path, its record)`` to resume from, checked against ``cfg`` and the
-    data, or ``(None, None)``; the same step on every worker."""
+    """The checkpoint to resume from, checked against ``cfg`` and the data, or None; the
+    same step on every worker."""
     path = resolve_resume(cfg.resume, cfg.output)
     meta = load_checkpoint(path) if path else None
     if meta is not None:
@@ -590,7 +594,7 @@ def find_resume_point(cfg, data_id, strategy):
         raise UserError('--resume: worker rank %d would resume at step %d but rank 0 at step %d; put '
                         '--output on a shared file system or give every worker the same --resume file'
                         % (strategy.rank, step, rank0_step))
-    return path, meta
+    return path
 
 
 def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
@@ -599,13 +603,13 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
     stop = _StopFlag().install()
     try:
         for epoch in range(state.epoch + 1, cfg.epochs + 1):
-            row = _run_epoch(run, epoch, state, stop)
+            row, samples = _run_epoch(run, epoch, state, stop)
             if row is None:  # interrupted mid-epoch
                 path = run.recorder.interrupted(run.net, ckpt_trainer, state)
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
                                   % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
                                      path or 'auto'), 128 + stop.signum)
-            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs))
+            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples)
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
             by_callback, early = strategy.broadcast([run_callbacks(callbacks, row, run, state),
@@ -651,7 +655,8 @@ def run_callbacks(callbacks, row, run, state):
 
 
 def _run_epoch(run, epoch, state, stop):
-    """Train and validate one epoch; returns its record, or None when interrupted."""
+    """Train and validate one epoch; returns its record (None when interrupted) and, with
+    ``--tensorboard``, a few validation ``(image, truth, probability)`` for overlays."""
     cfg = run.cfg
     skip = state.step_in_epoch
     # Reseeding per epoch makes dropout (and anything else on MXNet's RNG) independent
@@ -677,7 +682,7 @@ def _run_epoch(run, epoch, state, stop):
         if bar is not None:
             bar.close()
     if stats['interrupted'] and state.step_in_epoch < run.steps_per_epoch:
-        return None
+        return None, []
     state.epoch, state.step_in_epoch = epoch, 0
     if stats['skipped']:
         run.recorder.log.info('epoch %d: %d sample(s) of a batch smaller than the device count were '
@@ -691,8 +696,7 @@ def _run_epoch(run, epoch, state, stop):
         row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold,
                             keep=samples if cfg.tensorboard else None))
     state.history.append(row)
-    run.recorder.samples = samples
-    return row
+    return row, samples
 
 
 def _progress(cfg, epoch, total):

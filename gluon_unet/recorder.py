@@ -66,7 +66,6 @@ class RunRecorder:
         self.table = MetricsTable(os.path.join(cfg.output, 'metrics.csv'))
         self.log = setup_logging(cfg.output if enabled else None, verbose=verbose and enabled)
         self.tb = TensorBoardLog(os.path.join(cfg.output, 'tb')) if enabled and cfg.tensorboard else None
-        self.samples = []  # the epoch's validation overlays, set by the training loop
 
     def start(self):
         """Write ``config.json`` (the input was good: from here on the run leaves files)."""
@@ -79,15 +78,16 @@ class RunRecorder:
         if self.tb is not None:
             self.tb.step(global_step, loss=loss, lr=lr)
 
-    def end_epoch(self, net, trainer, state, row, ndev):
-        """Checkpoint, metrics table, curves and the epoch's log line; marks ``row['best']``."""
+    def end_epoch(self, net, trainer, state, row, ndev, samples=()):
+        """Checkpoint, metrics table, curves and the epoch's log line; marks ``row['best']``.
+        ``samples``: validation ``(image, truth, probability)`` for TensorBoard overlays."""
         row['best'] = self.saver.end_epoch(net, trainer, state.to_meta(self.cfg, self.data_id),
                                            row.get(self.monitor))
         if self.enabled:
             self.table.write(state.history)
             self._plot(state.history)
         if self.tb is not None:
-            self.tb.epoch(row, state.step, self.samples)
+            self.tb.epoch(row, state.step, samples)
         self.log.info(epoch_line(row, self.monitor, ndev))
 
     def interrupted(self, net, trainer, state):

@@ -50,19 +50,12 @@ def check_output_path(path, flag='--output'):
 
 
 def numbered_runs(base):
-    """``base``, ``base-2``, ``base-3``... that exist, in order."""
-    found, k = [], 1
-    parent = os.path.dirname(base) or '.'
-    name = os.path.basename(base)
-    if os.path.isdir(parent):
-        taken = set(os.listdir(parent))
-        while True:
-            candidate = name if k == 1 else '%s-%d' % (name, k)
-            if candidate not in taken:
-                break
-            found.append(os.path.join(os.path.dirname(base), candidate))
-            k += 1
-    return found
+    """``base``, ``base-2``, ``base-3``... that exist, in order (up to the first gap)."""
+    found = []
+    for candidate in _candidates(base):
+        if not os.path.exists(candidate):
+            return found
+        found.append(candidate)
 
 
 def _candidates(base):
