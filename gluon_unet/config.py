@@ -23,6 +23,7 @@ _CHOICES = {
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto'),
+    'target': ('mask', 'mask+border'),
 }
 
 
@@ -45,6 +46,14 @@ class ModelConfig:
     batch_norm: bool = _opt(True, 'BatchNorm after every convolution')
     dropout: float = _opt(0.0, 'dropout rate at the bottleneck (0 = off)')
     upsample: str = _opt('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
+    target: str = _opt('mask', 'what the network predicts: mask (foreground), or mask+border (foreground and '
+                               'the nuclei\'s borders, a second output channel: instances grow from the '
+                               'interiors, so touching nuclei come apart)')
+
+    @property
+    def outputs(self):
+        """Output channels of the network: ``classes``, plus one for ``mask+border``."""
+        return self.classes + (self.target == 'mask+border')
 
 
 @dataclass
@@ -183,6 +192,9 @@ class TrainConfig:
             value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
             if value not in allowed:
                 raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
+        if m.target == 'mask+border' and (m.classes > 1 or self.loss == 'ce'):
+            raise UserError('--target mask+border is for binary masks (--classes 1) with a sigmoid loss '
+                            '(bce, dice, bce_dice, wbce), not --loss ce')
         if (m.classes > 1) != (self.loss == 'ce'):
             raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "
                             "(got --loss %s, --classes %d)" % (self.loss, m.classes))

@@ -32,7 +32,7 @@ from .data.weights import unet_weight_map
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
 from .losses import SegmentationLoss
-from .model import build_model, foreground_probability
+from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .recorder import RunRecorder, RunState
@@ -129,9 +129,9 @@ def attach_transforms(cfg, train_ds, val_ds):
             # validate() draws per-sample seeds from a fixed sampler seed, so these
             # crops are the same every epoch: comparable numbers across epochs.
             val_tf = make_transform(augment=False, crop=cfg.crop)
-    train_ds.transform, train_ds.weight_fn = train_tf, weight_fn
+    train_ds.transform, train_ds.weight_fn, train_ds.target = train_tf, weight_fn, cfg.model.target
     if val_ds is not None:
-        val_ds.transform, val_ds.weight_fn = val_tf, weight_fn
+        val_ds.transform, val_ds.weight_fn, val_ds.target = val_tf, weight_fn, cfg.model.target
 
 
 def data_channels(ds):
@@ -332,42 +332,45 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
             'interrupted': stop.signum is not None}
 
 
-def _forward_eval(net, ctxs, arrays, loss_fn):
-    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: foreground probability
-    ``(N, H, W)`` and the summed loss against ``arrays[1:]`` (target, weight), computed on
-    the devices; also whether the model is binary (one output class)."""
+def _forward_eval(net, ctxs, arrays, loss_fn, border=False):
+    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: probability maps
+    ``(N, K, H, W)`` (foreground, then the border of a ``mask+border`` model) and the
+    summed loss against ``arrays[1:]`` (target, weight), computed on the devices; also
+    whether the model is binary (a foreground and nothing else, or a border)."""
     probs, losses = [], []
     with mx.autograd.predict_mode():
         for part in split_batch(arrays, ctxs):
             logits = net(part[0])
             losses.append(loss_fn(logits, *part[1:]).sum())
-            probs.append(foreground_probability(logits))
-    prob = np.concatenate([p.asnumpy() for p in probs], axis=0)
-    return prob, sum(float(l.asscalar()) for l in losses), logits.shape[1] == 1
+            probs.append(probability_maps(logits, border))
+    maps = np.concatenate([p.asnumpy() for p in probs], axis=0)
+    return maps, sum(float(l.asscalar()) for l in losses), border or logits.shape[1] == 1
 
 
 def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True, keep=None):
     """Validation loss, pixel IoU (averaged over thresholds 0.50:0.95), Dice and DSB score.
 
     Pixel metrics are summed over the whole set (not averaged per batch), so the
-    numbers do not depend on the batch size or on how batches fall on devices. With a
-    list ``keep``, the first few ``(image, truth, probability)`` are appended to it (for
-    TensorBoard's overlays).
+    numbers do not depend on the batch size or on how batches fall on devices; they
+    score the foreground (a ``mask+border`` model's border channel enters the loss and,
+    through the instances, the DSB score). With a list ``keep``, the first few
+    ``(image, truth, probability)`` are appended to it (for TensorBoard's overlays).
     """
     pixel, dsb = M.PixelMetrics(), M.DSBMetric()
     loss_total, offset = 0.0, 0
     t0 = time.time()
     binary = True
-    for batch, prob, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
+    for batch, maps, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
         loss_total += loss_sum
         truth = batch[1].asnumpy()[:, 0]
+        prob = maps[:, 0]
         pixel.update(prob, truth > 0)  # foreground = any non-background class
         if keep is not None and len(keep) < KEEP_VAL_SAMPLES:
             keep.extend(zip(batch[0].asnumpy(), truth, prob))
             del keep[KEEP_VAL_SAMPLES:]
         if binary and instance_metric:
             for k in range(len(prob)):
-                dsb.update(postprocess.instances_from_prob(prob[k], threshold), true_labels(k))
+                dsb.update(postprocess.instances_from_maps(maps[k], threshold), true_labels(k))
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
@@ -393,8 +396,8 @@ def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
     """
     t0 = time.time()
     pairs = []
-    for _, prob, _, _, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
-        pairs += [(p, true_labels(k)) for k, p in enumerate(prob[:max_images - len(pairs)])]
+    for _, maps, _, _, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
+        pairs += [(m, true_labels(k)) for k, m in enumerate(maps[:max_images - len(pairs)])]
         if len(pairs) >= max_images:
             break
     result = postprocess.tune_postprocess(pairs)
@@ -404,14 +407,16 @@ def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
 
 def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
     """The validation set in inference mode, batch by batch, in order, with the loader's
-    deterministic crops: yields ``(batch, prob, loss_sum, binary, true_labels)``, where
+    deterministic crops: yields ``(batch, maps, loss_sum, binary, true_labels)`` (maps as
+    :func:`_forward_eval` gives them), where
     ``true_labels(k)`` are the true instance labels of the batch's sample ``k``, cropped
     like its image (see :func:`val_instances`)."""
     loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
     seeds = loader.epoch_sampler.seeds()
+    border = getattr(dataset, 'target', 'mask') == 'mask+border'
     offset = 0
     for batch in loader:
-        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn)
+        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn, border)
         yield batch, prob, loss_sum, binary, \
             (lambda k, first=offset: val_instances(dataset, first + k, seeds[first + k]))
         offset += len(prob)
@@ -557,9 +562,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
             and cfg.model.classes == 1:
         load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
         tuned = tune_postprocessing(net, ctxs, run.val_ds, cfg.batch_size, step.loss_fn)
-        log.info('post-processing chosen on %d validation images in %.1f s: threshold %.2f, h %.1f, min size '
+        markers = 'marker %.1f' % tuned['marker'] if 'marker' in tuned else 'h %.1f' % tuned['h']
+        log.info('post-processing chosen on %d validation images in %.1f s: threshold %.2f, %s, min size '
                  '%d (val DSB %.4f, untuned %.4f); stored in the export, bin/predict uses it',
-                 tuned['images'], tuned['seconds'], tuned['threshold'], tuned['h'], tuned['min_size'],
+                 tuned['images'], tuned['seconds'], tuned['threshold'], markers, tuned['min_size'],
                  tuned['score'], tuned['base_score'])
     recorder.finish(state, amp_dtype, tuned)
     return state.history

@@ -21,6 +21,7 @@ from . import __version__, add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
+from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
 from .runtime import apply_runtime_defaults, user_environ
@@ -80,6 +81,8 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             'input_name': 'data',
             'in_channels': cfg.model.in_channels,
             'classes': cfg.model.classes,
+            # What each output channel is: predictors read the maps by these names.
+            'outputs': list(OUTPUTS[cfg.model.target]),
             'depth': cfg.model.depth,
             'multiple': 2 ** cfg.model.depth,
             'train_size': cfg.crop or cfg.size,
@@ -129,7 +132,9 @@ def model_card(cfg, meta):
                  'content_sha1': data.get('content_sha1')},
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
-        'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'instances': 'marker watershed'},
+        'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
+                        'instances': 'marker watershed from the interiors' if cfg.model.target == 'mask+border'
+                        else 'marker watershed on the distance transform'},
     }
 
 
@@ -281,6 +286,14 @@ def read_sidecar(path):
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
+    outputs = meta.get('outputs')
+    if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
+        raise bad("'outputs' must be one of %s (got %s)" % (
+            ', '.join(json.dumps(list(o)) for o in OUTPUTS.values()), json.dumps(outputs)))
+    model = (config or {}).get('model')
+    target = model.get('target') if isinstance(model, dict) else None
+    if target is not None and target not in OUTPUTS:
+        raise bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
     for where, holder in (('normalize', meta), ('config.normalize', config or {})):
         value = holder.get('normalize')
         if value is not None and value not in NORMALIZE_MODES:

@@ -16,7 +16,7 @@ import mxnet as mx
 import numpy as np
 
 from .errors import UserError
-from .model import foreground_probability
+from .model import probability_maps
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -52,7 +52,8 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         (:data:`~gluon_unet.tiling.TTA_ORDER`): the 4 that keep a window's (H, W), then
         the 4 that give (W, H).
     on_done : callable
-        ``on_done(prob (H, W) float32, mode)`` once every job of the image has run.
+        ``on_done(maps (K, H, W) float32, mode)`` once every job of the image has run: the
+        foreground probability, and for a ``mask+border`` model its border probability.
     buckets : bool
         ``whole`` mode: pad to :func:`~gluon_unet.tiling.bucket_side` sizes.
     """
@@ -84,8 +85,8 @@ class _Scheduler:
     order), the network inputs it was given and the forward calls that carried them.
     """
 
-    def __init__(self, net, ctxs):
-        self.net, self.ctxs = net, list(ctxs)
+    def __init__(self, net, ctxs, border=False):
+        self.net, self.ctxs, self.border = net, list(ctxs), border
         self.next = 0  # index in ctxs of the device the next part goes to
         self.pending = deque()  # [jobs, device output, finishers] per part, in issue order
         self.jobs_per_device = [0] * len(self.ctxs)
@@ -103,7 +104,7 @@ class _Scheduler:
                 dev = (self.next + i) % n
                 # Made on the host, then copied by an engine operation: issuing never waits.
                 part = mx.nd.array(x[start:stop], ctx=mx.cpu()).as_in_context(self.ctxs[dev])
-                out = foreground_probability(self.net(part))
+                out = probability_maps(self.net(part), self.border)
                 self.pending.append([jobs[start:stop], out, []])
                 self.jobs_per_device[dev] += stop - start
                 self.forwards_per_device[dev] += 1
@@ -133,8 +134,11 @@ class _Scheduler:
             fn()
 
 
-def run_jobs(net, ctxs, jobs, batch_size=8):
+def run_jobs(net, ctxs, jobs, batch_size=8, border=False):
     """Run a stream of jobs in batches of equal-shape inputs over ``ctxs``.
+
+    Each job's callback gets its (K, h, w) probability maps (:func:`~gluon_unet.model.
+    probability_maps`; ``border`` for a ``mask+border`` model).
 
     Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
     spread over the devices round-robin with work in flight on each
@@ -146,7 +150,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8):
     _Scheduler
         Its ``jobs_per_device`` / ``forwards_per_device`` say how the work was spread.
     """
-    runner = _Scheduler(net, ctxs)
+    runner = _Scheduler(net, ctxs, border)
     batch, finishers = [], []
     for job in jobs:
         if isinstance(job, _Done):
@@ -165,7 +169,8 @@ def run_jobs(net, ctxs, jobs, batch_size=8):
     return runner
 
 
-def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25, buckets=False):
+def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, overlap=0.25, buckets=False,
+                  maps=False):
     """Foreground probabilities of one image at its original resolution.
 
     Parameters
@@ -190,16 +195,30 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
         ``2**depth``, so many images share a few network shapes. The padding is cropped
         away; pixels farther than the receptive field from the border are unchanged, those
         nearer see more reflected context.
+    maps : bool
+        Return every output map (see below), not only the foreground.
 
     Returns
     -------
     (H, W) float32 in [0, 1]
+        The foreground probability; with ``maps``, (K, H, W): the foreground, and for a
+        ``mask+border`` model (:func:`predicts_border`) its border probability.
     """
     out = {}
     jobs = image_jobs(np.asarray(image), meta, mode, tta, overlap,
                       on_done=lambda prob, used: out.setdefault('prob', prob), buckets=buckets)
-    run_jobs(net, list(ctxs), jobs, batch_size)
-    return out['prob']
+    run_jobs(net, list(ctxs), jobs, batch_size, predicts_border(meta))
+    return out['prob'] if maps else out['prob'][0]
+
+
+def predicts_border(meta):
+    """Whether an export (its sidecar ``meta``) is a ``mask+border`` model: sidecar
+    ``outputs``, else its training config; exports from before borders are not."""
+    outputs = meta.get('outputs')
+    if outputs is None:
+        outputs = ('foreground', 'border') if ((meta.get('config') or {}).get('model') or {}).get('target') \
+            == 'mask+border' else ('foreground',)
+    return 'border' in outputs
 
 
 def match_channels(image, channels, path='image'):
@@ -242,6 +261,8 @@ class LoadedModel:
     normalize: str
     min_size: int = 0  # chosen on validation after training (sidecar 'postprocess'), else 0
     h: float = 0.5
+    marker: float = 0.5  # mask+border models: the interior score of a marker
+    border: bool = False  # a mask+border model (its outputs: foreground, border)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -249,7 +270,7 @@ class LoadedModel:
 
     def run(self, jobs, batch_size=8):
         """:func:`run_jobs` on this model's devices; returns its :class:`_Scheduler`."""
-        return run_jobs(self.net, self.ctxs, jobs, batch_size)
+        return run_jobs(self.net, self.ctxs, jobs, batch_size, self.border)
 
 
 def load_model(model, ctxs):
@@ -270,4 +291,5 @@ def load_model(model, ctxs):
     tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
     return LoadedModel(net, meta, list(ctxs), model_channels(net, meta),
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
-                       int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5))
+                       int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
+                       float(tuned.get('marker') or 0.5), predicts_border(meta))

@@ -11,6 +11,11 @@ class SegmentationLoss(gluon.HybridBlock):
     """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and, for ``wbce``
     (optional for ``ce``), a pixel ``weight (N, 1, H, W)``.
 
+    The sigmoid losses also take several independent binary outputs (``--target
+    mask+border``: logits and target ``(N, 2, H, W)``): BCE is averaged over all of them,
+    Dice is computed per channel and averaged, so the thin border channel counts as much
+    as the foreground in the Dice term; ``wbce``'s weight map applies to every channel.
+
     Parameters
     ----------
     kind : {'bce', 'dice', 'bce_dice', 'wbce', 'ce'}
@@ -46,7 +51,8 @@ class SegmentationLoss(gluon.HybridBlock):
 
 
 def soft_dice_loss(F, prob, target, smooth=1.0):
-    """``1 - (2 |P.T| + s) / (|P| + |T| + s)`` per sample; ``smooth`` keeps empty masks finite."""
-    inter = F.sum(prob * target, axis=(1, 2, 3))
-    total = F.sum(prob, axis=(1, 2, 3)) + F.sum(target, axis=(1, 2, 3))
-    return 1.0 - (2.0 * inter + smooth) / (total + smooth)
+    """``1 - (2 |P.T| + s) / (|P| + |T| + s)`` per sample and channel, averaged over the
+    channels; ``smooth`` keeps empty masks finite."""
+    inter = F.sum(prob * target, axis=(2, 3))
+    total = F.sum(prob, axis=(2, 3)) + F.sum(target, axis=(2, 3))
+    return F.mean(1.0 - (2.0 * inter + smooth) / (total + smooth), axis=1)

@@ -174,13 +174,22 @@ def foreground_probability(logits):
     return 1 - mx.nd.softmax(logits, axis=1)[:, 0]
 
 
+def probability_maps(logits, border=False):
+    """Probability maps ``(N, K, H, W)`` from U-Net logits ``(N, C, H, W)``: channel 0 is
+    the foreground (:func:`foreground_probability`); a ``mask+border`` model (``border``)
+    adds its border probability as channel 1 (both outputs are independent sigmoids)."""
+    if border:
+        return mx.nd.sigmoid(logits)
+    return foreground_probability(logits).expand_dims(axis=1)
+
+
 def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None):
     """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
 
     ``amp_dtype`` is the dtype of the AMP already initialized (``engine.init_amp``'s
     result), None for float32 (see :class:`UNet`).
     """
-    return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.classes,
+    return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.outputs,
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
                 upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype)
@@ -206,5 +215,5 @@ def flops_per_image(model_cfg, size):
         k = 4 if model_cfg.upsample == 'deconv' else 9
         total += side * side * k * (2 * c * c)          # upsampling conv: 2c -> c
         total += side * side * 9 * (2 * c * c + c * c)  # double conv on the concat
-    total += size * size * w * model_cfg.classes
+    total += size * size * w * model_cfg.outputs
     return 2.0 * total

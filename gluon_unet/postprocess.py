@@ -14,7 +14,7 @@ SPLITS = ('watershed', 'none')
 
 
 def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boundary=None,
-                        h=0.5, smooth=1.0):
+                        h=0.5, smooth=1.0, marker=0.5):
     """Instance labels from a foreground probability map.
 
     Parameters
@@ -28,14 +28,18 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     split : {'watershed', 'none'}
         'none' = plain (4-connected) components; 'watershed' separates touching nuclei.
     boundary : (H, W) float, optional
-        Predicted boundary probability. Markers are then the components of
-        ``prob * (1 - boundary) > threshold`` and the flooding follows the boundary map.
+        Predicted border probability (a ``mask+border`` model). The markers are then the
+        confident interiors, the components of ``prob * (1 - boundary) > marker``, and
+        they flood the foreground downhill in that interior score, so two touching
+        nuclei meet on the border between them. ``h`` and ``smooth`` are not used.
     h : float
         Distance watershed: a distance maximum becomes a marker only if it rises at least
         ``h`` pixels above the saddle to a higher one (h-maxima), so pixelation of a single
         round or elongated nucleus never creates a second marker.
     smooth : float
         Gaussian sigma applied to the distance transform before looking for maxima.
+    marker : float
+        With ``boundary``: the interior score a marker pixel must exceed.
 
     Returns
     -------
@@ -74,8 +78,9 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         boundary = np.asarray(boundary, dtype=np.float32)
         if boundary.shape != prob.shape:
             raise ValueError('boundary shape %s differs from prob %s' % (boundary.shape, prob.shape))
-        markers = label((prob * (1 - boundary) > threshold) & mask, connectivity=1)
-        elevation = boundary
+        interior = prob * (1 - boundary)
+        markers = label((interior > marker) & mask, connectivity=1)
+        elevation = -interior
     labels = watershed(elevation, markers, mask=mask)
 
     # A blob without a marker (a boundary map that swallowed a whole small nucleus) is
@@ -85,6 +90,32 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         extra = label(orphan, connectivity=1)
         labels[orphan] = extra[orphan] + labels.max()
     return relabel_sequential(labels)[0].astype(np.int32)
+
+
+def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=0.5):
+    """Instance labels from a model's probability maps.
+
+    Parameters
+    ----------
+    maps : (H, W) or (K, H, W) float
+        The foreground probability, and for a ``mask+border`` model (K = 2) its border
+        probability as the second map.
+    threshold, min_size, split, h, marker
+        See :func:`instances_from_prob` (``h`` is used without a border map, ``marker``
+        with one).
+
+    Returns
+    -------
+    (H, W) int32
+    """
+    maps = np.asarray(maps)
+    if maps.ndim == 2:
+        maps = maps[None]
+    if maps.ndim != 3 or maps.shape[0] not in (1, 2):
+        raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
+    boundary = maps[1] if len(maps) == 2 else None
+    return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,
+                               h=h, marker=marker)
 
 
 def _gauss_radius(smooth):
@@ -324,9 +355,12 @@ def overlay(image, labels, color=(255, 255, 0)):
     return out
 
 
-# The grid searched on the validation split after training (27 settings): the foreground
-# cut, the h of the distance watershed's h-maxima markers, and the smallest object kept.
+# The grids searched on the validation split after training (27 settings each): the
+# foreground cut, the smallest object kept, and the markers' setting - the h of the
+# distance watershed's h-maxima, or for a mask+border model the interior score a marker
+# needs.
 TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
+TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'min_size': (0, 16, 48)}
 
 
 def tune_postprocess(pairs, grid=None, base=None):
@@ -334,11 +368,13 @@ def tune_postprocess(pairs, grid=None, base=None):
 
     Parameters
     ----------
-    pairs : sequence of ((H, W) float, (H, W) int)
-        Foreground probabilities and the true instance labels, one pair per image.
+    pairs : sequence of ((H, W) or (K, H, W) float, (H, W) int)
+        Probability maps (see :func:`instances_from_maps`) and the true instance labels,
+        one pair per image.
     grid : dict, optional
-        Candidate values of ``threshold``, ``h`` and ``min_size`` (default
-        :data:`TUNE_GRID`).
+        Candidate values of ``threshold``, ``min_size`` and ``h`` (default
+        :data:`TUNE_GRID`), or ``marker`` instead of ``h`` for maps with a border
+        (default :data:`TUNE_GRID_BORDER`).
     base : dict, optional
         The untuned settings, scored too and kept on ties (so tuning never reports a
         setting that does no better than the defaults).
@@ -346,27 +382,27 @@ def tune_postprocess(pairs, grid=None, base=None):
     Returns
     -------
     dict
-        ``threshold``, ``h``, ``min_size``, ``score`` (mean DSB score of the winner),
-        ``base_score`` and ``images``.
+        ``threshold``, ``min_size``, ``h`` or ``marker``, ``score`` (mean DSB score of the
+        winner), ``base_score`` and ``images``.
     """
+    import itertools
+
     from .metrics import dsb_image_score
-    grid = grid or TUNE_GRID
-    base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
+    border = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
+    grid = grid or (TUNE_GRID_BORDER if border else TUNE_GRID)
+    keys = ('threshold', 'marker' if border else 'h', 'min_size')
+    base = base or {'threshold': 0.5, keys[1]: 0.5, 'min_size': 0}
 
     def score(setting):
-        return float(np.mean([dsb_image_score(instances_from_prob(p, threshold=setting['threshold'],
-                                                                  min_size=setting['min_size'], h=setting['h']), t)
-                              for p, t in pairs]))
+        return float(np.mean([dsb_image_score(instances_from_maps(m, **setting), t) for m, t in pairs]))
 
     best, best_score = dict(base), score(base)
     base_score = best_score
-    for threshold in grid['threshold']:
-        for h in grid['h']:
-            for min_size in grid['min_size']:
-                setting = {'threshold': threshold, 'h': h, 'min_size': min_size}
-                if setting == base:
-                    continue
-                value = score(setting)
-                if value > best_score + 1e-9:
-                    best, best_score = setting, value
+    for values in itertools.product(*(grid[k] for k in keys)):
+        setting = dict(zip(keys, values))
+        if setting == base:
+            continue
+        value = score(setting)
+        if value > best_score + 1e-9:
+            best, best_score = setting, value
     return dict(best, score=best_score, base_score=base_score, images=len(pairs))

@@ -33,7 +33,7 @@ from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
 from .export import card_summary
 from .inference import _Done, load_model, match_channels
-from .postprocess import SPLITS, instances_from_prob, overlay as draw_overlay, submission_rows
+from .postprocess import SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .tiling import MODES
 from .utils import atomic_open
 
@@ -60,6 +60,7 @@ class PredictConfig:
     threshold: Optional[float] = None  #: foreground cut; None = the model's training threshold
     min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
+    marker: Optional[float] = None    #: mask+border models: interior score of a marker; None = the model's
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
     batch_size: int = 8               #: inputs per forward, split over the devices
@@ -78,6 +79,8 @@ class PredictConfig:
             raise UserError('--overlap must be in [0, 1) (got %r)' % self.overlap)
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        if self.marker is not None and not 0 < self.marker < 1:
+            raise UserError('--marker must be in (0, 1) (got %r)' % self.marker)
         if self.min_size is not None and self.min_size < 0:
             raise UserError('--min-size must be >= 0 (got %r)' % self.min_size)
         if self.split not in SPLITS:
@@ -254,6 +257,7 @@ class _Run:
         self.model, self.files, self.output_dir, self.config = model, files, output_dir, config
         self.threshold = model.threshold if config.threshold is None else float(config.threshold)
         self.min_size = model.min_size if config.min_size is None else int(config.min_size)
+        self.marker = model.marker if config.marker is None else float(config.marker)
         self.records, self.rows, self.failures = [], [], []
         self.inputs_per_device = [0] * len(model.ctxs)
         self.bar = _progress_bar(len(files), config.progress)
@@ -311,8 +315,8 @@ class _Run:
 
     def _write(self, rec, image, prob, used):
         cfg = self.config
-        labels = instances_from_prob(prob, threshold=self.threshold, min_size=self.min_size, split=cfg.split,
-                                     h=self.model.h)
+        labels = instances_from_maps(prob, threshold=self.threshold, min_size=self.min_size, split=cfg.split,
+                                     h=self.model.h, marker=self.marker)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         os.makedirs(self.output_dir, exist_ok=True)
@@ -428,8 +432,12 @@ def build_parser():
     parser.add_argument('--min-size', type=int, default=None,
                         help="drop objects under N pixels (default: the model's, chosen on validation; else 0)")
     parser.add_argument('--split', default='watershed', choices=SPLITS,
-                        help='separate touching nuclei with a distance watershed (default) or keep '
-                             'plain connected components (none)')
+                        help='separate touching nuclei with a watershed (default: from the interiors of a '
+                             'mask+border model, else on the distance transform) or keep plain connected '
+                             'components (none)')
+    parser.add_argument('--marker', type=float, default=None,
+                        help="mask+border models: the interior score (foreground x (1 - border)) a watershed "
+                             "marker needs (default: the model's, chosen on validation; else 0.5)")
     parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')

@@ -142,8 +142,9 @@ class WindowPlan:
 
     ``source`` (C, H', W') float32 is the network's view of the image (resized or padded);
     the network sees ``source[:, y:y + tile[0], x:x + tile[1]]`` for each ``(y, x)`` of
-    ``corners``; the results are blended with ``weight`` (a scalar or a (tile) array) into
-    a (H', W') map, which :meth:`to_image` maps back onto the image.
+    ``corners``; the results (K, tile) - one map per model output - are blended with
+    ``weight`` (a scalar or a (tile) array) into (K, H', W') maps, which :meth:`to_image`
+    maps back onto the image as (K, H, W).
     """
     mode: str
     source: np.ndarray
@@ -191,8 +192,10 @@ def _plan_resize(image, size):
     small = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
     source = small.transpose(2, 0, 1).astype(np.float32) / 255
 
-    def to_image(prob):
-        return cv2.resize(prob, (w, h), interpolation=cv2.INTER_LINEAR)
+    def to_image(maps):  # (K, size, size) or one (size, size) map
+        if maps.ndim == 2:
+            return cv2.resize(maps, (w, h), interpolation=cv2.INTER_LINEAR)
+        return np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps])
     return WindowPlan('resize', source, [(0, 0)], (size, size), 1.0, to_image)
 
 
@@ -230,8 +233,8 @@ def _padded_plan(mode, x, pad_h, pad_w, margin, multiple, windows, weight):
     source = reflect_pad(x, top, pad_h - top, left, pad_w - left)
     corners, tile = windows or ([(0, 0)], source.shape[1:])
 
-    def to_image(prob):
-        return prob[top:top + h, left:left + w]
+    def to_image(maps):
+        return maps[..., top:top + h, left:left + w]
     return WindowPlan(mode, source, corners, tuple(tile), weight, to_image)
 
 
@@ -239,15 +242,20 @@ class Canvas:
     """Weighted sum of window results (each un-transformed first) over a plan's source."""
 
     def __init__(self, h, w):
-        self.acc = np.zeros((h, w), np.float32)
+        self.shape = (h, w)
+        self.acc = None  # (K, h, w), K from the first result
         self.wsum = np.zeros((h, w), np.float32)
 
     def add(self, prob, y, x, k, flip, weight):
-        """Blend the (tile) result ``prob`` of the window at ``(y, x)`` that was seen
-        through the symmetry ``(k, flip)``."""
+        """Blend the result ``prob`` ((K, tile) maps, or one (tile) map) of the window at
+        ``(y, x)`` that was seen through the symmetry ``(k, flip)``."""
         prob = undihedral(prob, k, flip)
-        h, w = prob.shape
-        self.acc[y:y + h, x:x + w] += prob * weight
+        if prob.ndim == 2:
+            prob = prob[None]
+        if self.acc is None:
+            self.acc = np.zeros((len(prob),) + self.shape, np.float32)
+        h, w = prob.shape[1:]
+        self.acc[:, y:y + h, x:x + w] += prob * weight
         self.wsum[y:y + h, x:x + w] += weight
 
     def result(self):

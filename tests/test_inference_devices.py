@@ -59,7 +59,7 @@ def test_whole_mode_images_go_round_robin_to_every_device_with_the_same_results(
     assert [ctx for ctx, _ in counting.calls] == [CPUS[i % 3] for i in range(len(images))]
     assert runner.jobs_per_device == [3, 2, 2] and runner.forwards_per_device == [3, 2, 2]
     for a, b, img in zip(single, spread, images):
-        assert a.shape == b.shape == img.shape[:2]
+        assert a.shape == b.shape == (1,) + img.shape[:2]  # (K, H, W) maps, K = 1 here
         assert np.abs(a - b).max() < 1e-5
     # a batch goes on from the device after the last one used: 2 whole images, then the
     # 8 TTA inputs of a square image in batches of 4, each split 2-1-1 over 3 devices
@@ -132,6 +132,6 @@ def test_buckets_give_fewer_shapes_and_the_same_masks():
     # 3 images share the (144, 160) bucket: one batch of 3, split 2 + 1 over the devices
     assert bucket_calls == [(2, 1, 144, 160), (1, 1, 144, 160), (1, 1, 104, 160)]
     for a, b, img in zip(plain, bucketed, images):
-        assert a.shape == b.shape == img.shape[:2]
-        assert np.abs(a - b)[24:-24, 24:-24].max() < 1e-5
+        assert a.shape == b.shape == (1,) + img.shape[:2]
+        assert np.abs(a - b)[:, 24:-24, 24:-24].max() < 1e-5
         assert ((a > 0.5) != (b > 0.5)).mean() < 0.01

@@ -46,13 +46,13 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
     model = load_model(history.output, [mx.cpu()])
     assert (model.threshold, model.min_size, model.h) == (tuned['threshold'], tuned['min_size'], tuned['h'])
     seen = {}
-    real = predict_mod.instances_from_prob
+    real = predict_mod.instances_from_maps
 
     def spy(prob, **kw):
         seen.update(kw)
         return real(prob, **kw)
 
-    monkeypatch.setattr(predict_mod, 'instances_from_prob', spy)
+    monkeypatch.setattr(predict_mod, 'instances_from_maps', spy)
     from gluon_unet.data.synthetic import synthetic_nuclei
     import cv2
     os.makedirs(str(tmp_path / 'in'))

@@ -14,6 +14,7 @@ import numpy as np
 from mxnet import gluon
 
 from ..errors import UserError
+from .targets import make_target
 
 
 class SegmentationDataset(gluon.data.Dataset):
@@ -37,20 +38,23 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
+    target : {'mask', 'mask+border'}
+        What the network learns (:func:`gluon_unet.data.targets.make_target`).
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
-    target (1,H,W) float32)``, plus ``weight (1,H,W) float32`` when ``weight_fn`` is set.
+    target (K,H,W) float32)`` (K = 1 for ``mask``, 2 for ``mask+border``), plus
+    ``weight (1,H,W) float32`` when ``weight_fn`` is set.
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
-                 original_sizes=None):
+                 original_sizes=None, target='mask'):
         if len(images) != len(masks):
             raise ValueError('images and masks differ in length: %d vs %d' % (len(images), len(masks)))
         if instances is not None and len(instances) != len(images):
             raise ValueError('instances and images differ in length')
         self.images, self.masks, self._instances = images, masks, instances
         self.names = list(names) if names is not None else ['%05d' % i for i in range(len(images))]
-        self.transform, self.weight_fn = transform, weight_fn
+        self.transform, self.weight_fn, self.target = transform, weight_fn, target
         self.original_sizes = original_sizes
 
     def __len__(self):
@@ -75,7 +79,7 @@ class SegmentationDataset(gluon.data.Dataset):
             pick(self.images), pick(self.masks),
             None if self._instances is None else pick(self._instances),
             [self.names[i] for i in indices], transform, weight_fn,
-            None if self.original_sizes is None else [self.original_sizes[i] for i in indices])
+            None if self.original_sizes is None else [self.original_sizes[i] for i in indices], self.target)
 
     def sample(self, i, seed=None):
         """``(image HWC, mask HW, instances HW)`` of sample ``i`` after its transform with
@@ -92,7 +96,7 @@ class SegmentationDataset(gluon.data.Dataset):
         if image.dtype == np.uint8:
             image = image.astype(np.float32) * (1.0 / 255)
         image = np.ascontiguousarray(image.transpose(2, 0, 1), dtype=np.float32)
-        target = mask.astype(np.float32)[None]
+        target = make_target(mask, inst, self.target)
         if self.weight_fn is None:
             # No all-ones weight map: it would be batched, copied to every device and
             # multiplied in for nothing.

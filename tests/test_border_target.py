@@ -1,0 +1,212 @@
+"""--target mask+border: border targets from instance labels, a two-output network, its
+loss, the marker watershed from the interiors, and export/predict of old and new models."""
+import json
+import os
+import subprocess
+import sys
+
+import cv2
+import mxnet as mx
+import numpy as np
+import pytest
+from scipy import ndimage as ndi
+
+from gluon_unet.config import TrainConfig
+from gluon_unet.data.augment import make_transform
+from gluon_unet.data.dataset import SegmentationDataset
+from gluon_unet.data.targets import border_map, make_target
+from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
+from gluon_unet.inference import load_model, predict_image
+from gluon_unet.losses import SegmentationLoss
+from gluon_unet.postprocess import instances_from_maps, instances_from_prob, tune_postprocess
+from gluon_unet.metrics import dsb_image_score
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+
+
+def _disc(shape, cy, cx, r):
+    yy, xx = np.mgrid[:shape[0], :shape[1]]
+    return (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
+
+
+def _touching_pair(shape=(48, 64), r=12, dist=16):
+    """Two discs whose centres are ``dist`` < 2r apart: they overlap, split down the middle."""
+    labels = np.zeros(shape, np.int32)
+    cy, cx = shape[0] // 2, shape[1] // 2
+    a, b = _disc(shape, cy, cx - dist // 2, r), _disc(shape, cy, cx + dist // 2, r)
+    labels[a] = 1
+    labels[b & (np.arange(shape[1])[None, :] >= cx)] = 2
+    labels[a & ~b] = 1
+    return labels
+
+
+def test_touching_nuclei_get_a_border_between_them_and_keep_separate_interiors():
+    labels = _touching_pair()
+    border = border_map(labels)
+    # The line where the two nuclei meet is border on both sides of it...
+    meet = (labels == 1) & (ndi.maximum_filter(labels, footprint=ndi.generate_binary_structure(2, 1)) == 2)
+    assert meet.any() and border[meet].all()
+    assert border[:, 32].sum() >= meet[:, 31].sum()
+    # ...so the interiors (nucleus minus border) are two objects, one inside each nucleus.
+    interior, n = ndi.label((labels > 0) & ~border)
+    assert n == 2
+    assert {int(labels[interior == k].max()) for k in (1, 2)} == {1, 2}
+    # The contour of an isolated nucleus: one pixel inside and one outside it, nothing far away.
+    assert not border[labels == 0][ndi.distance_transform_edt(labels == 0)[labels == 0] > 3].any()
+
+
+def test_the_border_of_small_nuclei_does_not_vanish_and_a_narrow_gap_is_filled():
+    labels = np.zeros((20, 30), np.int32)
+    labels[8:11, 4:7] = 1  # 3x3 nucleus: its contour is still drawn, its centre stays interior
+    labels[5:15, 12:17] = 2
+    labels[5:15, 20:25] = 3  # 3 px of background between nuclei 2 and 3
+    border = border_map(labels)
+    assert border[8:11, 4:7].sum() == 8 and not border[9, 5]
+    assert border[5:15, 17:20].all()  # the gap between 2 and 3 is border
+    assert not border[5:15, 9].any()  # 3 px from nucleus 1 and from nucleus 2: an ordinary background pixel
+
+
+def test_make_target_channels():
+    labels = _touching_pair()
+    mask = (labels > 0).astype(np.uint8)
+    plain = make_target(mask, labels, 'mask')
+    both = make_target(mask, labels, 'mask+border')
+    assert plain.shape == (1,) + labels.shape and both.shape == (2,) + labels.shape
+    assert both.dtype == np.float32 and np.array_equal(both[0], plain[0])
+    assert np.array_equal(both[1] > 0, border_map(labels))
+    with pytest.raises(ValueError):
+        make_target(mask, labels, 'borders')
+
+
+def test_the_dataset_builds_borders_from_the_cropped_and_flipped_instances():
+    labels = np.stack([_touching_pair(), _touching_pair()[::-1, ::-1].copy()])
+    images = (labels > 0).astype(np.uint8)[..., None] * 200
+    ds = SegmentationDataset(images, (labels > 0).astype(np.uint8), labels,
+                             transform=make_transform(augment=True, crop=32), target='mask+border')
+    for seed in range(6):
+        image, target = ds[(0, seed)]
+        _, _, inst = ds.sample(0, seed)
+        assert image.shape == (1, 32, 32) and target.shape == (2, 32, 32)
+        assert np.array_equal(target[1] > 0, border_map(inst))  # borders follow the crop
+        assert np.array_equal(target[0] > 0, inst > 0)
+    assert ds.subset([1]).target == 'mask+border'
+
+
+def test_the_loss_has_one_dice_term_per_channel():
+    rng = np.random.RandomState(0)
+    logits = mx.nd.array(rng.randn(2, 2, 16, 16))
+    target = mx.nd.array(rng.rand(2, 2, 16, 16) > 0.7)
+    loss = SegmentationLoss('bce_dice')
+    both = loss(logits, target).asnumpy()
+    per_channel = [loss(logits[:, c:c + 1], target[:, c:c + 1]).asnumpy() for c in range(2)]
+    # BCE is a mean over all pixels, Dice a mean over the channels: the 2-channel loss is
+    # the mean of the two 1-channel losses.
+    assert np.allclose(both, (per_channel[0] + per_channel[1]) / 2, atol=1e-6)
+    wbce = SegmentationLoss('wbce')(logits, target, mx.nd.ones((2, 1, 16, 16)) * 2).asnumpy()
+    assert np.allclose(wbce, 2 * SegmentationLoss('bce')(logits, target).asnumpy(), atol=1e-6)
+
+
+def test_a_border_map_separates_nuclei_the_distance_watershed_merges():
+    labels = _touching_pair(r=12, dist=6)  # heavy overlap: no neck for the distance transform
+    prob = np.where(labels > 0, 0.95, 0.02).astype(np.float32)
+    merged = instances_from_prob(prob)
+    assert merged.max() == 1
+    border = border_map(labels).astype(np.float32) * 0.9
+    split = instances_from_maps(np.stack([prob, border]))
+    assert split.max() == 2
+    assert dsb_image_score(split, labels) > 0.7 > dsb_image_score(merged, labels)
+    # One map, or a 1-channel stack, is the plain foreground path.
+    assert np.array_equal(instances_from_maps(prob), merged)
+    assert np.array_equal(instances_from_maps(prob[None]), merged)
+    # A small nucleus swallowed by its border is kept as an object, not lost.
+    small = np.zeros((24, 24), np.int32)
+    small[10:12, 10:12] = 1
+    maps = np.stack([np.where(small > 0, 0.9, 0.0), border_map(small) * 0.9]).astype(np.float32)
+    assert instances_from_maps(maps).max() == 1
+    with pytest.raises(ValueError):
+        instances_from_maps(np.zeros((3, 8, 8), np.float32))
+
+
+def test_the_search_tunes_the_marker_for_border_maps():
+    pairs = []
+    for dist in (10, 12):
+        labels = _touching_pair(r=12, dist=dist)
+        prob = np.where(labels > 0, 0.95, 0.02).astype(np.float32)
+        # A faint border: the default marker score (0.5) keeps it as one interior.
+        border = border_map(labels).astype(np.float32) * 0.45
+        pairs.append((np.stack([prob, border]), labels))
+    result = tune_postprocess(pairs)
+    assert 'marker' in result and 'h' not in result
+    assert result['score'] > result['base_score'] and result['marker'] > 0.5
+
+
+def test_train_export_predict_a_border_model_and_a_mask_model(tiny, tmp_path):
+    runs = {}
+    for target in ('mask', 'mask+border'):
+        runs[target] = fit(tiny(target=target, loss='bce_dice', val_split=0.25, crop=32, size=32,
+                                output=str(tmp_path / target.replace('+', '_'))), verbose=False)
+    new = json.load(open(os.path.join(runs['mask+border'].output, 'export', 'model.json')))
+    old = json.load(open(os.path.join(runs['mask'].output, 'export', 'model.json')))
+    assert new['outputs'] == ['foreground', 'border'] and new['config']['model']['target'] == 'mask+border'
+    assert 'marker' in new['postprocess'] and 'h' in old['postprocess']
+    # An export from before borders existed: no 'outputs', no target in its config.
+    legacy = str(tmp_path / 'legacy')
+    os.makedirs(legacy)
+    for name in ('model-symbol.json', 'model-0000.params'):
+        os.link(os.path.join(runs['mask'].output, 'export', name), os.path.join(legacy, name))
+    del old['outputs'], old['config']['model']['target'], old['postprocess']
+    json.dump(old, open(os.path.join(legacy, 'model.json'), 'w'))
+
+    from gluon_unet.data.synthetic import synthetic_nuclei
+    image = synthetic_nuclei(1, size=80, channels=1, seed=3)[0][0]
+    for path, k in ((runs['mask+border'].output, 2), (runs['mask'].output, 1), (legacy, 1)):
+        model = load_model(path, [mx.cpu()])
+        assert model.border == (k == 2)
+        whole = predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole', maps=True)
+        two = load_model(path, [mx.cpu(0), mx.cpu(1)])
+        tiled = predict_image(two.net, two.meta, image, two.ctxs, mode='tile', tta=True, maps=True)
+        resized = predict_image(model.net, model.meta, image, [mx.cpu()], mode='resize', maps=True)
+        assert whole.shape == tiled.shape == resized.shape == (k, 80, 80)
+        assert np.isfinite(tiled).all() and 0 <= tiled.min() and tiled.max() <= 1
+        assert np.array_equal(predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole'), whole[0])
+    # bin/predict on both kinds, with TTA, tiles and the submission.
+    cv2.imwrite(str(tmp_path / 'a.png'), image)
+    for path in (runs['mask+border'].output, legacy):
+        out = str(tmp_path / ('pred_' + os.path.basename(path)))
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', path, '--input',
+                               str(tmp_path / 'a.png'), '--output', out, '--tta', '--mode', 'tile', '--marker', '0.4',
+                               '--rle', out + '/sub.csv', '--no-progress'],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert os.path.exists(os.path.join(out, 'a_labels.png')) and os.path.exists(out + '/sub.csv')
+
+
+def test_bad_target_values_are_one_line(tmp_path):
+    for flags, words in ((['--target', 'borders'], '--target must be one of mask, mask+border'),
+                         (['--target', 'mask+border', '--loss', 'ce', '--classes', '3'], '--target mask+border')):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'r'),
+                               '--epochs', '1', '--no-progress'] + flags, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'r')
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', str(tmp_path),
+                           '--input', str(tmp_path), '--output', str(tmp_path / 'o'), '--marker', '1.5'],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and '--marker must be in (0, 1)' in proc.stderr, proc.stderr
+
+
+def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
+    from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
+    from gluon_unet.export import read_sidecar
+    for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
+                       ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of")):
+        folder = export_brightness_model(str(tmp_path / str(len(words))), dict(BRIGHTNESS_SIDECAR, **bad))
+        with pytest.raises(UserError, match=words.replace('(', r'\(')):
+            read_sidecar(os.path.join(folder, 'model.json'))
+
+
+def test_resume_refuses_a_changed_target(tiny):
+    from gluon_unet.config import resume_conflicts
+    a, b = tiny(), tiny(target='mask+border')
+    assert resume_conflicts(TrainConfig.from_dict(a.to_dict()), b) == ['--target mask (now mask+border)']
+    assert b.model.outputs == 2 and a.model.outputs == 1
