@@ -58,13 +58,23 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         ``whole`` mode: pad to :func:`~gluon_unet.tiling.bucket_side` sizes.
     """
     plan = plan_image(image, meta, mode, overlap, buckets)
-    canvas = Canvas(*plan.source.shape[1:])
+    # Held in a dict the last step empties: this generator stays suspended at its last
+    # yield while ``on_done`` post-processes, and must not keep the canvas alive meanwhile.
+    state = {'canvas': Canvas(*plan.source.shape[1:]), 'plan': plan}
+    weight = plan.weight
     for y, x, window in plan.windows():
         for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
             def add(prob, y=y, x=x, k=k, flip=flip):
-                canvas.add(prob, y, x, k, flip, plan.weight)
+                state['canvas'].add(prob, y, x, k, flip, weight)
             yield _Job(np.ascontiguousarray(dihedral(window, k, flip)), add)
-    yield _Done(lambda: on_done(np.ascontiguousarray(plan.to_image(canvas.result()), np.float32), plan.mode))
+    del plan, window
+
+    def finish():
+        canvas, done = state.pop('canvas'), state.pop('plan')
+        maps, used = np.ascontiguousarray(done.to_image(canvas.result()), np.float32), done.mode
+        del canvas, done  # only the maps stay while on_done post-processes
+        on_done(maps, used)
+    yield _Done(finish)
 
 
 class _Scheduler:

@@ -140,7 +140,8 @@ def reflect_pad(x, top, bottom, left, right):
 class WindowPlan:
     """How one image goes through the network.
 
-    ``source`` (C, H', W') float32 is the network's view of the image (resized or padded);
+    ``source`` (C, H', W') is the network's view of the image (resized, float32 in [0, 1], or
+    padded, uint8: a quarter of the memory on large images, scaled by :meth:`windows`);
     the network sees ``source[:, y:y + tile[0], x:x + tile[1]]`` for each ``(y, x)`` of
     ``corners``; the results (K, tile) - one map per model output - are blended with
     ``weight`` (a scalar or a (tile) array) into (K, H', W') maps, which :meth:`to_image`
@@ -154,10 +155,14 @@ class WindowPlan:
     to_image: Callable[[np.ndarray], np.ndarray]
 
     def windows(self):
-        """``(y, x, window)`` for every corner; each window is a (C, tile) view."""
+        """``(y, x, window)`` for every corner; each window is a (C, tile) float32 array
+        in [0, 1] (the uint8 image / 255, as in training)."""
         th, tw = self.tile
         for y, x in self.corners:
-            yield y, x, self.source[:, y:y + th, x:x + tw]
+            window = self.source[:, y:y + th, x:x + tw]
+            if window.dtype == np.uint8:
+                window = window.astype(np.float32) / np.float32(255)
+            yield y, x, window
 
 
 def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
@@ -179,7 +184,7 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
     mode = choose_mode(mode, h, w, meta)
     if mode == 'resize':
         return _plan_resize(image, tile_size(meta))
-    x = image.transpose(2, 0, 1).astype(np.float32) / 255
+    x = image.transpose(2, 0, 1)  # stays uint8 until a window is cut out
     if mode == 'whole':
         return _plan_whole(x, pooling_multiple(meta), buckets)
     return _plan_tiles(x, tile_size(meta), pooling_multiple(meta), overlap)
@@ -259,4 +264,8 @@ class Canvas:
         self.wsum[y:y + h, x:x + w] += weight
 
     def result(self):
-        return self.acc / np.maximum(self.wsum, 1e-12)
+        """The blended (K, h, w) maps, computed in place: the canvas is used up."""
+        np.maximum(self.wsum, 1e-12, out=self.wsum)
+        self.acc /= self.wsum
+        self.wsum = None
+        return self.acc

@@ -59,3 +59,48 @@ def test_objects_at_the_image_border_and_single_pixels():
     prob[10:18, 10:30] = 0.9  # two touching squares
     prob[12:16, 18:22] = 0.9
     assert np.array_equal(postprocess.instances_from_prob(prob), _whole_image(prob))
+
+
+@pytest.mark.parametrize('seed', range(3))
+@pytest.mark.parametrize('kw', [{}, {'h': 2.0, 'smooth': 2.0}])
+def test_a_group_as_large_as_the_image_is_solved_in_strips_with_the_same_labels(seed, kw, monkeypatch):
+    """Dense images chain every nucleus into one group; it is cut into strips of rows."""
+    prob = _prob(seed, reps=(6, 5))  # 768 x 640, ~60 % foreground in touching clusters
+    used = []
+    real = postprocess._Solver.strips
+    monkeypatch.setattr(postprocess._Solver, 'strips', lambda self, *a: used.append(1) or real(self, *a))
+    monkeypatch.setattr(postprocess, 'MAX_GROUP_PIXELS', 64 * 64)
+    monkeypatch.setattr(postprocess, 'STRIP_ROWS', 96)
+    new = postprocess.instances_from_prob(prob, **kw)
+    assert used  # the strips did run
+    assert np.array_equal(new, _whole_image(prob, **kw))
+
+
+def test_predicting_a_dense_image_holds_a_few_image_sized_arrays_at_most(tmp_path, monkeypatch):
+    """Host memory of bin/predict's numpy side (tiles, blending, post-processing, outputs)
+    on a dense 1024 px image, counted by tracemalloc (numpy reports its allocations to
+    it; the network's MXNet buffers are not counted: they depend on the batch, not the
+    image). The whole-image watershed alone needed ~110 bytes a pixel. Strips are made
+    small here so that their fixed cost (~110 bytes x MAX_GROUP_PIXELS, 29 MB by
+    default) does not hide what grows with the image."""
+    import tracemalloc
+    from conftest import export_brightness_model
+    from gluon_unet.predict import predict_paths
+
+    monkeypatch.setattr(postprocess, 'MAX_GROUP_PIXELS', 64 * 64)
+    monkeypatch.setattr(postprocess, 'STRIP_ROWS', 32)
+    model = export_brightness_model(str(tmp_path / 'model'))
+    mask = synthetic_nuclei(1, size=128, channels=1, seed=3)[1][0] > 0
+    base = cv2.GaussianBlur(np.where(mask, 210, 40).astype(np.uint8), (0, 0), 1.5)
+    image = np.tile(base, (8, 8))
+    cv2.imwrite(str(tmp_path / 'big.png'), image)
+    predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'warm'), progress=False, mode='whole')
+    tracemalloc.start()
+    try:
+        predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'out'), progress=False, mode='tile')
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    labels = cv2.imread(str(tmp_path / 'out' / 'big_labels.png'), cv2.IMREAD_UNCHANGED)
+    assert labels.max() > 500  # a dense image, many nuclei
+    assert peak / image.size < 40, '%.1f bytes per pixel' % (peak / image.size)
