@@ -22,7 +22,7 @@ _CHOICES = {
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
-    'normalize': ('none', 'invert', 'percentile', 'auto'),
+    'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'target': ('mask', 'mask+border'),
 }
 
@@ -77,7 +77,9 @@ class TrainConfig:
                                           'i.e. ~/.cache/gluon_unet; never inside your data)')
     normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
-                                  '(stretch 0.5..99.8th percentile to 0..255), auto (both), none')
+                                  '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
+                                  'stain (colour tissue: its hematoxylin channel, nuclei bright; grey images: '
+                                  'auto), none')
     skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
     augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
     elastic: bool = _opt(False, 'elastic deformation augmentation')
