@@ -1,7 +1,7 @@
 """The fixed validation protocol for DSB 2018 stage1_train: a seeded, stratified 10 % hold-out.
 
 Every image is given a *kind* from its pixels (no labels needed), by the package's
-:func:`gluon_unet.data.io.image_kind`:
+:func:`gluon_unet.data.io.image_kind` (the groups of ``bin/train --balance groups``):
 
 * ``he``           colour image (the three channels differ): H&E / stained tissue
                    (the package calls it ``colour``);

@@ -90,7 +90,7 @@ BRIGHT_BACKGROUND = 80
 #: the nuclei without it, 59 and 90 with it (4641 vs 4583 nuclei found); exports made
 #: before it existed have no ``normalize_denoise`` and are predicted without it.
 DENOISE_SIGMA = 1.0
-#: Image kinds (:func:`image_kind`).
+#: Image kinds (:func:`image_kind`), the automatic ``--balance groups`` groups.
 KINDS = ('fluorescence', 'brightfield', 'colour')
 #: Median grey above which a grey image is ``brightfield`` (:func:`image_kind`); as in
 #: ``benchmarks/dsb_split.py``'s fixed DSB split, which uses this function.

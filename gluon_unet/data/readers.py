@@ -249,9 +249,9 @@ def load_dataset(path, masks=None, options=None, **overrides):
     SegmentationDataset
         ``images`` (N,S,S,C) uint8, ``masks`` (N,S,S) uint8 0/1, ``instances`` (N,S,S)
         int32 (memory-mapped when cached; ragged per-sample arrays in crop mode),
-        ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], plus the
-        attributes ``channels``, ``layout`` and ``kinds`` (:func:`~.io.image_kind` of
-        every image).
+        ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], ``groups``
+        (:func:`appearance_groups`), plus the attributes ``channels``, ``layout`` and
+        ``kinds`` (:func:`~.io.image_kind` of every image).
 
     Raises
     ------
@@ -263,8 +263,18 @@ def load_dataset(path, masks=None, options=None, **overrides):
     layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired)
     cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
-        return _load_cached(path, samples, layout, opts, cache_dir)
-    return _load_in_memory(path, samples, layout, opts)
+        ds = _load_cached(path, samples, layout, opts, cache_dir)
+    else:
+        ds = _load_in_memory(path, samples, layout, opts)
+    ds.groups = appearance_groups(samples, ds.kinds)
+    return ds
+
+
+def appearance_groups(samples, kinds):
+    """The ``--balance groups`` group of every sample: its CSV ``group`` column when the
+    CSV has one, else its image kind (:func:`~.io.image_kind`: fluorescence, brightfield
+    or colour)."""
+    return [s.group if s.group is not None else k for s, k in zip(samples, kinds)]
 
 
 def _load_in_memory(path, samples, layout, opts):
