@@ -1,8 +1,10 @@
 """The fixed validation protocol for DSB 2018 stage1_train: a seeded, stratified 10 % hold-out.
 
-Every image is given a *kind* from its pixels (no labels needed):
+Every image is given a *kind* from its pixels (no labels needed), by the package's
+:func:`gluon_unet.data.io.image_kind` (the groups of ``bin/train --balance groups``):
 
-* ``he``           colour image (the three channels differ): H&E / stained tissue;
+* ``he``           colour image (the three channels differ): H&E / stained tissue
+                   (the package calls it ``colour``);
 * ``brightfield``  grey image whose median is above 127 (bright background, dark nuclei);
 * ``fluorescence`` grey image with a dark background (bright nuclei).
 
@@ -24,26 +26,28 @@ import os
 import shutil
 import sys
 
-import cv2
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-from gluon_unet.utils import atomic_open  # noqa: E402  (the repository root is on the path now)
+# noqa: E402 below: the repository root is on the path now
+from gluon_unet.data import io  # noqa: E402
+from gluon_unet.errors import UserError  # noqa: E402
+from gluon_unet.utils import atomic_open  # noqa: E402
 DEFAULT_DATA = os.path.join(HERE, '..', '..', 'shared', 'data', 'dsb2018', 'stage1_train')
 IDS_FILE = os.path.join(HERE, 'dsb_holdout_ids.txt')
 KINDS = ('fluorescence', 'brightfield', 'he')
+#: The package's kind names -> the names in this protocol's files (kinds.tsv).
+_NAMES = {'colour': 'he'}
 
 
 def image_kind(path):
     """'he', 'brightfield' or 'fluorescence' for one DSB image file (see module doc)."""
-    img = cv2.imread(path, cv2.IMREAD_COLOR)  # BGR, alpha dropped
-    if img is None:
-        raise SystemExit('error: cannot read %s' % path)
-    b, g, r = (img[..., i].astype(np.int16) for i in range(3))
-    if np.abs(b - g).max() > 0 or np.abs(b - r).max() > 0:
-        return 'he'
-    return 'brightfield' if np.median(img[..., 0]) > 127 else 'fluorescence'
+    try:
+        kind = io.image_kind(io.read_image(path))
+    except UserError as e:
+        raise SystemExit('error: %s' % e) from None
+    return _NAMES.get(kind, kind)
 
 
 def kinds_of(data):

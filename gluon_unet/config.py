@@ -22,7 +22,8 @@ _CHOICES = {
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
-    'normalize': ('none', 'invert', 'percentile', 'auto'),
+    'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
+    'balance': ('none', 'groups'),
     'target': ('mask', 'mask+border'),
 }
 
@@ -77,7 +78,12 @@ class TrainConfig:
                                           'i.e. ~/.cache/gluon_unet; never inside your data)')
     normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
-                                  '(stretch 0.5..99.8th percentile to 0..255), auto (both), none')
+                                  '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
+                                  'stain (colour tissue: its hematoxylin channel, nuclei bright; grey images: '
+                                  'auto), none')
+    balance: str = _opt('none', 'groups: draw every appearance group equally often per epoch (same epoch '
+                                'length; rare groups repeat). Groups: the CSV\'s group column, else from the '
+                                'pixels (fluorescence, brightfield, colour); validation is not resampled')
     skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
     augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
     elastic: bool = _opt(False, 'elastic deformation augmentation')
@@ -217,7 +223,7 @@ class TrainConfig:
 # with any device count). --epochs may change under the constant schedule only: the
 # others are shaped by the run's length.
 RESUME_FIXED = ('optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay', 'lr_schedule', 'warmup_epochs',
-                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype')
+                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype', 'balance')
 
 
 def resume_conflicts(saved, current):

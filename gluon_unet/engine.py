@@ -519,6 +519,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         cfg.workers = default_workers(len(gpus))
         workers_note = ' (default for %d GPU(s); --workers to change)' % len(gpus)
     train_ds, val_ds, data_id = prepare_data(cfg, *datasets, strategy.num_workers)
+    groups = getattr(train_ds, 'groups', None)
+    if cfg.balance == 'groups' and groups is None:
+        raise UserError('--balance groups: the training images have no appearance groups (generated demo '
+                        'nuclei, or a dataset of your own without .groups); use --balance none')
     resume_path = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
@@ -527,9 +531,11 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     amp_dtype = init_amp(cfg, ctxs)
     net = build_network(cfg, ctxs, amp_dtype, user_net)
     strategy.prepare_network(net, ctxs)
+    log_groups(log, groups, cfg.balance)
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=strategy.num_workers, shard=strategy.rank,
-                         pin_device=gpus[0] if gpus else None)
+                         pin_device=gpus[0] if gpus else None,
+                         groups=groups if cfg.balance == 'groups' else None)
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
@@ -583,6 +589,20 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
     attach_transforms(cfg, train_ds, val_ds)
     return train_ds, val_ds, data_fingerprint(train_ds, val_ds, num_workers)
+
+
+def log_groups(log, groups, balance):
+    """Log the training images' appearance groups and what ``--balance`` does with them."""
+    if groups is None:
+        return
+    names, counts = np.unique(np.asarray(groups), return_counts=True)
+    sizes = ', '.join('%s %d' % (n, c) for n, c in zip(names, counts))
+    if balance == 'groups':
+        log.info('appearance groups of the training images: %s; --balance groups draws each ~%d times per epoch',
+                 sizes, len(groups) // len(names))
+    else:
+        log.info('appearance groups of the training images: %s (--balance groups would draw them equally often)',
+                 sizes)
 
 
 def find_resume_point(cfg, data_id, strategy):

@@ -20,7 +20,7 @@ import mxnet as mx
 from . import __version__, add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
-from .data.io import NORMALIZE_MODES
+from .data.io import DENOISE_SIGMA, NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
@@ -90,6 +90,8 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             'normalization': 'uint8 / 255 per channel (16-bit and float images: '
                              'percentile-scaled to uint8 first)',
             'normalize': cfg.normalize,
+            # The denoise before the percentile stretch; exports without it predate it (0).
+            'normalize_denoise': DENOISE_SIGMA,
             'threshold': cfg.threshold,
             'epoch': meta.get('epoch'),
             'metrics': meta.get('metrics', {}),
@@ -294,6 +296,9 @@ def read_sidecar(path):
     target = model.get('target') if isinstance(model, dict) else None
     if target is not None and target not in OUTPUTS:
         raise bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
+    denoise = meta.get('normalize_denoise')
+    if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
+        raise bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))
     for where, holder in (('normalize', meta), ('config.normalize', config or {})):
         value = holder.get('normalize')
         if value is not None and value not in NORMALIZE_MODES:

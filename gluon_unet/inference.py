@@ -273,6 +273,7 @@ class LoadedModel:
     h: float = 0.5
     marker: float = 0.5  # mask+border models: the interior score of a marker
     border: bool = False  # a mask+border model (its outputs: foreground, border)
+    denoise: float = 0.0  # Gaussian sigma before the percentile stretch (0: exports from before it)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -289,7 +290,8 @@ def load_model(model, ctxs):
     The threshold, watershed ``h`` and minimum object size are those chosen on the
     validation split after training when the sidecar has them (``postprocess``), else
     the training threshold (0.5 if unknown), 0.5 and 0; ``normalize`` the
-    ``--normalize`` it was trained with ('none' for exports from before it existed).
+    ``--normalize`` it was trained with ('none' for exports from before it existed), and
+    ``denoise`` its denoise before the stretch (0 for exports from before that existed).
     """
     from .export import load_exported
 
@@ -302,4 +304,5 @@ def load_model(model, ctxs):
     return LoadedModel(net, meta, list(ctxs), model_channels(net, meta),
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
                        int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
-                       float(tuned.get('marker') or 0.5), predicts_border(meta))
+                       float(tuned.get('marker') or 0.5), predicts_border(meta),
+                       float(meta.get('normalize_denoise') or 0.0))

@@ -14,7 +14,8 @@ Inference is split in three modules, as nnU-Net does:
 
 Inputs are the uint8 image / 255, as in training (16-bit and float images are
 percentile-scaled to uint8 first by :mod:`gluon_unet.data.io`), after the model's
-``--normalize`` (read from the export's sidecar) is applied to the whole image.
+``--normalize`` (read from the export's sidecar) is applied to the whole image, with the
+channel conversion, by the function training uses (:func:`~gluon_unet.data.io.input_image`).
 """
 import argparse
 import csv
@@ -28,7 +29,7 @@ from typing import Optional
 import cv2
 import numpy as np
 
-from .data.io import IMAGE_TYPES, is_image_file, normalize_image, read_image
+from .data.io import IMAGE_TYPES, input_image, is_image_file, read_image
 from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
 from .export import card_summary
@@ -295,11 +296,11 @@ class _Run:
     def _image_jobs(self, index, image_id, path):
         cfg = self.config
         stored = read_image(path)
-        image = match_channels(stored, self.model.channels, path)
-        net_input = normalize_image(image, self.model.normalize)
+        net_input = input_image(stored, self.model.channels, self.model.normalize, self.model.denoise,
+                                convert=lambda img, channels: match_channels(img, channels, path))
         # Overlays are drawn on the image as stored (colour stays colour for a grey model).
         shown = stored if cfg.overlay else None
-        rec = {'id': image_id, 'image': path, 'height': image.shape[0], 'width': image.shape[1]}
+        rec = {'id': image_id, 'image': path, 'height': stored.shape[0], 'width': stored.shape[1]}
 
         def guarded(fn):
             def run():

@@ -29,7 +29,7 @@ from ..errors import UserError
 from ..utils import dir_mode
 
 #: Bump when decoding or preprocessing changes, so old caches are not reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: image kinds in the meta, denoise before the percentile stretch
 log = logging.getLogger(__name__)
 
 

@@ -40,6 +40,8 @@ class SegmentationDataset(gluon.data.Dataset):
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
     target : {'mask', 'mask+border'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
+    groups : list of str, optional
+        Each sample's appearance group (``--balance groups``); None = unknown.
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
     target (K,H,W) float32)`` (K = 1 for ``mask``, 2 for ``mask+border``), plus
@@ -47,7 +49,7 @@ class SegmentationDataset(gluon.data.Dataset):
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
-                 original_sizes=None, target='mask'):
+                 original_sizes=None, target='mask', groups=None):
         if len(images) != len(masks):
             raise ValueError('images and masks differ in length: %d vs %d' % (len(images), len(masks)))
         if instances is not None and len(instances) != len(images):
@@ -56,6 +58,7 @@ class SegmentationDataset(gluon.data.Dataset):
         self.names = list(names) if names is not None else ['%05d' % i for i in range(len(images))]
         self.transform, self.weight_fn, self.target = transform, weight_fn, target
         self.original_sizes = original_sizes
+        self.groups = None if groups is None else list(groups)
 
     def __len__(self):
         return len(self.images)
@@ -79,7 +82,8 @@ class SegmentationDataset(gluon.data.Dataset):
             pick(self.images), pick(self.masks),
             None if self._instances is None else pick(self._instances),
             [self.names[i] for i in indices], transform, weight_fn,
-            None if self.original_sizes is None else [self.original_sizes[i] for i in indices], self.target)
+            None if self.original_sizes is None else [self.original_sizes[i] for i in indices], self.target,
+            None if self.groups is None else [self.groups[i] for i in indices])
 
     def sample(self, i, seed=None):
         """``(image HWC, mask HW, instances HW)`` of sample ``i`` after its transform with
@@ -136,14 +140,23 @@ class EpochSampler(gluon.data.Sampler):
     step k of all workers together is exactly batch k of one process using a
     ``num_shards`` times larger batch - distributed and single-process runs see the same
     global batches.
+
+    With ``groups`` (one label per index, ``--balance groups``) every group is drawn
+    equally often per epoch, in an epoch of the same length (:func:`balanced_order`):
+    a rare group's samples repeat, each repeat with its own augmentation seed. The order
+    is computed here, in the main process, from ``(seed, epoch)`` alone, so it is the
+    same with any number of loader workers, and every shard deals from the same order.
     """
 
-    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1):
+    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1, groups=None):
         if not 0 <= shard < num_shards:
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
+        if groups is not None and len(groups) != length:
+            raise ValueError('groups has %d labels for %d samples' % (len(groups), length))
         self.length, self.shuffle, self.seed = length, shuffle, seed
         self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
         self.block = max(1, int(block))
+        self.groups = None if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
 
     def set_epoch(self, epoch, skip_samples=0):
         """Select the epoch's order; ``skip_samples`` resumes an interrupted epoch."""
@@ -158,25 +171,68 @@ class EpochSampler(gluon.data.Sampler):
     def __len__(self):
         return self._per_shard() - self.skip
 
-    def order(self):
-        """The indices this shard visits in the current epoch."""
-        rng = np.random.default_rng([self.seed, self.epoch])
-        order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
+    def _epoch(self):
+        """``(indices, seeds)`` of the whole epoch in visiting order, before sharding."""
+        if self.groups is None:
+            rng = np.random.default_rng([self.seed, self.epoch])
+            order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
+            return order, self.seeds()[order]
+        order = balanced_order(self.groups, self.length, np.random.default_rng([self.seed, self.epoch, 2]))
+        # By position, not by index: the repeats of a rare group's sample differ.
+        return order, np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
+
+    def _shard(self, arr):
+        """This shard's part of an epoch-long array."""
         if self.num_shards == 1:
-            return order
+            return arr
         per = self._per_shard()
-        padded = np.resize(order, per * self.num_shards)  # wraps around to pad
+        padded = np.resize(arr, per * self.num_shards)  # wraps around to pad
         blocks = padded.reshape(-1, self.num_shards, self.block)  # (round, shard, block)
         return blocks[:, self.shard].reshape(-1)
 
+    def order(self):
+        """The indices this shard visits in the current epoch."""
+        return self._shard(self._epoch()[0])
+
     def seeds(self):
-        """Each sample's augmentation seed in the current epoch, by sample index."""
+        """Each sample's augmentation seed in the current epoch, by sample index (without
+        ``groups``; with them the seeds go by position, see :meth:`__iter__`)."""
         return np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
 
     def __iter__(self):
-        base = self.seeds()
-        for i in self.order()[self.skip:]:
-            yield int(i), int(base[i])
+        order, seeds = (self._shard(a) for a in self._epoch())
+        for i, seed in zip(order[self.skip:], seeds[self.skip:]):
+            yield int(i), int(seed)
+
+
+def balanced_order(groups, length, rng):
+    """An epoch of ``length`` indices drawing every group equally often, shuffled.
+
+    Parameters
+    ----------
+    groups : (N,) int array
+        Group of every index, 0 .. G-1.
+    length : int
+        Indices to draw; each group gets ``length // G`` (the remainder goes to random groups).
+    rng : np.random.Generator
+
+    Returns
+    -------
+    (length,) int64
+        A group smaller than its share repeats its samples - every sample once per
+        reshuffled pass before any sample a second time, so repeats are as even as they
+        can be; a larger group contributes a random subset (a different one each epoch).
+    """
+    groups = np.asarray(groups)
+    names = np.unique(groups)
+    share = np.full(len(names), length // len(names))
+    share[rng.permutation(len(names))[:length % len(names)]] += 1
+    parts = []
+    for g, k in zip(names, share):
+        members = np.flatnonzero(groups == g)
+        passes = -(-k // len(members))
+        parts.append(np.concatenate([rng.permutation(members) for _ in range(passes)])[:k])
+    return rng.permutation(np.concatenate(parts)).astype(np.int64)
 
 
 def split_indices(n, val_fraction, seed):
@@ -208,8 +264,10 @@ def default_workers(num_gpus, cores=None):
     return min(2, cores)
 
 
-def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0, pin_device=None):
-    """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`.
+def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0, pin_device=None,
+                groups=None):
+    """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`
+    (``groups``: balance them, see there).
 
     Call :func:`set_loader_epoch` before each epoch to reshuffle. With ``pin_device``
     (a GPU id), batches arrive in page-locked memory, which the copies to the GPUs read
@@ -217,7 +275,7 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     ``weight_fn``, ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
-                           block=batch_size)
+                           block=batch_size, groups=groups)
     batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
     kwargs = {}
     if workers > 0:

@@ -13,6 +13,8 @@ Three layouts, auto-detected (``layout`` forces one):
     instance label image (mask file k -> id k, in sorted file order).
 ``csv``
     A CSV file with ``image`` and ``mask`` columns; paths relative to the CSV's folder.
+    An optional ``group`` column names each image's appearance group for
+    ``--balance groups`` (otherwise the groups come from the pixels).
 
 Discovery only lists files (no decoding); size mismatches are found when decoding.
 """
@@ -21,7 +23,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from ..errors import UserError
 from .io import IMAGE_TYPES, is_image_file
@@ -38,12 +40,14 @@ _EXPECTED = ("expected one of: a folder of images with --masks MASK_FOLDER (name
 class Sample:
     """One training example as files: an image and the mask file(s) that go with it.
 
-    ``merge`` is True for the DSB layout, where each mask file is one object.
+    ``merge`` is True for the DSB layout, where each mask file is one object; ``group``
+    the CSV's ``group`` column (None: from the pixels).
     """
     name: str
     image: str
     masks: List[str] = field(default_factory=list)
     merge: bool = False
+    group: Optional[str] = None
 
     def files(self):
         return [self.image] + list(self.masks)
@@ -202,7 +206,8 @@ def find_dsb(root, skip_unpaired=False):
 
 
 def find_csv(csv_path, skip_unpaired=False):
-    """Samples listed in a CSV with ``image`` and ``mask`` columns (relative paths)."""
+    """Samples listed in a CSV with ``image`` and ``mask`` columns (relative paths) and
+    an optional ``group`` column (every listed image then needs a group)."""
     csv_path = os.fspath(csv_path)
     base = os.path.dirname(os.path.abspath(csv_path))
     try:
@@ -216,6 +221,7 @@ def find_csv(csv_path, skip_unpaired=False):
         raise UserError('%s: CSV needs "image" and "mask" columns (found: %s)'
                         % (csv_path, ', '.join(header) or 'no header'))
     samples, missing = [], []
+    has_group = 'group' in header
     for line, row in enumerate(rows, start=2):
         row = {(k or '').strip().lower(): (v or '').strip() for k, v in row.items()
                if isinstance(v, str) or v is None}
@@ -230,7 +236,11 @@ def find_csv(csv_path, skip_unpaired=False):
         mask = os.path.join(base, row['mask'])
         if not os.path.isfile(mask):
             raise UserError('%s line %d: mask %s not found' % (csv_path, line, row['mask']))
-        samples.append(Sample(os.path.splitext(os.path.basename(image))[0], image, [mask]))
+        group = row.get('group') or None
+        if has_group and group is None:
+            raise UserError('%s line %d: empty group (the CSV has a group column: give every image one, '
+                            'e.g. fluorescence, brightfield, tissue)' % (csv_path, line))
+        samples.append(Sample(os.path.splitext(os.path.basename(image))[0], image, [mask], group=group))
     if not samples and not missing:
         raise UserError('%s: CSV lists no images' % csv_path)
     _unpaired(missing, len(samples) + len(missing), 'in the mask column of %s' % csv_path, skip_unpaired)

@@ -19,7 +19,8 @@ import numpy as np
 from ..errors import UserError
 from . import cache as _cache
 from .dataset import SegmentationDataset
-from .io import NORMALIZE_MODES, is_colour, merge_object_masks, normalize_image, read_image, read_mask
+from .io import (DENOISE_SIGMA, NORMALIZE_MODES, image_kind, input_image, is_colour, merge_object_masks, read_image,
+                 read_mask)
 from .layouts import discover
 
 
@@ -40,12 +41,15 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
     instances : (H, W) int32
     original_size : (h, w)
     colour : bool
-        The image has colour (3 channels that differ).
+        The network input has colour (3 channels that differ; ``stain`` leaves none).
+    kind : str
+        :func:`~.io.image_kind` of the image as read (the automatic appearance group).
     """
-    image = read_image(sample.image, channels)
+    image = read_image(sample.image)
     h, w = image.shape[:2]
+    kind = image_kind(image)
+    image = input_image(image, channels, normalize)
     colour = is_colour(image)
-    image = normalize_image(image, normalize)
     if channels == 0 and image.shape[2] == 1:
         image = np.repeat(image, 3, axis=2)
     if sample.merge:  # DSB: one file per object -> union mask + one id per file
@@ -62,7 +66,7 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
         image = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
         mask = cv2.resize(mask, (size, size), interpolation=cv2.INTER_NEAREST)
         inst = cv2.resize(inst, (size, size), interpolation=cv2.INTER_NEAREST)
-    return image, mask, inst.astype(np.int32, copy=False), (h, w), colour
+    return image, mask, inst.astype(np.int32, copy=False), (h, w), colour, kind
 
 
 def _decode_star(args):
@@ -164,6 +168,7 @@ def _build(entry_arrays, meta, names, channels, crop):
                              original_sizes=[tuple(int(v) for v in s) for s in shapes])
     ds.channels = channels
     ds.layout = meta['layout']
+    ds.kinds = list(meta['kinds'])
     return ds
 
 
@@ -195,8 +200,8 @@ class LoadOptions:
         Warn about images without masks instead of raising.
     progress : bool
         tqdm progress bar while decoding.
-    normalize : {'none', 'invert', 'percentile', 'auto'}
-        Per-image input normalization (``--normalize``), see :func:`~.io.normalize_image`;
+    normalize : {'none', 'invert', 'percentile', 'auto', 'stain'}
+        Per-image input normalization (``--normalize``), see :func:`~.io.input_image`;
         applied before resizing and stored in the cache.
     """
     layout: str = 'auto'
@@ -244,8 +249,9 @@ def load_dataset(path, masks=None, options=None, **overrides):
     SegmentationDataset
         ``images`` (N,S,S,C) uint8, ``masks`` (N,S,S) uint8 0/1, ``instances`` (N,S,S)
         int32 (memory-mapped when cached; ragged per-sample arrays in crop mode),
-        ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], plus the
-        attributes ``channels`` and ``layout``.
+        ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], ``groups``
+        (:func:`appearance_groups`), plus the attributes ``channels``, ``layout`` and
+        ``kinds`` (:func:`~.io.image_kind` of every image).
 
     Raises
     ------
@@ -257,8 +263,18 @@ def load_dataset(path, masks=None, options=None, **overrides):
     layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired)
     cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
-        return _load_cached(path, samples, layout, opts, cache_dir)
-    return _load_in_memory(path, samples, layout, opts)
+        ds = _load_cached(path, samples, layout, opts, cache_dir)
+    else:
+        ds = _load_in_memory(path, samples, layout, opts)
+    ds.groups = appearance_groups(samples, ds.kinds)
+    return ds
+
+
+def appearance_groups(samples, kinds):
+    """The ``--balance groups`` group of every sample: its CSV ``group`` column when the
+    CSV has one, else its image kind (:func:`~.io.image_kind`: fluorescence, brightfield
+    or colour)."""
+    return [s.group if s.group is not None else k for s, k in zip(samples, kinds)]
 
 
 def _load_in_memory(path, samples, layout, opts):
@@ -299,22 +315,24 @@ def _cache_options(samples, layout, opts):
                'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
     if opts.normalize != 'none':  # only then, so existing cache entries keep their keys
         options['normalize'] = opts.normalize
+        options['denoise'] = DENOISE_SIGMA
     return options
 
 
 def _decode_all(path, samples, layout, opts, sink):
     """Decode every sample into ``sink`` (in worker processes); returns the dataset meta:
     ``original_sizes``, ``stored_channels``, ``channels`` (chosen), ``layout``, ``names``."""
-    sizes, any_colour = [], False
+    sizes, kinds, any_colour = [], [], False
     tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize) for s in samples]
     desc = 'decoding %s' % os.path.basename(os.path.normpath(path))
-    for image, mask, inst, hw, colour in _pool_map(_decode_star, tasks, opts.workers, opts.progress, desc):
+    for image, mask, inst, hw, colour, kind in _pool_map(_decode_star, tasks, opts.workers, opts.progress, desc):
         sink.add(image, mask, inst)
         sizes.append(hw)
+        kinds.append(kind)
         any_colour |= colour
     return {'original_sizes': [list(hw) for hw in sizes], 'stored_channels': opts.channels or 3,
             'channels': opts.channels or (3 if any_colour else 1), 'layout': layout,
-            'names': [s.name for s in samples]}
+            'names': [s.name for s in samples], 'kinds': kinds}
 
 
 def _entry_shapes(meta, opts):
@@ -335,4 +353,5 @@ def _build_lists(sink, meta):
                              original_sizes=[tuple(s) for s in meta['original_sizes']])
     ds.channels = chosen
     ds.layout = meta['layout']
+    ds.kinds = list(meta['kinds'])
     return ds
