@@ -40,7 +40,7 @@ def _arg_type(tp):
 # exactly one (tests/test_entry_point.py checks it, so a new field must pick its group).
 FLAG_GROUPS = {
     'data': ('data', 'masks', 'val_data', 'layout', 'mask_suffix', 'size', 'crop', 'val_split', 'channels',
-             'normalize', 'balance', 'augment', 'elastic', 'skip_unpaired', 'workers', 'cache_dir',
+             'normalize', 'denoise', 'balance', 'augment', 'elastic', 'skip_unpaired', 'workers', 'cache_dir',
              'synthetic_count'),
     'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
     'optimization': ('epochs', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay',

@@ -81,6 +81,9 @@ class TrainConfig:
                                   '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
                                   'stain (colour tissue: its hematoxylin channel, nuclei bright; grey images: '
                                   'auto), none')
+    denoise: float = _opt(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
+                               '--normalize percentile, auto and stain, so a dim nucleus is not stretched into '
+                               'specks; 0 = off (as before it existed); stored in the export')
     balance: str = _opt('none', 'groups: draw every appearance group equally often per epoch (same epoch '
                                 'length; rare groups repeat). Groups: the CSV\'s group column, else from the '
                                 'pixels (fluorescence, brightfield, colour); validation is not resampled')
@@ -183,7 +186,7 @@ class TrainConfig:
         for name in ('lr', 'threshold'):
             if not getattr(self, name) > 0:
                 raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
-        for name in ('weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight'):
+        for name in ('weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight', 'denoise'):
             if getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
         if not 0.0 <= self.val_split < 1.0:

@@ -20,7 +20,7 @@ import mxnet as mx
 from . import __version__, add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
-from .data.io import DENOISE_SIGMA, NORMALIZE_MODES
+from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
@@ -91,7 +91,7 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
                              'percentile-scaled to uint8 first)',
             'normalize': cfg.normalize,
             # The denoise before the percentile stretch; exports without it predate it (0).
-            'normalize_denoise': DENOISE_SIGMA,
+            'normalize_denoise': cfg.denoise,
             'threshold': cfg.threshold,
             'epoch': meta.get('epoch'),
             'metrics': meta.get('metrics', {}),

@@ -222,7 +222,8 @@ def test_training_and_predict_feed_the_network_the_same_stain_normalized_input(t
 
 # -- bad values --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('argv, flag', [(['--balance', 'kinds'], '--balance'), (['--normalize', 'he'], '--normalize')])
+@pytest.mark.parametrize('argv, flag', [(['--balance', 'kinds'], '--balance'), (['--normalize', 'he'], '--normalize'),
+                                        (['--denoise', '-1'], '--denoise')])
 def test_bin_train_refuses_bad_values_in_one_line_with_exit_2(argv, flag, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train')] + argv + ['--output', str(tmp_path / 'r')],
@@ -236,3 +237,19 @@ def test_balance_groups_without_groups_is_refused_in_one_line(tiny):
     from gluon_unet.engine import fit
     with pytest.raises(UserError, match='--balance groups'):
         fit(tiny(balance='groups', epochs=1), verbose=False)
+
+
+def test_denoise_is_a_setting_the_data_and_the_export_follow(tiny, tmp_path):
+    """--denoise 0 reproduces the inputs of runs made before the denoise existed."""
+    from gluon_unet.engine import build_datasets, fit
+    d = _folder(tmp_path, ['fluorescence', 'fluorescence', 'brightfield'])
+    base = dict(data=str(d / 'images'), masks=str(d / 'masks'), crop=16, epochs=1, batch_size=2, val_split=0.0,
+                normalize='auto', cache_dir=str(tmp_path / 'cache'), in_channels=0, tune_postprocess=False)
+    off, on = build_datasets(tiny(denoise=0.0, **base))[0], build_datasets(tiny(**base))[0]
+    for i, name in enumerate(off.names):
+        raw = read_image(str(d / 'images' / (name + '.png')), 1)
+        assert np.array_equal(np.asarray(off.images[i]), normalize_image(raw, 'auto', denoise=0))
+        assert np.array_equal(np.asarray(on.images[i]), normalize_image(raw, 'auto', denoise=1.0))
+    run = fit(tiny(denoise=0.0, output=str(tmp_path / 'r0'), **base), verbose=False)
+    with open(os.path.join(run.output, 'export', 'model.json')) as f:
+        assert json.load(f)['normalize_denoise'] == 0.0

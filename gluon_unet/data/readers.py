@@ -29,8 +29,9 @@ def _size_error(mask_path, mask_shape, image_path, image_shape):
                      % (mask_path, mask_shape[0], mask_shape[1], image_path, image_shape[0], image_shape[1]))
 
 
-def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
-    """Decode one sample (in a worker process); ``normalize``: see :func:`~.io.normalize_image`.
+def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denoise=DENOISE_SIGMA):
+    """Decode one sample (in a worker process); ``normalize``, ``denoise``: see
+    :func:`~.io.normalize_image`.
 
     Returns
     -------
@@ -48,7 +49,7 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none'):
     image = read_image(sample.image)
     h, w = image.shape[:2]
     kind = image_kind(image)
-    image = input_image(image, channels, normalize)
+    image = input_image(image, channels, normalize, denoise)
     colour = is_colour(image)
     if channels == 0 and image.shape[2] == 1:
         image = np.repeat(image, 3, axis=2)
@@ -203,6 +204,9 @@ class LoadOptions:
     normalize : {'none', 'invert', 'percentile', 'auto', 'stain'}
         Per-image input normalization (``--normalize``), see :func:`~.io.input_image`;
         applied before resizing and stored in the cache.
+    denoise : float
+        Gaussian sigma before the percentile stretch of ``percentile``, ``auto`` and
+        ``stain`` (0 = none).
     """
     layout: str = 'auto'
     mask_suffix: str = '_mask'
@@ -214,6 +218,7 @@ class LoadOptions:
     skip_unpaired: bool = False
     progress: bool = True
     normalize: str = 'none'
+    denoise: float = DENOISE_SIGMA
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value (the layout
@@ -223,6 +228,8 @@ class LoadOptions:
         if self.normalize not in NORMALIZE_MODES:
             raise UserError('--normalize must be one of %s (got %r)'
                             % (', '.join(NORMALIZE_MODES), self.normalize))
+        if not self.denoise >= 0:
+            raise UserError('--denoise must be >= 0 (got %r)' % self.denoise)
         if self.crop < 0:
             raise UserError('--crop must be >= 0 (got %r)' % (self.crop,))
         if not self.crop and (not isinstance(self.size, int) or self.size <= 0):
@@ -315,7 +322,7 @@ def _cache_options(samples, layout, opts):
                'samples': _cache._digest([[s.name, s.image, s.masks, s.merge] for s in samples])}
     if opts.normalize != 'none':  # only then, so existing cache entries keep their keys
         options['normalize'] = opts.normalize
-        options['denoise'] = DENOISE_SIGMA
+        options['denoise'] = float(opts.denoise)
     return options
 
 
@@ -323,7 +330,7 @@ def _decode_all(path, samples, layout, opts, sink):
     """Decode every sample into ``sink`` (in worker processes); returns the dataset meta:
     ``original_sizes``, ``stored_channels``, ``channels`` (chosen), ``layout``, ``names``."""
     sizes, kinds, any_colour = [], [], False
-    tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize) for s in samples]
+    tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize, opts.denoise) for s in samples]
     desc = 'decoding %s' % os.path.basename(os.path.normpath(path))
     for image, mask, inst, hw, colour, kind in _pool_map(_decode_star, tasks, opts.workers, opts.progress, desc):
         sink.add(image, mask, inst)
