@@ -8,8 +8,7 @@ output is a fixed brightness rule (a 1x1 convolution, as tests/conftest.py's
 ``export_brightness_model``), so the post-processing meets realistic nuclei and touching
 clusters instead of the noise of an untrained net. Each measurement runs
 ``python bin/predict --mode tile`` in a fresh child process and reads the child's peak
-RSS from ``resource.getrusage(RUSAGE_CHILDREN)`` (one child per measurement, so the
-maximum is that child's). With ``--old DIR`` (a copy of an older gluon_unet package, e.g.
+RSS from ``os.wait4`` (that child's own maximum resident set size). With ``--old DIR`` (a copy of an older gluon_unet package, e.g.
 ``git show <base>:gluon_unet/...``) the old and the new code run alternately, one fresh
 process each, ``--repeats`` times, and their label images are compared.
 
@@ -22,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -103,22 +101,26 @@ def run_predict(code_root, model, image, out):
     env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '2'))
     cmd = [sys.executable, '-c', 'import sys; from gluon_unet.predict import main; sys.exit(main())',
            '--model', model, '--input', image, '--output', out, '--mode', 'tile', '--no-progress']
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t0 = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, cwd=code_root)
-    seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    if peak <= before:
-        peak = float('nan')  # an earlier child peaked higher: run one size per process for exact figures
-    return seconds, peak / 1024.0
+    return _child(cmd, env, code_root)
 
 
 def baseline_rss(code_root):
     """Peak RSS (MB) of a child that only imports the package and mxnet: the fixed cost."""
     env = dict(os.environ, PYTHONPATH=code_root)
-    subprocess.run([sys.executable, '-c', 'import gluon_unet.predict, mxnet, skimage.segmentation'],
-                   env=env, check=True)
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    return _child([sys.executable, '-c', 'import gluon_unet.predict, mxnet, skimage.segmentation'], env, None)[1]
+
+
+def _child(cmd, env, cwd):
+    """Run ``cmd``; its wall seconds and its own peak RSS in MB (``os.wait4``: that child's
+    maximum resident set size, where RUSAGE_CHILDREN would give the largest of all)."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(cmd, env=env, cwd=cwd)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - t0
+    if child.returncode:
+        raise SystemExit('%s failed with exit code %d' % (' '.join(cmd[:3]), child.returncode))
+    return seconds, usage.ru_maxrss / 1024.0
 
 
 def main():

@@ -36,6 +36,7 @@ from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, split_batch
 from .recorder import RunRecorder, RunState
+from .scale import median_diameter
 from .reporting import setup_logging
 from .runtime import configure_runtime
 from .tblog import require_tensorboardx
@@ -589,7 +590,10 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
     elif cfg.model.in_channels != channels:
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
     attach_transforms(cfg, train_ds, val_ds)
-    return train_ds, val_ds, data_fingerprint(train_ds, val_ds, num_workers)
+    data_id = data_fingerprint(train_ds, val_ds, num_workers)
+    # The nuclei's median size as the network saw them, for bin/predict --diameter.
+    data_id['diameter'] = median_diameter(train_ds.instances(i) for i in range(len(train_ds)))
+    return train_ds, val_ds, data_id
 
 
 def log_groups(log, groups, balance):

@@ -93,6 +93,9 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             # The denoise before the percentile stretch; exports without it predate it (0).
             'normalize_denoise': cfg.denoise,
             'threshold': cfg.threshold,
+            # Median nucleus diameter (px) of the training images as the network saw them:
+            # bin/predict --diameter rescales images to it.
+            'diameter': (meta.get('data') or {}).get('diameter'),
             'epoch': meta.get('epoch'),
             'metrics': meta.get('metrics', {}),
             'config': cfg.to_dict(),
@@ -288,6 +291,10 @@ def read_sidecar(path):
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
+    diameter = meta.get('diameter')
+    if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
+                                 or not diameter > 0):
+        raise bad("'diameter' must be a positive number of pixels or null (got %s)" % json.dumps(diameter))
     outputs = meta.get('outputs')
     if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
         raise bad("'outputs' must be one of %s (got %s)" % (

@@ -11,6 +11,7 @@ so the devices stay busy and memory stays at a batch per device whatever the ima
 """
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 import mxnet as mx
 import numpy as np
@@ -274,6 +275,7 @@ class LoadedModel:
     marker: float = 0.5  # mask+border models: the interior score of a marker
     border: bool = False  # a mask+border model (its outputs: foreground, border)
     denoise: float = 0.0  # Gaussian sigma before the percentile stretch (0: exports from before it)
+    diameter: Optional[float] = None  # median nucleus diameter in training (px); None: not recorded
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -305,4 +307,4 @@ def load_model(model, ctxs):
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
                        int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
                        float(tuned.get('marker') or 0.5), predicts_border(meta),
-                       float(meta.get('normalize_denoise') or 0.0))
+                       float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'))

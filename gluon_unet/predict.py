@@ -35,6 +35,7 @@ from .errors import OneLineParser, UserError, reports_errors
 from .export import card_summary
 from .inference import _Done, load_model, match_channels
 from .postprocess import SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
+from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
 from .utils import atomic_open
 
@@ -62,6 +63,7 @@ class PredictConfig:
     min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
     marker: Optional[float] = None    #: mask+border models: interior score of a marker; None = the model's
+    diameter: Optional[str] = None    #: nuclei's size in the images: 'auto' or pixels; None = no rescaling
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
     batch_size: int = 8               #: inputs per forward, split over the devices
@@ -80,6 +82,13 @@ class PredictConfig:
             raise UserError('--overlap must be in [0, 1) (got %r)' % self.overlap)
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        if self.diameter is not None and self.diameter != 'auto':
+            try:
+                ok = float(self.diameter) > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise UserError("--diameter must be 'auto' or a positive number of pixels (got %r)" % self.diameter)
         if self.marker is not None and not 0 < self.marker < 1:
             raise UserError('--marker must be in (0, 1) (got %r)' % self.marker)
         if self.min_size is not None and self.min_size < 0:
@@ -309,10 +318,38 @@ class _Run:
                 except Exception as exc:
                     self._fail(index, image_id, path, exc)
             return run
-        for job in self.model.image_jobs(net_input, cfg.mode, cfg.tta, cfg.overlap,
-                                         on_done=lambda prob, used: self._write(rec, shown, prob, used),
+        on_done = lambda prob, used: self._write(rec, shown, prob, used)  # noqa: E731
+        if cfg.diameter is not None:
+            net_input, on_done = self._rescaled(rec, net_input, on_done)
+        for job in self.model.image_jobs(net_input, cfg.mode, cfg.tta, cfg.overlap, on_done=on_done,
                                          buckets=cfg.buckets):
             yield _Done(guarded(job.fn)) if isinstance(job, _Done) else job
+
+    def _rescaled(self, rec, net_input, on_done):
+        """``--diameter``: the network input resized so its nuclei reach the model at its
+        training diameter, and an ``on_done`` that maps the probabilities back."""
+        cfg, model = self.config, self.model
+        if cfg.diameter == 'auto':
+            # A first pass at the image's own scale measures its nuclei.
+            maps = predict_image(model.net, model.meta, net_input, model.ctxs, cfg.mode, batch_size=cfg.batch_size,
+                                 overlap=cfg.overlap, buckets=cfg.buckets, maps=True)
+            measured = estimate_diameter(instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size,
+                                                             split=cfg.split, h=model.h, marker=self.marker))
+            del maps
+        else:
+            measured = float(cfg.diameter)
+        factor = rescale_factor(model.diameter, measured)
+        rec.update(diameter=measured, scale=factor)
+        if factor == 1.0:
+            return net_input, on_done
+        h, w = net_input.shape[:2]
+        size = (max(1, int(round(w * factor))), max(1, int(round(h * factor))))
+        # Area averaging to shrink (no aliasing), linear to enlarge, as for training images.
+        scaled = cv2.resize(net_input, size, interpolation=cv2.INTER_AREA if factor < 1 else cv2.INTER_LINEAR)
+
+        def back(maps, used):
+            on_done(np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps]), used)
+        return scaled.reshape(size[1], size[0], -1), back
 
     def _write(self, rec, image, prob, used):
         cfg = self.config
@@ -372,6 +409,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if config.rle and os.path.isdir(config.rle):
         raise UserError('--rle %s: is a folder; give a CSV file name' % config.rle)
     loaded = load_model(model, ctxs)
+    check_diameter(config.diameter, loaded)
     if config.progress and card_summary(loaded.meta):
         print(card_summary(loaded.meta))
     run = _Run(loaded, files, output_dir, config)
@@ -380,6 +418,19 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if config.progress:
         print(_summary_line(result, time.time() - t0, ctxs, output_dir, config, run.inputs_per_device))
     return result
+
+
+def check_diameter(diameter, model):
+    """Refuse ``--diameter`` in one line for a model that cannot be rescaled to."""
+    if diameter is None:
+        return
+    if model.meta.get('resize_mode') == 'resize':
+        raise UserError('--diameter: this model was trained on images resized to %s px, where nuclei have no one '
+                        'size; it needs a model trained at native resolution (bin/train --crop)'
+                        % model.meta.get('train_size'))
+    if not model.diameter:
+        raise UserError('--diameter: the model does not record the nucleus size it was trained on (exported before '
+                        '--diameter existed, or trained without labelled nuclei); predict without --diameter')
 
 
 def _summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None):
@@ -436,6 +487,11 @@ def build_parser():
                         help='separate touching nuclei with a watershed (default: from the interiors of a '
                              'mask+border model, else on the distance transform) or keep plain connected '
                              'components (none)')
+    parser.add_argument('--diameter', default=None, metavar='auto|PIXELS',
+                        help="rescale each image so its nuclei reach the network at the size the model was "
+                             "trained on (Cellpose-style): PIXELS = the typical nucleus diameter in your images, "
+                             "auto = measured from a first prediction of each image (twice the work); "
+                             "default: no rescaling")
     parser.add_argument('--marker', type=float, default=None,
                         help="mask+border models: the interior score (foreground x (1 - border)) a watershed "
                              "marker needs (default: the model's, chosen on validation; else 0.5)")

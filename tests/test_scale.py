@@ -1,0 +1,105 @@
+"""Nucleus size (issue 13 item 5): the training diameter in the export, and
+bin/predict --diameter N|auto rescaling each image to it and mapping the result back."""
+import json
+import os
+import subprocess
+import sys
+
+import cv2
+import numpy as np
+import pytest
+
+from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
+from gluon_unet import inference, scale
+from gluon_unet.engine import fit
+from gluon_unet.predict import predict_paths
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+
+
+def _discs(shape, centres, r):
+    yy, xx = np.mgrid[:shape[0], :shape[1]]
+    labels = np.zeros(shape, np.int32)
+    for k, (cy, cx) in enumerate(centres, start=1):
+        labels[(yy - cy) ** 2 + (xx - cx) ** 2 <= r * r] = k
+    return labels
+
+
+def test_diameters_of_discs_and_a_typical_size_that_specks_do_not_outvote():
+    big = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
+    d = scale.object_diameters(big)
+    assert len(d) == 5 and np.allclose(d, 40, atol=1.0)
+    assert abs(scale.median_diameter([big, _discs((60, 60), [(30, 30)], 5)]) - 40) < 1
+    assert scale.median_diameter([np.zeros((8, 8), np.int32)]) is None
+    noisy = big.copy()
+    for k, (y, x) in enumerate(np.random.default_rng(0).integers(0, 200, size=(30, 2)), start=10):
+        if noisy[y, x] == 0:
+            noisy[y, x] = k  # 1-pixel specks: the plain median would say ~1 px
+    assert np.median(scale.object_diameters(noisy)) < 5
+    assert abs(scale.estimate_diameter(noisy) - 40) < 1
+    assert scale.estimate_diameter(_discs((50, 50), [(25, 25)], 10)) is None  # one object: too little
+
+
+def test_rescale_factor_tolerance_and_limits():
+    assert scale.rescale_factor(30, 31) == 1.0 and scale.rescale_factor(30, 27) == 1.0
+    assert scale.rescale_factor(30, 60) == 0.5 and scale.rescale_factor(30, 15) == 2.0
+    assert scale.rescale_factor(30, 1000) == 0.25 and scale.rescale_factor(30, 1) == 4.0
+    assert scale.rescale_factor(None, 40) == 1.0 and scale.rescale_factor(30, None) == 1.0
+
+
+def test_training_records_the_median_diameter_in_the_export(tiny):
+    run = fit(tiny(crop=32, size=32, epochs=1), verbose=False)
+    with open(os.path.join(run.output, 'export', 'model.json')) as f:
+        meta = json.load(f)
+    from gluon_unet.data.synthetic import synthetic_dataset
+    from gluon_unet.data.dataset import split_indices
+    full = synthetic_dataset(24, 32, channels=1, seed=0)
+    train_idx, _ = split_indices(24, 0.1, 0)
+    expected = scale.median_diameter(full.instances(i) for i in train_idx)
+    assert meta['diameter'] == pytest.approx(expected) and 3 < expected < 20
+
+
+def _crop_model(folder, diameter=10.0, **extra):
+    return export_brightness_model(folder, dict(BRIGHTNESS_SIDECAR, resize_mode='crop', diameter=diameter, **extra))
+
+
+@pytest.mark.parametrize('diameter', ['40', 'auto'])
+def test_predict_rescales_to_the_model_diameter_and_maps_back(tmp_path, monkeypatch, diameter):
+    model = _crop_model(str(tmp_path / 'model'))
+    labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
+    cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))
+    seen = []
+    real = inference.LoadedModel.image_jobs
+    monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
+                        lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    plain = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'plain'), progress=False)
+    assert seen == [(200, 200, 1)] and 'scale' not in plain[0]
+    seen.clear()
+    got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'scaled'), progress=False,
+                        diameter=diameter)
+    # nuclei of 40 px shown to a model trained on 10 px ones: the image at a quarter of its size
+    assert seen == [(50, 50, 1)] and got[0]['scale'] == 0.25 and abs(got[0]['diameter'] - 40) < 1
+    out = cv2.imread(got[0]['labels'], cv2.IMREAD_UNCHANGED)
+    assert out.shape == (200, 200) and out.max() == 5
+    assert (out > 0).sum() == pytest.approx((labels > 0).sum(), rel=0.05)
+    # nuclei already at the model's size are left alone
+    seen.clear()
+    predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'same'), progress=False, diameter='11')
+    assert seen == [(200, 200, 1)]
+
+
+@pytest.mark.parametrize('sidecar, argv, words', [
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', '0'], "--diameter must be 'auto' or a positive"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'big'], "--diameter must be 'auto' or a positive"),
+    ({'resize_mode': 'crop'}, ['--diameter', 'auto'], '--diameter: the model does not record'),
+    ({'resize_mode': 'resize', 'diameter': 10.0}, ['--diameter', '20'], '--diameter: this model was trained on images'),
+    ({'resize_mode': 'crop', 'diameter': -3}, [], "'diameter' must be a positive number"),
+])
+def test_bad_diameter_use_is_one_line(tmp_path, sidecar, argv, words):
+    model = export_brightness_model(str(tmp_path / 'model'), dict(BRIGHTNESS_SIDECAR, **sidecar))
+    cv2.imwrite(str(tmp_path / 'a.png'), np.zeros((40, 40), np.uint8))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model, '--input',
+                           str(tmp_path / 'a.png'), '--output', str(tmp_path / 'out'), '--no-progress'] + argv,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'out')
