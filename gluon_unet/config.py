@@ -23,6 +23,7 @@ _CHOICES = {
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto'),
+    'memory': ('speed', 'balanced', 'low'),
 }
 
 
@@ -100,6 +101,11 @@ class TrainConfig:
     amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
     sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
     hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
+    memory: str = _opt('speed', 'training memory against speed: speed (hybridized, static buffers), '
+                                'balanced (a bound graph that recomputes BatchNorm and ReLU in backward), '
+                                'low (also recomputes each double convolution: slower, much less memory); '
+                                'same results. Not with --amp or --sync-bn '
+                                'unless speed. docs/performance.md has the figures')
 
     # run bookkeeping
     output: Optional[str] = _opt(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
@@ -183,6 +189,11 @@ class TrainConfig:
             value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
             if value not in allowed:
                 raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
+        if self.memory != 'speed' and (self.amp or self.sync_bn):
+            # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
+            # the memory settings train through a bound symbol (parallel.MirroredStep).
+            raise UserError('--memory %s does not combine with %s; use --memory speed'
+                            % (self.memory, '--amp' if self.amp else '--sync-bn'))
         if (m.classes > 1) != (self.loss == 'ce'):
             raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "
                             "(got --loss %s, --classes %d)" % (self.loss, m.classes))

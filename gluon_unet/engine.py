@@ -34,7 +34,7 @@ from .errors import UserError
 from .losses import SegmentationLoss
 from .model import build_model, foreground_probability
 from .optim import make_lr_scheduler, make_trainer
-from .parallel import DataParallelStep, split_batch
+from .parallel import DataParallelStep, MirroredStep, split_batch
 from .recorder import RunRecorder, RunState
 from .reporting import setup_logging
 from .runtime import configure_runtime
@@ -206,6 +206,11 @@ def resolve_update_on_kvstore(cfg, amp_dtype, strategy):
     return False if between else update_on_kv
 
 
+# --memory -> what MirroredStep recomputes in backward (model.recompute); 'speed' trains
+# the hybridized network through autograd (DataParallelStep).
+MEMORY_RECOMPUTE = {'balanced': 'activations', 'low': 'blocks'}
+
+
 def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, update_on_kvstore=None):
     """The training step of ``cfg`` for ``net`` on ``ctxs``: trainer, loss, AMP.
 
@@ -237,7 +242,13 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
     if scaling:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
-    return DataParallelStep(net, SegmentationLoss(cfg.loss, cfg.dice_weight), trainer, ctxs,
+    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
+    if cfg.memory != 'speed':
+        # --memory: a bound graph that recomputes in backward (validate() has refused
+        # --amp and --sync-bn with it).
+        return MirroredStep(net, loss_fn, trainer, ctxs, recompute=MEMORY_RECOMPUTE[cfg.memory],
+                            clip_grad=cfg.clip_grad, workers=strategy.grad_workers)
+    return DataParallelStep(net, loss_fn, trainer, ctxs,
                             clip_grad=cfg.clip_grad, loss_scaling=scaling,
                             sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=strategy.grad_workers)
 
