@@ -66,10 +66,10 @@ def _rss_kib(field):
 
 def _mx_train(spec):
     sys.path.insert(0, ROOT)
-    # As bin/train --cpus N: OpenMP threads and MXNet scratch buffers per context
-    # (runtime.apply_runtime_defaults) unless --env sets them.
+    # As bin/train --cpus N --memory M: OpenMP threads and MXNet scratch buffers per
+    # context (runtime.apply_runtime_defaults) unless --env sets them.
     from gluon_unet.runtime import apply_runtime_defaults
-    apply_runtime_defaults(contexts=spec['cpus'])
+    apply_runtime_defaults(contexts=spec['cpus'], memory=spec.get('memory', 'speed'))
     from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.devices import make_contexts

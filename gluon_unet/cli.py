@@ -193,7 +193,7 @@ def train_main(argv=None):
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
     # (4 contexts: +44 % time per step; docs/performance.md, finding 6); --gpus 4-7 sets
     # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
-    prepare_training_process(cfg.gpus, cfg.cpus)
+    prepare_training_process(cfg.gpus, cfg.cpus, cfg.memory)
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)

@@ -164,6 +164,11 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
         # CachedOp loses the running-statistics update of each step (measured: they lag
         # one step behind plain BatchNorm); the dynamic CachedOp keeps them right.
         static = not (cfg.sync_bn and len(ctxs) > 1)
+        # With --memory balanced/low the hybridized graph only validates (MirroredStep
+        # trains through its own bound graph): static buffers would stay allocated for
+        # nothing - those of the shape-resolving pass below alone are ~25 MiB per training
+        # image at width 64, 256 px, batch 4.
+        static = static and cfg.memory == 'speed'
         net.hybridize(static_alloc=static, static_shape=static)
     # Resolve deferred parameter shapes now, once, from the main thread: the threaded
     # SyncBatchNorm step must not race to initialize them.

@@ -96,13 +96,21 @@ class _Up(nn.HybridBlock):
         # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
         self.multicast = amp_dtype is not None
 
+    # 'blocks' (see :func:`recompute`): the upsampling and the concatenation are
+    # recomputed too, so the concatenated input (2x the block's channels at full
+    # resolution) is not kept from forward to backward.
+    recompute = None
+
     def hybrid_forward(self, F, x, skip):
-        if self.mode == 'bilinear':
-            x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
-        x = self.up(x)
-        if self.multicast:
-            x, skip = F.amp_multicast(x, skip, num_outputs=2)
-        return self.conv(F.concat(x, skip, dim=1))
+        mirrored = F is mx.sym and self.recompute == 'blocks'
+        with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
+            if self.mode == 'bilinear':
+                x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
+            x = self.up(x)
+            if self.multicast:
+                x, skip = F.amp_multicast(x, skip, num_outputs=2)
+            x = F.concat(x, skip, dim=1)
+        return self.conv(x)
 
 
 class UNet(nn.HybridBlock):
@@ -170,12 +178,18 @@ class UNet(nn.HybridBlock):
                                 '2**depth = %d (depth %d)' % (shape[2], shape[3], m, self.depth))
         return super().forward(x, *args)
 
+    # 'blocks' (see :func:`recompute`): the pooled block outputs are recomputed from
+    # the skips (kept anyway) instead of being kept too.
+    recompute = None
+
     def hybrid_forward(self, F, x):
         skips = []
+        mirrored = F is mx.sym and self.recompute == 'blocks'
         for block in self.down:
             x = block(x)
             skips.append(x)
-            x = self.pool(x)
+            with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
+                x = self.pool(x)
         x = self.bottom(x)
         if self.drop is not None:
             x = self.drop(x)
@@ -227,7 +241,7 @@ def recompute(net, what):
     blocks = []
 
     def visit(block):
-        if isinstance(block, _DoubleConv):
+        if isinstance(block, (_DoubleConv, _Up, UNet)):
             blocks.append(block)
         for child in block._children.values():
             visit(child)

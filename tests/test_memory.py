@@ -76,8 +76,10 @@ def test_each_setting_recomputes_what_it_says():
     low = _mirrored_ops(_train('low', steps=1)[0])
     # depth 2: 3 double convolutions above the decoder's 2 = 5 blocks of 2 conv/BN/ReLU.
     assert balanced == {'BatchNorm': 10, 'Activation': 10}, balanced
-    # low: everything in a block but its last ReLU, from the block's input.
-    assert low == {'Convolution': 10, 'BatchNorm': 10, 'Activation': 5}, low
+    # low: everything in a block but its last ReLU, from the block's input; in the decoder
+    # the upsampling and the concatenation too, and the poolings.
+    assert low == {'Convolution': 10, 'BatchNorm': 10, 'Activation': 5, 'Deconvolution': 2, 'Concat': 2,
+                   'Pooling': 2}, low
 
 
 def _peak_rss_mib(memory):
@@ -149,3 +151,31 @@ def test_bad_memory_values_are_one_line_exit_2(tmp_path, argv, words):
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert all(w in lines[0] for w in words) and 'Traceback' not in done.stderr, lines
     assert not (tmp_path / 'run').exists()
+
+
+def test_one_context_with_a_memory_setting_gets_one_scratch_buffer():
+    from gluon_unet import runtime
+    assert 'MXNET_CPU_TEMP_COPY' not in runtime.recommended_settings(1, {})
+    assert runtime.recommended_settings(1, {}, memory='low')['MXNET_CPU_TEMP_COPY'] == '1'
+    assert runtime.recommended_settings(1, {}, memory='balanced')['MXNET_CPU_TEMP_COPY'] == '1'
+    # Several contexts need their buffers to run side by side, whatever the setting.
+    assert runtime.recommended_settings(2, {}, memory='low')['MXNET_CPU_TEMP_COPY'] == '64'
+    assert runtime.recommended_settings(1, {}, gpus=True, memory='low') == {}
+    # The user's own value wins.
+    env = {'MXNET_CPU_TEMP_COPY': '4'}
+    assert 'MXNET_CPU_TEMP_COPY' not in runtime.apply_runtime_defaults(env, memory='low')
+
+
+@pytest.mark.parametrize('memory, copies', [('low', 1), ('speed', 4)])
+def test_bin_train_applies_the_setting_before_mxnet_loads(tmp_path, memory, copies):
+    env = {k: v for k, v in os.environ.items() if k != 'MXNET_CPU_TEMP_COPY'}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--width', '4', '--depth', '2',
+                           '--size', '32', '--workers', '0', '--no-progress', '--synthetic-count', '16',
+                           '--epochs', '1', '--batch-size', '4', '--no-tune-postprocess', '--memory', memory,
+                           '--output', str(tmp_path / 'run')],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    logged = done.stdout + done.stderr
+    assert 'MXNET_CPU_TEMP_COPY=%d,' % copies in logged, logged
+    with open(str(tmp_path / 'run' / 'config.json')) as f:
+        assert '"memory": "%s"' % memory in f.read()
