@@ -29,6 +29,7 @@ with ``torch.autocast('cpu', torch.bfloat16)``.
     python benchmarks/bench_train.py --amp                   # bfloat16 rows
     python benchmarks/bench_train.py --inference             # exported model vs eval()+no_grad()
     python benchmarks/bench_train.py --configs 16:128:16 --cpus 1,2,4 --reps 7
+    python benchmarks/bench_train.py --memory speed,balanced,low  # bin/train --memory, side by side
 
 ``--configs`` is a comma list of WIDTH:SIZE:BATCH (depth 4, 3 input channels).
 """

@@ -103,8 +103,8 @@ class TrainConfig:
     hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
     memory: str = _opt('speed', 'training memory against speed, same results: speed (hybridized, static '
                                 'buffers), balanced (a bound graph recomputing BatchNorm and ReLU in backward: '
-                                '-11 percent memory per image at width 64), low (recomputing each block but its '
-                                'output: about -30 percent memory, one more forward pass of compute). balanced '
+                                '-13 percent memory per image at width 64), low (recomputing each block but its '
+                                'output: -34 percent, about one more forward pass of compute). balanced '
                                 'and low do not combine with --amp or --sync-bn. docs/performance.md has the '
                                 'figures')
 

@@ -13,7 +13,10 @@ OMP_NUM_THREADS                         at ``import mxnet``  unset = half the co
                                                              all cores: 1.8x faster (set)
 MXNET_CPU_TEMP_COPY                     at ``import mxnet``  4 contexts: 18.8 -> 32-35 img/s
                                                              with 64-256 (set: 32 x contexts
-                                                             for 2+ contexts)
+                                                             for 2+ contexts; 1 for one
+                                                             context with --memory balanced
+                                                             or low: 739 -> 690 MiB/image at
+                                                             width 64, same speed)
 MXNET_CPU_WORKER_NTHREADS               at ``import mxnet``  2 with 4 contexts (16 threads on
                                                              2 cores): -1.5 % img/CPU-s
 MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 % img/CPU-s
