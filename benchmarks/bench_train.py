@@ -29,6 +29,7 @@ with ``torch.autocast('cpu', torch.bfloat16)``.
     python benchmarks/bench_train.py --amp                   # bfloat16 rows
     python benchmarks/bench_train.py --inference             # exported model vs eval()+no_grad()
     python benchmarks/bench_train.py --configs 16:128:16 --cpus 1,2,4 --reps 7
+    python benchmarks/bench_train.py --memory speed,balanced,low  # bin/train --memory, side by side
 
 ``--configs`` is a comma list of WIDTH:SIZE:BATCH (depth 4, 3 input channels).
 """
@@ -66,10 +67,10 @@ def _rss_kib(field):
 
 def _mx_train(spec):
     sys.path.insert(0, ROOT)
-    # As bin/train --cpus N: OpenMP threads and MXNet scratch buffers per context
-    # (runtime.apply_runtime_defaults) unless --env sets them.
+    # As bin/train --cpus N --memory M: OpenMP threads and MXNet scratch buffers per
+    # context (runtime.apply_runtime_defaults) unless --env sets them.
     from gluon_unet.runtime import apply_runtime_defaults
-    apply_runtime_defaults(contexts=spec['cpus'])
+    apply_runtime_defaults(contexts=spec['cpus'], memory=spec.get('memory', 'speed'))
     from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.devices import make_contexts
@@ -78,7 +79,8 @@ def _mx_train(spec):
     cfg = TrainConfig(model=ModelConfig(in_channels=spec['channels'], width=spec['width'],
                                         depth=spec['depth']),
                       size=spec['size'], batch_size=spec['batch'], cpus=spec['cpus'],
-                      amp=spec['amp'], optimizer='adam', loss='bce', lr=1e-3, progress=False)
+                      amp=spec['amp'], optimizer='adam', loss='bce', lr=1e-3, progress=False,
+                      memory=spec.get('memory', 'speed'))
     ctxs = make_contexts('', cfg.cpus)
     configure_runtime(len(ctxs))
     init_amp(cfg, ctxs)
@@ -277,9 +279,11 @@ def run_config(width, size, batch, args):
         if not args.no_torch:
             workers.append(Worker('pytorch', 'torch_infer', dict(base, cpus=1), {}))
     else:
-        for n in args.cpus:
-            if n <= batch:
-                workers.append(Worker('ours x%d' % n, 'mx', dict(base, cpus=n), env))
+        for memory in args.memory:
+            for n in args.cpus:
+                if n <= batch:
+                    name = 'ours x%d' % n + ('' if memory == 'speed' else ' ' + memory)
+                    workers.append(Worker(name, 'mx', dict(base, cpus=n, memory=memory), env))
         for i, variant in enumerate(args.variant or []):
             venv = dict(env, **parse_env(variant.split(',')))
             n = int(venv.pop('CONTEXTS', 1))
@@ -302,12 +306,13 @@ def run_config(width, size, batch, args):
     # The ratio is against PyTorch at its best thread count among those measured.
     torch_w = max((w for w in workers if w.name.startswith('pytorch')), key=lambda w: w.median,
                   default=None)
-    one = next((w for w in workers if w.name == 'ours x1'), None)
+    # Data-parallel overhead: against one context with the same --memory setting.
+    ones = {w.spec.get('memory'): w for w in workers if w.kind == 'mx' and w.spec['cpus'] == 1}
     rows = []
     for w in workers:
         n = w.spec['cpus']
         used_kib = max(0, w.mem['peak_kib'] - w.mem['base_kib'])
-        row = {'setup': w.name, 'width': width, 'size': size, 'batch': batch, 'contexts': n,
+        row = {'setup': w.name, 'memory': w.spec.get('memory', '-'), 'width': width, 'size': size, 'batch': batch, 'contexts': n,
                'dtype': 'bfloat16' if args.amp else 'float32',
                'mode': 'inference' if args.inference else 'training',
                'images_per_s': w.median, 'all': w.rates, 'steps_per_rep': w.steps,
@@ -320,6 +325,7 @@ def run_config(width, size, batch, args):
         if torch_w and not w.name.startswith('pytorch'):
             row['vs_pytorch'] = w.median / torch_w.median
             row['vs_pytorch_cpu'] = w.cpu_median / torch_w.cpu_median
+        one = ones.get(w.spec.get('memory'))
         if one and w.name.startswith('ours') and n > 1:
             row['dp_overhead'] = 1.0 - w.median / one.median
             row['dp_overhead_cpu'] = 1.0 - w.cpu_median / one.cpu_median
@@ -332,13 +338,13 @@ def _fmt(row, key, fmt, scale=1):
 
 
 def format_rows(rows):
-    head = ('%-10s %-9s %-8s %4s %5s %4s %9s %8s %8s %7s %8s %9s %8s %8s %8s %8s'
+    head = ('%-16s %-9s %-8s %4s %5s %4s %9s %8s %8s %7s %8s %9s %8s %8s %8s %8s'
             % ('setup', 'mode', 'dtype', 'w', 'px', 'bs', 'images/s', 'vs torch', 'GFLOP/s',
                '% peak', 'dp ovh', 'img/CPU-s', 'vs torch', 'dp ovh', 'MiB/img', 'peak MiB'))
     head += ' %6s' % "other"
     lines = [head, '-' * len(head)]
     for r in rows:
-        lines.append('%-10s %-9s %-8s %4d %5d %4d %9.2f %8s %8.1f %6.0f%% %8s %9.2f %8s %8s %8.0f %8.0f'
+        lines.append('%-16s %-9s %-8s %4d %5d %4d %9.2f %8s %8.1f %6.0f%% %8s %9.2f %8s %8s %8.0f %8.0f'
                      % (r['setup'], r['mode'], r['dtype'], r['width'], r['size'], r['batch'],
                         r['images_per_s'], _fmt(r, 'vs_pytorch', '%.2fx'),
                         r['gflops'], 100 * r['peak_fraction'], _fmt(r, 'dp_overhead', '%+.1f%%', 100),
@@ -358,6 +364,9 @@ def main(argv=None):
     p.add_argument('--channels', type=int, default=3)
     p.add_argument('--depth', type=int, default=4)
     p.add_argument('--amp', action='store_true', help='bfloat16: MXNet AMP vs torch.autocast')
+    p.add_argument('--memory', default='speed',
+                   help="comma list of bin/train --memory settings (speed, balanced, low): one worker of "
+                        "ours per setting and --cpus count, measured alongside; rows 'ours x1 low', ...")
     p.add_argument('--inference', action='store_true', help='exported model vs eval()+no_grad()')
     p.add_argument('--no-torch', action='store_true', help='ours only')
     p.add_argument('--torch-threads', help='e.g. 1,2: one PyTorch worker per thread count '
@@ -373,6 +382,10 @@ def main(argv=None):
     p.add_argument('--json', help='also write the rows here')
     args = p.parse_args(argv)
     args.cpus = [int(c) for c in args.cpus.split(',')]
+    args.memory = [m for m in args.memory.split(',') if m]
+    bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
+    if bad or not args.memory:
+        p.error('--memory: choose from speed, balanced, low (got %r)' % ','.join(bad))
     args.torch_threads = [int(t) for t in args.torch_threads.split(',')] if args.torch_threads else []
     if hasattr(os, 'sched_getaffinity') and len(os.sched_getaffinity(0)) < (os.cpu_count() or 1):
         # Workers inherit the mask: multi-threaded setups would be measured on too few cores.

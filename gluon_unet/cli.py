@@ -45,7 +45,7 @@ FLAG_GROUPS = {
     'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
     'optimization': ('epochs', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay',
                      'clip_grad', 'lr_schedule', 'warmup_epochs', 'lr_steps', 'loss', 'dice_weight', 'amp',
-                     'amp_dtype', 'hybridize'),
+                     'amp_dtype', 'hybridize', 'memory'),
     'devices': ('gpus', 'cpus', 'kvstore', 'update_on_kvstore', 'sync_bn'),
     'run': ('output', 'overwrite', 'resume', 'seed', 'monitor', 'patience', 'min_delta', 'keep_last',
             'threshold', 'tune_postprocess', 'benchmark', 'progress', 'tensorboard'),
@@ -194,7 +194,7 @@ def train_main(argv=None):
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
     # (4 contexts: +44 % time per step; docs/performance.md, finding 6); --gpus 4-7 sets
     # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
-    prepare_training_process(cfg.gpus, cfg.cpus)
+    prepare_training_process(cfg.gpus, cfg.cpus, cfg.memory)
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)

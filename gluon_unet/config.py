@@ -25,6 +25,7 @@ _CHOICES = {
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups'),
     'target': ('mask', 'mask+border'),
+    'memory': ('speed', 'balanced', 'low'),
 }
 
 
@@ -118,6 +119,12 @@ class TrainConfig:
     amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
     sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
     hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
+    memory: str = _opt('speed', 'training memory against speed, same results: speed (hybridized, static '
+                                'buffers), balanced (a bound graph recomputing BatchNorm and ReLU in backward: '
+                                '-13 percent memory per image at width 64), low (recomputing each block but its '
+                                'output: -34 percent, about one more forward pass of compute). balanced '
+                                'and low do not combine with --amp or --sync-bn. docs/performance.md has the '
+                                'figures')
 
     # run bookkeeping
     output: Optional[str] = _opt(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
@@ -204,6 +211,11 @@ class TrainConfig:
         if m.target == 'mask+border' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target mask+border is for binary masks (--classes 1) with a sigmoid loss '
                             '(bce, dice, bce_dice, wbce), not --loss ce')
+        if self.memory != 'speed' and (self.amp or self.sync_bn):
+            # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
+            # the memory settings train through a bound symbol (parallel.MirroredStep).
+            raise UserError('--memory %s does not combine with %s; use --memory speed'
+                            % (self.memory, '--amp' if self.amp else '--sync-bn'))
         if (m.classes > 1) != (self.loss == 'ce'):
             raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "
                             "(got --loss %s, --classes %d)" % (self.loss, m.classes))

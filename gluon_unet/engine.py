@@ -34,7 +34,7 @@ from .errors import UserError
 from .losses import SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer
-from .parallel import DataParallelStep, split_batch
+from .parallel import DataParallelStep, MirroredStep, split_batch
 from .recorder import RunRecorder, RunState
 from .scale import median_diameter
 from .reporting import setup_logging
@@ -166,6 +166,11 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
         # CachedOp loses the running-statistics update of each step (measured: they lag
         # one step behind plain BatchNorm); the dynamic CachedOp keeps them right.
         static = not (cfg.sync_bn and len(ctxs) > 1)
+        # With --memory balanced/low the hybridized graph only validates (MirroredStep
+        # trains through its own bound graph): static buffers would stay allocated for
+        # nothing - those of the shape-resolving pass below alone are ~25 MiB per training
+        # image at width 64, 256 px, batch 4.
+        static = static and cfg.memory == 'speed'
         net.hybridize(static_alloc=static, static_shape=static)
     # Resolve deferred parameter shapes now, once, from the main thread: the threaded
     # SyncBatchNorm step must not race to initialize them.
@@ -208,6 +213,11 @@ def resolve_update_on_kvstore(cfg, amp_dtype, strategy):
     return False if between else update_on_kv
 
 
+# --memory -> what MirroredStep recomputes in backward (model.recompute); 'speed' trains
+# the hybridized network through autograd (DataParallelStep).
+MEMORY_RECOMPUTE = {'balanced': 'activations', 'low': 'blocks'}
+
+
 def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, update_on_kvstore=None):
     """The training step of ``cfg`` for ``net`` on ``ctxs``: trainer, loss, AMP.
 
@@ -239,7 +249,13 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
     if scaling:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
-    return DataParallelStep(net, SegmentationLoss(cfg.loss, cfg.dice_weight), trainer, ctxs,
+    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
+    if cfg.memory != 'speed':
+        # --memory: a bound graph that recomputes in backward (validate() has refused
+        # --amp and --sync-bn with it).
+        return MirroredStep(net, loss_fn, trainer, ctxs, recompute=MEMORY_RECOMPUTE[cfg.memory],
+                            clip_grad=cfg.clip_grad, workers=strategy.grad_workers)
+    return DataParallelStep(net, loss_fn, trainer, ctxs,
                             clip_grad=cfg.clip_grad, loss_scaling=scaling,
                             sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=strategy.grad_workers)
 

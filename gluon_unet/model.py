@@ -1,4 +1,6 @@
 """The U-Net (Ronneberger et al. 2015) as a pure Gluon HybridBlock: config in, block out."""
+import contextlib
+
 import mxnet as mx
 from mxnet.gluon import nn
 from mxnet.gluon.contrib.nn import SyncBatchNorm
@@ -19,8 +21,24 @@ class _DoubleConv(nn.HybridBlock):
                 self.body.add(norm_layer(**norm_kwargs))
             self.body.add(nn.Activation('relu'))
 
+    # What the symbolic training graph recomputes in backward (see :func:`recompute`);
+    # None: nothing. Read only while a symbol is built: CachedOp ignores the attribute.
+    recompute = None
+
     def hybrid_forward(self, F, x):
-        return self.body(x)
+        if F is not mx.sym or self.recompute is None:
+            return self.body(x)
+        layers = list(self.body)
+        for i, layer in enumerate(layers):
+            # 'blocks': everything but the block's output is recomputed from the block's
+            # input, so backward keeps one tensor per block instead of ~6 (the skips and
+            # the pooled inputs are such outputs). 'activations': only BatchNorm and ReLU
+            # (cheap, memory-bound), not the convolutions - MXNet's own
+            # MXNET_BACKWARD_DO_MIRROR=1 choice, which Gluon's CachedOp never applies.
+            mirror = i < len(layers) - 1 if self.recompute == 'blocks' else not isinstance(layer, nn.Conv2D)
+            with mx.AttrScope(force_mirroring=str(mirror)):
+                x = layer(x)
+        return x
 
 
 class _TransposedConv2x2(nn.HybridBlock):
@@ -78,13 +96,21 @@ class _Up(nn.HybridBlock):
         # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
         self.multicast = amp_dtype is not None
 
+    # 'blocks' (see :func:`recompute`): the upsampling and the concatenation are
+    # recomputed too, so the concatenated input (2x the block's channels at full
+    # resolution) is not kept from forward to backward.
+    recompute = None
+
     def hybrid_forward(self, F, x, skip):
-        if self.mode == 'bilinear':
-            x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
-        x = self.up(x)
-        if self.multicast:
-            x, skip = F.amp_multicast(x, skip, num_outputs=2)
-        return self.conv(F.concat(x, skip, dim=1))
+        mirrored = F is mx.sym and self.recompute == 'blocks'
+        with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
+            if self.mode == 'bilinear':
+                x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
+            x = self.up(x)
+            if self.multicast:
+                x, skip = F.amp_multicast(x, skip, num_outputs=2)
+            x = F.concat(x, skip, dim=1)
+        return self.conv(x)
 
 
 class UNet(nn.HybridBlock):
@@ -152,12 +178,18 @@ class UNet(nn.HybridBlock):
                                 '2**depth = %d (depth %d)' % (shape[2], shape[3], m, self.depth))
         return super().forward(x, *args)
 
+    # 'blocks' (see :func:`recompute`): the pooled block outputs are recomputed from
+    # the skips (kept anyway) instead of being kept too.
+    recompute = None
+
     def hybrid_forward(self, F, x):
         skips = []
+        mirrored = F is mx.sym and self.recompute == 'blocks'
         for block in self.down:
             x = block(x)
             skips.append(x)
-            x = self.pool(x)
+            with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
+                x = self.pool(x)
         x = self.bottom(x)
         if self.drop is not None:
             x = self.drop(x)
@@ -193,6 +225,43 @@ def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None):
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
                 upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype)
+
+
+RECOMPUTE = ('activations', 'blocks')
+
+
+@contextlib.contextmanager
+def recompute(net, what):
+    """While building a symbol of ``net``, mark what backward recomputes instead of
+    keeping from the forward pass (``what``: one of :data:`RECOMPUTE`).
+
+    MXNet 1.9's symbolic executor honours the ``__force_mirroring__`` node attribute
+    (``src/executor/graph_executor.cc``, ``need_mirror``): a marked node is run again
+    during backward, so its output need not live from forward to backward. Gluon's
+    CachedOp builds its gradient graph without any mirror function
+    (``src/imperative/cached_op.h``, ``MXGradient(..., nullptr, ...)``), which is why
+    :class:`gluon_unet.parallel.MirroredStep` trains through a bound symbol.
+
+    A recomputed BatchNorm updates its running statistics once per step, as without
+    recomputing (checked by ``tests/test_memory.py``).
+    """
+    if what not in RECOMPUTE:
+        raise ValueError('recompute: %r is not one of %s' % (what, ', '.join(RECOMPUTE)))
+    blocks = []
+
+    def visit(block):
+        if isinstance(block, (_DoubleConv, _Up, UNet)):
+            blocks.append(block)
+        for child in block._children.values():
+            visit(child)
+    visit(net)
+    for b in blocks:
+        b.recompute = what
+    try:
+        yield net
+    finally:
+        for b in blocks:
+            b.recompute = None
 
 
 def flops_per_image(model_cfg, size):

@@ -264,3 +264,86 @@ class DataParallelStep:
         for p in params:
             for g in p.list_grad():
                 g *= on_device[g.context]
+
+
+class MirroredStep(DataParallelStep):
+    """:class:`DataParallelStep` with less memory: forward and backward run through a
+    bound symbol of ``net`` + ``loss_fn`` (MXNet's symbolic executor) that recomputes
+    parts of the forward pass during backward instead of keeping them
+    (:func:`gluon_unet.model.recompute`), ``--memory balanced`` and ``low``.
+
+    Gluon's hybridized CachedOp cannot do this in MXNet 1.9 (it never mirrors), and its
+    static allocation plans forward and backward buffers apart; one executor plans both
+    together. Same math as the parent: per-sample losses, their gradients summed on
+    each device (the executor writes straight into the parameters' gradient arrays,
+    bound together with their weights and BatchNorm statistics, so the Trainer, the
+    kvstore and checkpoints see the same arrays as ever).
+
+    Parameters
+    ----------
+    recompute : {'activations', 'blocks'}
+        See :func:`gluon_unet.model.recompute`.
+
+    Not for float16 loss scaling or SyncBatchNorm (``TrainConfig.validate`` refuses
+    them): both work through ``autograd``.
+    """
+
+    def __init__(self, net, loss_fn, trainer, ctxs, recompute='blocks', **kwargs):
+        super().__init__(net, loss_fn, trainer, ctxs, **kwargs)
+        self.recompute = recompute
+        self._symbol = None
+        self._execs = {}  # (device index, input shapes) -> (executor, the arrays it binds)
+
+    def _graph(self, with_weight):
+        from .model import recompute
+        inputs = [mx.sym.var('data'), mx.sym.var('target')] + ([mx.sym.var('weight')] if with_weight else [])
+        with recompute(self.net, self.recompute):
+            losses = self.loss_fn(self.net(inputs[0]), *inputs[1:])
+        # MakeLoss: backward starts from a gradient of ones, as autograd.backward(losses).
+        return mx.sym.make_loss(losses)
+
+    def _executor(self, i, arrays):
+        key = (i, tuple(a.shape for a in arrays))
+        bound = self._execs.get(key)
+        ctx = self.ctxs[i]
+        params = self.net.collect_params()
+        if bound is not None and all(params[n].data(ctx) is a for n, a in bound[1].items()):
+            return bound[0]
+        sym = self._graph(len(arrays) == 3)
+        names = ['data', 'target', 'weight'][:len(arrays)]
+        by_name = {p.name: p for p in params.values()}
+        args, grads, reqs, aux, weights = {}, {}, {}, {}, {}
+        for name in sym.list_arguments():
+            if name in names:
+                a = arrays[names.index(name)]
+                args[name], reqs[name] = mx.nd.zeros(a.shape, ctx=ctx, dtype=a.dtype), 'null'
+                continue
+            p = by_name[name]
+            args[name] = weights[name] = p.data(ctx)
+            reqs[name] = 'null' if p.grad_req == 'null' else 'write'
+            if reqs[name] == 'write':
+                grads[name] = p.grad(ctx)
+        for name in sym.list_auxiliary_states():
+            aux[name] = weights[name] = by_name[name].data(ctx)
+        # Executors of the same device share one memory pool (a short last batch binds
+        # a second one).
+        shared = next((e for (j, _), (e, _) in self._execs.items() if j == i), None)
+        ex = sym.bind(ctx, args=args, args_grad=grads, grad_req=reqs, aux_states=aux, shared_exec=shared)
+        self._execs[key] = (ex, weights)
+        return ex
+
+    def _forward_backward(self, parts):
+        losses = []
+        for i, arrays in enumerate(parts):
+            ex = self._executor(i, arrays)
+            for name, a in zip(('data', 'target', 'weight'), arrays):
+                a.copyto(ex.arg_dict[name])
+            ex.forward(is_train=True)
+            ex.backward()
+            losses.append(ex.outputs[0])
+        # The Trainer updates only parameters whose gradient autograd marked fresh; the
+        # executor wrote every gradient of the devices that ran.
+        for p in self._trainable():
+            for data in p.list_data()[:len(parts)]:
+                data._fresh_grad = True
+        return losses

@@ -13,7 +13,10 @@ OMP_NUM_THREADS                         at ``import mxnet``  unset = half the co
                                                              all cores: 1.8x faster (set)
 MXNET_CPU_TEMP_COPY                     at ``import mxnet``  4 contexts: 18.8 -> 32-35 img/s
                                                              with 64-256 (set: 32 x contexts
-                                                             for 2+ contexts)
+                                                             for 2+ contexts; 1 for one
+                                                             context with --memory balanced
+                                                             or low: 739 -> 690 MiB/image at
+                                                             width 64, same speed)
 MXNET_CPU_WORKER_NTHREADS               at ``import mxnet``  2 with 4 contexts (16 threads on
                                                              2 cores): -1.5 % img/CPU-s
 MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 % img/CPU-s
@@ -85,12 +88,13 @@ TEMP_COPIES_PER_CONTEXT = 32
 LOCAL_WORKERS = 'GLUON_UNET_LOCAL_WORKERS'
 
 
-def recommended_settings(contexts=1, environ=None, gpus=False):
+def recommended_settings(contexts=1, environ=None, gpus=False, memory='speed'):
     """The values :func:`apply_runtime_defaults` chooses for ``contexts`` CPU contexts
     (reading ``GLUON_UNET_LOCAL_WORKERS`` from ``environ``), whoever set what: a dict of
     ``OMP_NUM_THREADS`` and, for 2 or more contexts, ``MXNET_CPU_TEMP_COPY``, as strings.
     Empty when training on GPUs (``gpus``): MXNet's own thread choice keeps cores free for
-    feeding them (module docstring)."""
+    feeding them (module docstring). With one context and ``memory`` (``--memory``) other
+    than ``'speed'``, ``MXNET_CPU_TEMP_COPY=1``: see :func:`apply_runtime_defaults`."""
     if gpus:
         return {}
     env = os.environ if environ is None else environ
@@ -102,10 +106,12 @@ def recommended_settings(contexts=1, environ=None, gpus=False):
     wanted = {'OMP_NUM_THREADS': str(max(1, physical_cores() // (contexts * local_workers)))}
     if contexts > 1:
         wanted['MXNET_CPU_TEMP_COPY'] = str(TEMP_COPIES_PER_CONTEXT * contexts)
+    elif memory != 'speed':
+        wanted['MXNET_CPU_TEMP_COPY'] = '1'
     return wanted
 
 
-def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
+def apply_runtime_defaults(environ=None, contexts=1, gpus=False, memory='speed'):
     """Set MXNet's load-time variables for ``contexts`` CPU contexts, unless the user did.
 
     MXNet reads both once, when ``libmxnet`` loads, so call this before the first
@@ -132,7 +138,10 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
     one, so 4 contexts ran one at a time (18.8 images/s with 4 contexts against 33.8 with
     one). With 32 copies per context they run side by side (4 contexts: +1.1 % time per
     image against one context; finding 6); the buffers cost memory (width 16: 42 -> 68
-    MiB per image), which is why one context keeps the default.
+    MiB per image), which is why one context keeps the default. One context with
+    ``--memory balanced`` or ``low`` gets 1: each buffer grows to the largest request it
+    serves, and one context's operators run one at a time anyway (docs/performance.md,
+    "Training memory").
 
     Parameters
     ----------
@@ -142,6 +151,9 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
         dict (a child process's environment) every value present is the user's.
     contexts : int
         CPU contexts that will train in this process.
+    memory : {'speed', 'balanced', 'low'}
+        ``--memory``: with one CPU context, anything but ``'speed'`` sets
+        ``MXNET_CPU_TEMP_COPY=1``.
     gpus : bool
         The process trains on GPUs: set nothing, and take back an ``OMP_NUM_THREADS``
         this process set earlier (never the user's). With ``OMP_NUM_THREADS`` unset MXNet
@@ -164,7 +176,7 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False):
         del env['OMP_NUM_THREADS']
         _applied.pop('OMP_NUM_THREADS')
     done = {}
-    for key, value in recommended_settings(contexts, env, gpus=gpus).items():
+    for key, value in recommended_settings(contexts, env, gpus=gpus, memory=memory).items():
         if key in env and not (own and is_default(key)):
             continue  # the user's own value always wins
         env[key] = done[key] = value
@@ -235,10 +247,10 @@ def gpu_renumbering():
     return renumbering()
 
 
-def prepare_training_process(gpus, cpus=1):
+def prepare_training_process(gpus, cpus=1, memory='speed'):
     """Everything ``bin/train`` sets before mxnet loads, once its flags are known:
     :func:`restrict_visible_gpus` for ``--gpus``, then :func:`apply_runtime_defaults` for
-    its CPU contexts (nothing about threads when training on GPUs).
+    its CPU contexts and ``--memory`` (nothing about threads when training on GPUs).
 
     Returns
     -------
@@ -248,7 +260,7 @@ def prepare_training_process(gpus, cpus=1):
     from .devices import cpu_context_count
     renumbered = restrict_visible_gpus(gpus)
     cpu_contexts = cpu_context_count(gpus, cpus)
-    apply_runtime_defaults(contexts=max(1, cpu_contexts), gpus=cpu_contexts == 0)
+    apply_runtime_defaults(contexts=max(1, cpu_contexts), gpus=cpu_contexts == 0, memory=memory)
     return renumbered
 
 
