@@ -586,7 +586,8 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
             and cfg.model.classes == 1:
         load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
         tuned = tune_postprocessing(net, ctxs, run.val_ds, cfg.batch_size, step.loss_fn)
-        markers = 'marker %.1f' % tuned['marker'] if 'marker' in tuned else 'h %.1f' % tuned['h']
+        markers = ('border markers %.1f' % tuned['marker'] if 'marker' in tuned
+                   else '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h']))
         log.info('post-processing chosen on %d validation images in %.1f s: threshold %.2f, %s, min size '
                  '%d (val DSB %.4f, untuned %.4f); stored in the export, bin/predict uses it',
                  tuned['images'], tuned['seconds'], tuned['threshold'], markers, tuned['min_size'],

@@ -291,6 +291,10 @@ def read_sidecar(path):
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
+    tuned = meta.get('postprocess')
+    if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None, 'border', 'distance')):
+        raise bad("'postprocess' must be an object whose 'markers' is \"border\" or \"distance\" (got %s)"
+                  % json.dumps(tuned))
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not diameter > 0):

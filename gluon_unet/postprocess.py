@@ -92,7 +92,7 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     return relabel_sequential(labels)[0].astype(np.int32)
 
 
-def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=0.5):
+def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=0.5, markers=None):
     """Instance labels from a model's probability maps.
 
     Parameters
@@ -101,8 +101,13 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         The foreground probability, and for a ``mask+border`` model (K = 2) its border
         probability as the second map.
     threshold, min_size, split, h, marker
-        See :func:`instances_from_prob` (``h`` is used without a border map, ``marker``
-        with one).
+        See :func:`instances_from_prob` (``h`` is used by the distance watershed,
+        ``marker`` by the border markers).
+    markers : {None, 'border', 'distance'}
+        Where the watershed's markers come from: the interiors left by the border map
+        (the default with one), or the distance transform of the foreground (the default
+        without; for a border model, when its border map splits worse than the distance
+        on validation images - :func:`tune_postprocess` chooses).
 
     Returns
     -------
@@ -113,7 +118,9 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         maps = maps[None]
     if maps.ndim != 3 or maps.shape[0] not in (1, 2):
         raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
-    boundary = maps[1] if len(maps) == 2 else None
+    if markers not in (None, 'border', 'distance'):
+        raise ValueError("markers must be 'border' or 'distance' (got %r)" % (markers,))
+    boundary = maps[1] if len(maps) == 2 and markers != 'distance' else None
     return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,
                                h=h, marker=marker)
 
@@ -434,6 +441,8 @@ def overlay(image, labels, color=(255, 255, 0)):
 # needs.
 TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
 TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'min_size': (0, 16, 48)}
+# A border model's search also tries the distance watershed on its foreground (TUNE_GRID):
+# a border map learned in a short run can split nuclei worse than the distance does.
 
 
 def tune_postprocess(pairs, grid=None, base=None):
@@ -447,7 +456,8 @@ def tune_postprocess(pairs, grid=None, base=None):
     grid : dict, optional
         Candidate values of ``threshold``, ``min_size`` and ``h`` (default
         :data:`TUNE_GRID`), or ``marker`` instead of ``h`` for maps with a border
-        (default :data:`TUNE_GRID_BORDER`).
+        (default :data:`TUNE_GRID_BORDER`; their distance watershed is searched on
+        :data:`TUNE_GRID` as well).
     base : dict, optional
         The untuned settings, scored too and kept on ties (so tuning never reports a
         setting that does no better than the defaults).
@@ -456,26 +466,32 @@ def tune_postprocess(pairs, grid=None, base=None):
     -------
     dict
         ``threshold``, ``min_size``, ``h`` or ``marker``, ``score`` (mean DSB score of the
-        winner), ``base_score`` and ``images``.
+        winner), ``base_score`` and ``images``; for maps with a border also ``markers``
+        ('border' or 'distance', see :func:`instances_from_maps`).
     """
     import itertools
 
     from .metrics import dsb_image_score
     border = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
-    grid = grid or (TUNE_GRID_BORDER if border else TUNE_GRID)
-    keys = ('threshold', 'marker' if border else 'h', 'min_size')
-    base = base or {'threshold': 0.5, keys[1]: 0.5, 'min_size': 0}
+    if border:  # (markers, grid) pairs searched in turn; the untuned default first
+        searches = [('border', grid or TUNE_GRID_BORDER), ('distance', TUNE_GRID)]
+        base = base or {'markers': 'border', 'threshold': 0.5, 'marker': 0.5, 'min_size': 0}
+    else:
+        searches = [(None, grid or TUNE_GRID)]
+        base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
 
     def score(setting):
         return float(np.mean([dsb_image_score(instances_from_maps(m, **setting), t) for m, t in pairs]))
 
     best, best_score = dict(base), score(base)
     base_score = best_score
-    for values in itertools.product(*(grid[k] for k in keys)):
-        setting = dict(zip(keys, values))
-        if setting == base:
-            continue
-        value = score(setting)
-        if value > best_score + 1e-9:
-            best, best_score = setting, value
+    for markers, space in searches:
+        keys = ('threshold', 'marker' if markers == 'border' else 'h', 'min_size')
+        for values in itertools.product(*(space[k] for k in keys)):
+            setting = dict(zip(keys, values), **({'markers': markers} if markers else {}))
+            if setting == base:
+                continue
+            value = score(setting)
+            if value > best_score + 1e-9:
+                best, best_score = setting, value
     return dict(best, score=best_score, base_score=base_score, images=len(pairs))

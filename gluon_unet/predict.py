@@ -334,7 +334,8 @@ class _Run:
             maps = predict_image(model.net, model.meta, net_input, model.ctxs, cfg.mode, batch_size=cfg.batch_size,
                                  overlap=cfg.overlap, buckets=cfg.buckets, maps=True)
             measured = estimate_diameter(instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size,
-                                                             split=cfg.split, h=model.h, marker=self.marker))
+                                                             split=cfg.split, h=model.h, marker=self.marker,
+                                                             markers=model.markers))
             del maps
         else:
             measured = float(cfg.diameter)
@@ -354,7 +355,7 @@ class _Run:
     def _write(self, rec, image, prob, used):
         cfg = self.config
         labels = instances_from_maps(prob, threshold=self.threshold, min_size=self.min_size, split=cfg.split,
-                                     h=self.model.h, marker=self.marker)
+                                     h=self.model.h, marker=self.marker, markers=self.model.markers)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         os.makedirs(self.output_dir, exist_ok=True)

@@ -199,7 +199,8 @@ def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
     from gluon_unet.export import read_sidecar
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
-                       ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of")):
+                       ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
+                       ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'")):
         folder = export_brightness_model(str(tmp_path / str(len(words))), dict(BRIGHTNESS_SIDECAR, **bad))
         with pytest.raises(UserError, match=words.replace('(', r'\(')):
             read_sidecar(os.path.join(folder, 'model.json'))
@@ -210,3 +211,30 @@ def test_resume_refuses_a_changed_target(tiny):
     a, b = tiny(), tiny(target='mask+border')
     assert resume_conflicts(TrainConfig.from_dict(a.to_dict()), b) == ['--target mask (now mask+border)']
     assert b.model.outputs == 2 and a.model.outputs == 1
+
+
+def test_the_search_falls_back_to_the_distance_watershed_when_the_border_map_splits_worse():
+    """A border map that draws lines through the middle of nuclei (a poorly learned one)
+    over-splits; the search then picks the distance watershed on the foreground, and
+    predict follows it."""
+    pairs = []
+    for dist in (30, 34):
+        labels = _touching_pair(shape=(48, 96), r=12, dist=dist)  # two discs barely touching
+        prob = np.where(labels > 0, 0.95, 0.02).astype(np.float32)
+        border = border_map(labels).astype(np.float32)
+        border[:, ::6] = np.maximum(border[:, ::6], 0.95 * (labels[:, ::6] > 0))  # spurious lines
+        pairs.append((np.stack([prob, border]), labels))
+    result = tune_postprocess(pairs)
+    assert result['markers'] == 'distance' and 'h' in result and result['score'] > result['base_score']
+    maps, labels = pairs[0]
+    assert instances_from_maps(maps, markers='distance').max() == 2 < instances_from_maps(maps).max()
+    with pytest.raises(ValueError):
+        instances_from_maps(maps, markers='centres')
+
+
+def test_predict_uses_the_markers_the_search_chose(tmp_path):
+    from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
+    folder = export_brightness_model(str(tmp_path / 'm'), dict(BRIGHTNESS_SIDECAR, postprocess={
+        'threshold': 0.5, 'h': 1.0, 'min_size': 0, 'markers': 'distance'}))
+    model = load_model(folder, [mx.cpu()])
+    assert model.markers == 'distance' and model.h == 1.0
