@@ -284,8 +284,9 @@ def export_main(argv=None):
     if _asks_version(argv):
         return 0
     apply_runtime_defaults()
+    from .engine import retune
     from .export import main
-    return main(argv)
+    return main(argv, retune=retune)
 
 
 def doctor_main(argv=None):

@@ -154,8 +154,12 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d):
-        """Rebuild from :meth:`to_dict` output; unknown keys are an error."""
+        """Rebuild from :meth:`to_dict` output; unknown keys are an error. A config saved
+        before a setting existed gets the value that reproduces what that run did
+        (:data:`BEFORE_IT_EXISTED`), not today's default."""
         d = dict(d)
+        for key, value in BEFORE_IT_EXISTED.items():
+            d.setdefault(key, value)
         model = ModelConfig(**d.pop('model', {}))
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
@@ -228,6 +232,11 @@ class TrainConfig:
                 raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %r)"
                                 % self.lr_steps)
         return self
+
+
+#: Settings added after runs were saved whose default is not what those runs did: the
+#: denoise before the percentile stretch (runs before it had none).
+BEFORE_IT_EXISTED = {'denoise': 0.0}
 
 
 # What a resumed run must share with the checkpoint: the optimizer state and the LR

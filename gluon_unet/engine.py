@@ -423,6 +423,43 @@ def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
     return result
 
 
+def retune(checkpoint, export_dir, ctxs=None, log=None):
+    """Search the post-processing again for a trained run, on its own validation split,
+    and store the result in its export (``bin/export --tune-postprocess``): for exports
+    made before the search (or before it knew a setting), without retraining.
+
+    The run's data, split and crops are rebuilt from the checkpoint's config (the same
+    validation images the run used; never a hold-out).
+
+    Returns
+    -------
+    dict
+        :func:`tune_postprocessing`'s result (also written to the export's sidecar).
+    """
+    from .export import update_sidecar
+    meta = load_checkpoint(checkpoint)
+    cfg = TrainConfig.from_dict(meta['config'])
+    if cfg.model.classes != 1:
+        raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
+    cfg.progress = False
+    train_ds, val_ds = build_datasets(cfg)
+    if val_ds is None or not len(val_ds):
+        raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
+                        '--val-data) to choose the post-processing on')
+    attach_transforms(cfg, train_ds, val_ds)
+    ctxs = ctxs or [mx.cpu()]
+    net = build_model(cfg.model)
+    net.initialize(ctx=ctxs)
+    side = cfg.crop or cfg.size
+    with mx.autograd.predict_mode():  # resolve the deferred shapes before loading weights
+        net(mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctxs[0])).wait_to_read()
+    load_checkpoint(checkpoint, net=net)
+    net.hybridize(static_alloc=True, static_shape=True)
+    tuned = tune_postprocessing(net, ctxs, val_ds, cfg.batch_size, SegmentationLoss(cfg.loss, cfg.dice_weight))
+    update_sidecar(export_dir, {'postprocess': tuned})
+    return tuned
+
+
 def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
     """The validation set in inference mode, batch by batch, in order, with the loader's
     deterministic crops: yields ``(batch, maps, loss_sum, binary, true_labels)`` (maps as

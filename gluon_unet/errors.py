@@ -35,9 +35,9 @@ def reports_errors(main):
     """Decorator for CLI entry points: a :class:`UserError` becomes ``error: <message>``
     on stderr and its exit code, Ctrl-C becomes exit 130 - never a traceback."""
     @functools.wraps(main)
-    def wrapper(argv=None):
+    def wrapper(argv=None, **kwargs):
         try:
-            return main(argv)
+            return main(argv, **kwargs)
         except UserError as exc:
             print('error: %s' % exc, file=sys.stderr)
             if getattr(exc, 'process_unusable', False):

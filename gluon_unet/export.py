@@ -368,8 +368,11 @@ EXPORT_EXAMPLES = """examples:
 
 
 @reports_errors
-def main(argv=None):
-    """``bin/export RUN_DIR|CHECKPOINT [--output DIR]``: export the best (or given) checkpoint."""
+def main(argv=None, retune=None):
+    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess]``: export the best
+    (or given) checkpoint. ``retune(checkpoint, export_dir)``: the search behind
+    ``--tune-postprocess`` (``engine.retune``, passed in by the CLI: the engine imports
+    this module)."""
     parser = OneLineParser(
         prog='export', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EXAMPLES,
         description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
@@ -378,10 +381,20 @@ def main(argv=None):
     parser.add_argument('run', metavar='RUN_DIR|CHECKPOINT',
                         help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
     parser.add_argument('--output', metavar='DIR', help='export folder (default: <run>/export)')
+    parser.add_argument('--tune-postprocess', action='store_true',
+                        help="choose the threshold, markers and minimum object size again on the run's own "
+                             "validation split (its data must still be where it trained) and store them in "
+                             "the export, as training does at its end")
     args = parser.parse_args(argv)
     ckpt, out = _resolve_run(args.run, args.output)
     prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
+    if args.tune_postprocess:
+        tuned = retune(ckpt, out)
+        print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
+              % (tuned['images'], ', '.join('%s %s' % (k, tuned[k]) for k in ('markers', 'threshold', 'h', 'marker',
+                                                                           'min_size') if k in tuned),
+                 tuned['score'], tuned['base_score']))
     return 0
 
 

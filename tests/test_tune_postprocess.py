@@ -67,3 +67,33 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
 def test_no_tuning_when_switched_off(tiny):
     history = fit(tiny(epochs=1, val_split=0.25, tune_postprocess=False), verbose=False)
     assert 'postprocess' not in json.load(open(os.path.join(history.output, 'export', 'model.json')))
+
+
+def test_export_can_choose_the_post_processing_again_without_retraining(tiny):
+    """bin/export --tune-postprocess: the same search as at the end of training, on the
+    run's own validation split, written into the export."""
+    from gluon_unet.cli import export_main
+    history = fit(tiny(epochs=1, val_split=0.25, tune_postprocess=False, target='mask+border', loss='bce_dice'),
+                  verbose=False)
+    sidecar = os.path.join(history.output, 'export', 'model.json')
+    assert 'postprocess' not in json.load(open(sidecar))
+    assert export_main([history.output, '--tune-postprocess']) == 0
+    tuned = json.load(open(sidecar))['postprocess']
+    assert tuned['images'] == 6 and tuned['markers'] in ('border', 'distance')
+    assert tuned['score'] >= tuned['base_score']
+
+
+def test_a_config_saved_before_the_denoise_existed_reproduces_that_run():
+    from gluon_unet.config import TrainConfig
+    saved = TrainConfig(normalize='auto').to_dict()
+    del saved['denoise']
+    assert TrainConfig.from_dict(saved).denoise == 0.0
+    assert TrainConfig.from_dict(TrainConfig().to_dict()).denoise == 1.0
+
+
+def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, capsys):
+    from gluon_unet.cli import export_main
+    history = fit(tiny(epochs=1, val_split=0.0), verbose=False)
+    assert export_main([history.output, '--tune-postprocess']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and 'no validation images' in err[0]
