@@ -575,9 +575,9 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         workers_note = ' (default for %d GPU(s); --workers to change)' % len(gpus)
     train_ds, val_ds, data_id = prepare_data(cfg, *datasets, strategy.num_workers)
     groups = getattr(train_ds, 'groups', None)
-    if cfg.balance == 'groups' and groups is None:
-        raise UserError('--balance groups: the training images have no appearance groups (generated demo '
-                        'nuclei, or a dataset of your own without .groups); use --balance none')
+    if cfg.balance != 'none' and groups is None:
+        raise UserError('--balance %s: the training images have no appearance groups (generated demo '
+                        'nuclei, or a dataset of your own without .groups); use --balance none' % cfg.balance)
     resume_path = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
     recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
@@ -590,7 +590,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=strategy.num_workers, shard=strategy.rank,
                          pin_device=gpus[0] if gpus else None,
-                         groups=groups if cfg.balance == 'groups' else None)
+                         groups=groups if cfg.balance != 'none' else None, power=BALANCE_POWER.get(cfg.balance, 0.0))
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
@@ -650,15 +650,21 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
     return train_ds, val_ds, data_id
 
 
+#: ``--balance``: each group's share of an epoch grows as its size to this power.
+BALANCE_POWER = {'groups': 0.0, 'sqrt': 0.5}
+
+
 def log_groups(log, groups, balance):
     """Log the training images' appearance groups and what ``--balance`` does with them."""
     if groups is None:
         return
     names, counts = np.unique(np.asarray(groups), return_counts=True)
     sizes = ', '.join('%s %d' % (n, c) for n, c in zip(names, counts))
-    if balance == 'groups':
-        log.info('appearance groups of the training images: %s; --balance groups draws each ~%d times per epoch',
-                 sizes, len(groups) // len(names))
+    if balance in BALANCE_POWER:
+        weights = counts.astype(float) ** BALANCE_POWER[balance]
+        draws = ', '.join('%s ~%d' % (n, len(groups) * w / weights.sum()) for n, w in zip(names, weights))
+        log.info('appearance groups of the training images: %s; --balance %s draws per epoch: %s',
+                 sizes, balance, draws)
     else:
         log.info('appearance groups of the training images: %s (--balance groups would draw them equally often)',
                  sizes)

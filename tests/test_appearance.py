@@ -119,6 +119,18 @@ def test_balanced_sampler_draws_every_group_equally_often_in_an_epoch_of_the_sam
     assert sum(GROUPS[i] == 'bf' for i, _ in without) == 4
 
 
+def test_sqrt_balance_draws_groups_in_proportion_to_the_square_root_of_their_size():
+    sampler = EpochSampler(len(GROUPS), seed=3, groups=GROUPS, power=0.5)
+    pairs = list(sampler)
+    counts = {g: sum(GROUPS[i] == g for i, _ in pairs) for g in set(GROUPS)}
+    w = {g: np.sqrt(GROUPS.count(g)) for g in counts}
+    expected = {g: 100 * w[g] / sum(w.values()) for g in w}  # fluo ~64.8, he ~16.7, bf ~13.6
+    assert len(pairs) == 100 and all(abs(counts[g] - expected[g]) <= 1 for g in counts), (counts, expected)
+    assert counts['bf'] > 4 and counts['fluo'] > 33  # rarer than equal shares, commoner than none
+    assert np.bincount(balanced_order(np.asarray([0] * 7 + [1] * 3), 10, np.random.default_rng(0), 1.0),
+                       minlength=10).tolist() == [1] * 10  # power 1: every sample once, no balancing
+
+
 def test_balanced_sampler_is_deterministic_for_a_seed_and_changes_with_seed_and_epoch():
     def order(seed, epoch):
         s = EpochSampler(len(GROUPS), seed=seed, groups=GROUPS)

@@ -148,7 +148,7 @@ class EpochSampler(gluon.data.Sampler):
     same with any number of loader workers, and every shard deals from the same order.
     """
 
-    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1, groups=None):
+    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1, groups=None, power=0.0):
         if not 0 <= shard < num_shards:
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
         if groups is not None and len(groups) != length:
@@ -157,6 +157,7 @@ class EpochSampler(gluon.data.Sampler):
         self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
         self.block = max(1, int(block))
         self.groups = None if groups is None else np.unique(np.asarray(groups), return_inverse=True)[1]
+        self.power = power
 
     def set_epoch(self, epoch, skip_samples=0):
         """Select the epoch's order; ``skip_samples`` resumes an interrupted epoch."""
@@ -177,7 +178,8 @@ class EpochSampler(gluon.data.Sampler):
             rng = np.random.default_rng([self.seed, self.epoch])
             order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
             return order, self.seeds()[order]
-        order = balanced_order(self.groups, self.length, np.random.default_rng([self.seed, self.epoch, 2]))
+        order = balanced_order(self.groups, self.length, np.random.default_rng([self.seed, self.epoch, 2]),
+                               self.power)
         # By position, not by index: the repeats of a rare group's sample differ.
         return order, np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
 
@@ -205,15 +207,19 @@ class EpochSampler(gluon.data.Sampler):
             yield int(i), int(seed)
 
 
-def balanced_order(groups, length, rng):
-    """An epoch of ``length`` indices drawing every group equally often, shuffled.
+def balanced_order(groups, length, rng, power=0.0):
+    """An epoch of ``length`` indices drawing every group equally often (or in proportion
+    to its size to the ``power``), shuffled.
 
     Parameters
     ----------
     groups : (N,) int array
         Group of every index, 0 .. G-1.
     length : int
-        Indices to draw; each group gets ``length // G`` (the remainder goes to random groups).
+        Indices to draw; each group gets ``length * size**power / sum(sizes**power)``,
+        rounded down (the remainder goes to random groups): ``power`` 0 = equal shares,
+        0.5 = in proportion to the square root of the group's size (a rare group is seen
+        more often than its size says, a common one is not starved), 1 = no balancing.
     rng : np.random.Generator
 
     Returns
@@ -224,9 +230,10 @@ def balanced_order(groups, length, rng):
         can be; a larger group contributes a random subset (a different one each epoch).
     """
     groups = np.asarray(groups)
-    names = np.unique(groups)
-    share = np.full(len(names), length // len(names))
-    share[rng.permutation(len(names))[:length % len(names)]] += 1
+    names, sizes = np.unique(groups, return_counts=True)
+    weights = sizes.astype(np.float64) ** power
+    share = np.floor(length * weights / weights.sum()).astype(np.int64)
+    share[rng.permutation(len(names))[:length - share.sum()]] += 1
     parts = []
     for g, k in zip(names, share):
         members = np.flatnonzero(groups == g)
@@ -265,9 +272,9 @@ def default_workers(num_gpus, cores=None):
 
 
 def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0, pin_device=None,
-                groups=None):
+                groups=None, power=0.0):
     """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`
-    (``groups``: balance them, see there).
+    (``groups``, ``power``: balance them, see there).
 
     Call :func:`set_loader_epoch` before each epoch to reshuffle. With ``pin_device``
     (a GPU id), batches arrive in page-locked memory, which the copies to the GPUs read
@@ -275,7 +282,7 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     ``weight_fn``, ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
-                           block=batch_size, groups=groups)
+                           block=batch_size, groups=groups, power=power)
     batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
     kwargs = {}
     if workers > 0:
