@@ -5,6 +5,10 @@ Picks the first ``--per-kind`` hold-out ids of every image kind (sorted, from th
 ``<id>_overlay.png``, scales it to ``--cell`` pixels and writes one PNG::
 
     python benchmarks/overlay_grid.py --pred /tmp/gu7/best_pred --out docs/dsb_holdout_overlays.png
+
+With ``--touching TRUTH`` (the DSB hold-out root) it picks instead, per kind, the images
+whose true nuclei touch most often, and shows the square around where they touch,
+zoomed in: the case that separating instances is about.
 """
 import argparse
 import os
@@ -24,6 +28,28 @@ def central_square(img):
     return img[y:y + s, x:x + s]
 
 
+def contacts(labels):
+    """Pixels where two different true nuclei are 4-neighbours."""
+    a, b = labels[:, :-1], labels[:, 1:]
+    h = (a > 0) & (b > 0) & (a != b)
+    c, d = labels[:-1], labels[1:]
+    v = (c > 0) & (d > 0) & (c != d)
+    out = np.zeros(labels.shape, bool)
+    out[:, :-1] |= h
+    out[:-1] |= v
+    return out
+
+
+def touching_square(img, touch, side):
+    """The ``side`` square (at most the image) centred on the median contact pixel."""
+    h, w = img.shape[:2]
+    side = min(side, h, w)
+    ys, xs = np.nonzero(touch)
+    cy, cx = (int(np.median(ys)), int(np.median(xs))) if len(ys) else (h // 2, w // 2)
+    y, x = min(max(0, cy - side // 2), h - side), min(max(0, cx - side // 2), w - side)
+    return img[y:y + side, x:x + side]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--pred', required=True, help='bin/predict output folder (with --overlay)')
@@ -31,13 +57,23 @@ def main(argv=None):
     p.add_argument('--out', required=True, help='PNG to write')
     p.add_argument('--per-kind', type=int, default=2)
     p.add_argument('--cell', type=int, default=256)
+    p.add_argument('--touching', metavar='TRUTH', help='DSB root of the truth: show where true nuclei touch')
+    p.add_argument('--zoom', type=int, default=160, help='--touching: side of the square shown (image pixels)')
     args = p.parse_args(argv)
-    picks = {}
+    ids = {}
     with open(args.kinds) as f:
         for line in sorted(f):
             image_id, kind, part = line.split()
-            if part == 'holdout' and len(picks.setdefault(kind, [])) < args.per_kind:
-                picks[kind].append(image_id)
+            if part == 'holdout':
+                ids.setdefault(kind, []).append(image_id)
+    truth = {}
+    if args.touching:
+        from gluon_unet.evaluate import load_truth
+        loaders = load_truth(args.touching)
+        truth = {i: contacts(loaders[i]()) for kind in ids for i in ids[kind]}
+        picks = {kind: sorted(found, key=lambda i: -truth[i].sum())[:args.per_kind] for kind, found in ids.items()}
+    else:
+        picks = {kind: found[:args.per_kind] for kind, found in ids.items()}
     cells = []
     for kind in sorted(picks):
         for image_id in picks[kind]:
@@ -45,7 +81,9 @@ def main(argv=None):
             if img is None:
                 raise SystemExit('error: no overlay for %s in %s (run bin/predict with --overlay)'
                                  % (image_id, args.pred))
-            cell = cv2.resize(central_square(img), (args.cell, args.cell), interpolation=cv2.INTER_AREA)
+            square = touching_square(img, truth[image_id], args.zoom) if truth else central_square(img)
+            cell = cv2.resize(square, (args.cell, args.cell),
+                              interpolation=cv2.INTER_AREA if square.shape[0] > args.cell else cv2.INTER_NEAREST)
             cv2.putText(cell, kind, (6, 18), cv2.FONT_HERSHEY_SIMPLEX, 0.5, (255, 255, 255), 1, cv2.LINE_AA)
             cells.append(cell)
     cols = len(cells) // 2 if len(cells) > 3 else len(cells)
