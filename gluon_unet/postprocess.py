@@ -75,14 +75,8 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         dist = ndi.distance_transform_edt(mask)
         markers, elevation = _h_maxima_markers(dist, mask, h), -dist
     else:
-        boundary = np.asarray(boundary, dtype=np.float32)
-        if boundary.shape != prob.shape:
-            raise ValueError('boundary shape %s differs from prob %s' % (boundary.shape, prob.shape))
-        interior = prob * (1 - boundary)
-        markers = label((interior > marker) & mask, connectivity=1)
-        elevation = -interior
+        markers, elevation = _interior_markers(prob, boundary, mask, marker)
     labels = watershed(elevation, markers, mask=mask)
-
     # A blob without a marker (a boundary map that swallowed a whole small nucleus) is
     # still a nucleus: keep it as its own object rather than dropping it.
     orphan = mask & (labels == 0)
@@ -90,6 +84,18 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         extra = label(orphan, connectivity=1)
         labels[orphan] = extra[orphan] + labels.max()
     return relabel_sequential(labels)[0].astype(np.int32)
+
+
+def _interior_markers(prob, boundary, mask, marker):
+    """Markers (the components of ``prob * (1 - boundary) > marker`` in ``mask``) and the
+    elevation that floods from them: downhill in that interior score."""
+    from skimage.measure import label
+
+    boundary = np.asarray(boundary, dtype=np.float32)
+    if boundary.shape != prob.shape:
+        raise ValueError('boundary shape %s differs from prob %s' % (boundary.shape, prob.shape))
+    interior = prob * (1 - boundary)
+    return label((interior > marker) & mask, connectivity=1), -interior
 
 
 def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=0.5, markers=None):
