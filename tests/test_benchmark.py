@@ -50,3 +50,12 @@ def test_uneven_batch_uses_the_trainer_split(tiny):
     assert abs(rec['per_device'][0] / rec['per_device'][1] - 1.5) < 1e-9
 
 
+
+
+def test_benchmark_runs_every_kind_of_target_and_loss(tiny):
+    """The synthetic batch is shaped like the loader's for each target (a border model's
+    target has two maps) and the weighted loss."""
+    for kw in ({'target': 'mask+border', 'loss': 'bce_dice'}, {'loss': 'wbce'},
+               {'target': 'mask+border', 'loss': 'wbce'}):
+        rec = benchmark.run_benchmark(tiny(batch_size=2, size=32, **kw), warmup=1, repeats=1)
+        assert rec['images_per_s'] > 0, kw
