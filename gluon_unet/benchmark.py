@@ -18,6 +18,7 @@ import time
 import mxnet as mx
 import numpy as np
 
+from .data.targets import OUTPUTS
 from .devices import cpu_description
 from .devices import make_contexts
 from .model import flops_per_image
@@ -39,8 +40,8 @@ def synthetic_batch(cfg, batch_size=None, seed=0):
     rng = np.random.RandomState(seed)
     channels = cfg.model.in_channels or 1
     image = mx.nd.array(rng.rand(n, channels, side, side).astype(np.float32))
-    outputs = 2 if cfg.model.target == 'mask+border' else 1  # foreground (+ border) maps
-    target = mx.nd.array((rng.rand(n, outputs, side, side) > 0.5).astype(np.float32))
+    maps = len(OUTPUTS[cfg.model.target])  # foreground (+ border)
+    target = mx.nd.array((rng.rand(n, maps, side, side) > 0.5).astype(np.float32))
     if cfg.loss != 'wbce':
         return image, target
     return image, target, mx.nd.ones((n, 1, side, side))

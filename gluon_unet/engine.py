@@ -423,7 +423,7 @@ def tune_postprocessing(net, ctxs, dataset, batch_size, loss_fn, max_images=64):
     return result
 
 
-def retune(checkpoint, export_dir, ctxs=None, log=None):
+def retune(checkpoint, export_dir, ctxs=None):
     """Search the post-processing again for a trained run, on its own validation split,
     and store the result in its export (``bin/export --tune-postprocess``): for exports
     made before the search (or before it knew a setting), without retraining.
@@ -436,9 +436,9 @@ def retune(checkpoint, export_dir, ctxs=None, log=None):
     dict
         :func:`tune_postprocessing`'s result (also written to the export's sidecar).
     """
-    from .export import update_sidecar
-    meta = load_checkpoint(checkpoint)
-    cfg = TrainConfig.from_dict(meta['config'])
+    from .export import model_from_checkpoint, update_sidecar
+    ctxs = ctxs or [mx.cpu()]
+    net, cfg, _ = model_from_checkpoint(checkpoint, ctxs)
     if cfg.model.classes != 1:
         raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
     cfg.progress = False
@@ -447,13 +447,6 @@ def retune(checkpoint, export_dir, ctxs=None, log=None):
         raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
                         '--val-data) to choose the post-processing on')
     attach_transforms(cfg, train_ds, val_ds)
-    ctxs = ctxs or [mx.cpu()]
-    net = build_model(cfg.model)
-    net.initialize(ctx=ctxs)
-    side = cfg.crop or cfg.size
-    with mx.autograd.predict_mode():  # resolve the deferred shapes before loading weights
-        net(mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctxs[0])).wait_to_read()
-    load_checkpoint(checkpoint, net=net)
     net.hybridize(static_alloc=True, static_shape=True)
     tuned = tune_postprocessing(net, ctxs, val_ds, cfg.batch_size, SegmentationLoss(cfg.loss, cfg.dice_weight))
     update_sidecar(export_dir, {'postprocess': tuned})
@@ -623,12 +616,9 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
             and cfg.model.classes == 1:
         load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
         tuned = tune_postprocessing(net, ctxs, run.val_ds, cfg.batch_size, step.loss_fn)
-        markers = ('border markers %.1f' % tuned['marker'] if 'marker' in tuned
-                   else '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h']))
-        log.info('post-processing chosen on %d validation images in %.1f s: threshold %.2f, %s, min size '
-                 '%d (val DSB %.4f, untuned %.4f); stored in the export, bin/predict uses it',
-                 tuned['images'], tuned['seconds'], tuned['threshold'], markers, tuned['min_size'],
-                 tuned['score'], tuned['base_score'])
+        log.info('post-processing chosen on %d validation images in %.1f s: %s (val DSB %.4f, untuned %.4f); '
+                 'stored in the export, bin/predict uses it', tuned['images'], tuned['seconds'],
+                 postprocess.settings_text(tuned), tuned['score'], tuned['base_score'])
     recorder.finish(state, amp_dtype, tuned)
     return state.history
 

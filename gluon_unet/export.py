@@ -24,6 +24,7 @@ from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
+from .postprocess import settings_text
 from .runtime import apply_runtime_defaults, user_environ
 from .utils import atomic_open, dir_mode
 
@@ -41,13 +42,27 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     str
         The export prefix ``out_dir/model`` (for ``SymbolBlock.imports``).
     """
+    net, cfg, meta = model_from_checkpoint(checkpoint)
+    return export_block(net, cfg, out_dir, meta, sidecar_extra)
+
+
+def model_from_checkpoint(checkpoint, ctxs=None):
+    """The U-Net of ``checkpoint``'s config with its weights, on ``ctxs`` (default the
+    CPU), not hybridized.
+
+    Returns
+    -------
+    (net, cfg, meta)
+        The block, its :class:`TrainConfig` and the checkpoint's record.
+    """
+    ctxs = ctxs or [mx.cpu()]
     meta = load_checkpoint(checkpoint)
     cfg = TrainConfig.from_dict(meta['config'])
     net = build_model(cfg.model)
-    net.initialize(ctx=mx.cpu())
-    net(_dummy_input(cfg, mx.cpu()))  # resolves the deferred parameter shapes before loading
+    net.initialize(ctx=ctxs)
+    net(_dummy_input(cfg, ctxs[0]))  # resolves the deferred parameter shapes before loading
     load_checkpoint(checkpoint, net=net)
-    return export_block(net, cfg, out_dir, meta, sidecar_extra)
+    return net, cfg, meta
 
 
 def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
@@ -386,15 +401,15 @@ def main(argv=None, retune=None):
                              "validation split (its data must still be where it trained) and store them in "
                              "the export, as training does at its end")
     args = parser.parse_args(argv)
+    if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
+        raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
     prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if args.tune_postprocess:
         tuned = retune(ckpt, out)
         print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
-              % (tuned['images'], ', '.join('%s %s' % (k, tuned[k]) for k in ('markers', 'threshold', 'h', 'marker',
-                                                                           'min_size') if k in tuned),
-                 tuned['score'], tuned['base_score']))
+              % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
     return 0
 
 

@@ -451,6 +451,16 @@ TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'mi
 # a border map learned in a short run can split nuclei worse than the distance does.
 
 
+def settings_text(tuned):
+    """``'threshold 0.60, h 0.5, min size 0'``: a :func:`tune_postprocess` result (or the
+    sidecar's ``postprocess``) for a log line; border models name their markers."""
+    if 'marker' in tuned:
+        markers = 'border markers %.1f' % tuned['marker']
+    else:
+        markers = '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h'])
+    return 'threshold %.2f, %s, min size %d' % (tuned['threshold'], markers, tuned['min_size'])
+
+
 def tune_postprocess(pairs, grid=None, base=None):
     """Choose the post-processing settings that score best on validation images.
 

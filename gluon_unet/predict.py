@@ -333,9 +333,7 @@ class _Run:
             # A first pass at the image's own scale measures its nuclei.
             maps = predict_image(model.net, model.meta, net_input, model.ctxs, cfg.mode, batch_size=cfg.batch_size,
                                  overlap=cfg.overlap, buckets=cfg.buckets, maps=True)
-            measured = estimate_diameter(instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size,
-                                                             split=cfg.split, h=model.h, marker=self.marker,
-                                                             markers=model.markers))
+            measured = estimate_diameter(self._instances(maps))
             del maps
         else:
             measured = float(cfg.diameter)
@@ -352,10 +350,14 @@ class _Run:
             on_done(np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps]), used)
         return scaled.reshape(size[1], size[0], -1), back
 
+    def _instances(self, maps):
+        """Instance labels of one image's probability maps, with this run's settings."""
+        return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.config.split,
+                                   h=self.model.h, marker=self.marker, markers=self.model.markers)
+
     def _write(self, rec, image, prob, used):
         cfg = self.config
-        labels = instances_from_maps(prob, threshold=self.threshold, min_size=self.min_size, split=cfg.split,
-                                     h=self.model.h, marker=self.marker, markers=self.model.markers)
+        labels = self._instances(prob)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         os.makedirs(self.output_dir, exist_ok=True)
