@@ -162,9 +162,11 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
         net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized
         net.collect_params().reset_ctx(ctxs)
     if cfg.hybridize:
-        # static_alloc is the fast path, but with SyncBatchNorm MXNet 1.9's static
-        # CachedOp loses the running-statistics update of each step (measured: they lag
-        # one step behind plain BatchNorm); the dynamic CachedOp keeps them right.
+        # static_alloc is the fast path. SyncBatchNorm keeps the dynamic CachedOp: it was
+        # chosen when its running statistics seemed to lag a step behind; that turned out to
+        # be the first step's update lost to the Trainer's broadcast (fixed in
+        # DataParallelStep, and static SyncBN then matches whole-batch BN on CPU contexts),
+        # but static SyncBN on GPUs has never been run, so it is not switched on blind.
         static = not (cfg.sync_bn and len(ctxs) > 1)
         # With --memory balanced/low the hybridized graph only validates (MirroredStep
         # trains through its own bound graph): static buffers would stay allocated for

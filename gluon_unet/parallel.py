@@ -98,6 +98,7 @@ class DataParallelStep:
         self.workers = max(1, int(workers))
         self._params = None
         self._watch = sync_bn  # the first step with SyncBatchNorm runs under a watchdog
+        self._first_update = True
 
     def runnable(self, batch_samples):
         """SyncBatchNorm's barrier needs every device: smaller batches must be skipped."""
@@ -116,6 +117,15 @@ class DataParallelStep:
             losses = self._forward_backward(parts)
         if len(parts) < len(self.ctxs):
             self._zero_unused_grads(len(parts))
+        if self._first_update:
+            # The Trainer's first call broadcasts every parameter from the first device,
+            # BatchNorm's running statistics included. On CPU, MXNet's BatchNorm updates
+            # those statistics in its *backward* pass, while the engine is told the pass
+            # only reads them; the broadcast (also a read, then a write) could copy them
+            # before that update and write the old values back. Measured on 2 CPU contexts
+            # with static_alloc: the first step's update was lost. Waiting once orders them.
+            mx.nd.waitall()
+            self._first_update = False
         if self.clip_grad > 0:
             self.trainer.allreduce_grads()
             self._clip(total)

@@ -111,6 +111,39 @@ def check_clipping_device_invariant(make_ctxs, ndev, cfg, batches=None, tol=CPU_
     assert max_diff(got, ref) <= tol
 
 
+def check_running_stats_match_imperative(make_ctxs, ndev, tiny, tol=CPU_TOL, steps=3):
+    """With BatchNorm on ``ndev`` devices, the hybridized step (static_alloc, the default)
+    leaves every replica's parameters *and running statistics* where the imperative
+    (not hybridized) step leaves them. The running statistics are per device (each sees
+    its share of the batch), so replicas are compared one by one."""
+    images, masks, _ = synthetic_nuclei(4 * steps, size=32, seed=7)
+    x = images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    y = masks[:, None].astype(np.float32)
+
+    def run(hybridize):
+        cfg = tiny(batch_norm=True, hybridize=hybridize)
+        ctxs = make_ctxs(ndev)
+        net = build_network(cfg, ctxs)
+        trainer = make_trainer(net.collect_params(), 'sgd', 0.1, ctxs, momentum=0.9)
+        step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs)
+        for i in range(steps):
+            sl = slice(4 * i, 4 * i + 4)
+            step(mx.nd.array(x[sl]), mx.nd.array(y[sl]), mx.nd.ones(y[sl].shape))
+        mx.nd.waitall()
+        return {k: [d.asnumpy() for d in p.list_data()] for k, p in net._collect_params_with_prefix().items()}
+
+    hybrid, imperative = run(True), run(False)
+    stats = [k for k in hybrid if k.endswith('running_mean') or k.endswith('running_var')]
+    assert stats, 'the network must have BatchNorm for this test to mean anything'
+    # The statistics moved away from their initial values (zeros / ones).
+    assert max(np.abs(imperative[k][0] - (k.endswith('running_var'))).max() for k in stats) > 1e-3
+    worst = max(np.abs(a - b).max() for k in hybrid for a, b in zip(hybrid[k], imperative[k]))
+    print('%d devices: max |hybridized - imperative| over parameters and running statistics = %.2e'
+          % (ndev, worst))
+    assert worst <= tol, worst
+    return worst
+
+
 # -- SyncBatchNorm --------------------------------------------------------------------------
 
 def sync_bn_params(cfg, ctxs, x, y, steps=2):

@@ -20,8 +20,8 @@ import pytest
 
 from device_checks import (GPU_TOL, check_amp_trains_and_exports_float32, check_benchmark_json,
                            check_clipping_device_invariant, check_devices_equivalent, check_export_predicts_like_cpu,
-                           check_loader_pins_memory, check_sync_bn_matches_whole_batch, child_env,
-                           engine_step_trainer, gpu_contexts)
+                           check_loader_pins_memory, check_running_stats_match_imperative,
+                           check_sync_bn_matches_whole_batch, child_env, engine_step_trainer, gpu_contexts)
 from gluon_unet import devices
 
 
@@ -48,6 +48,11 @@ def test_same_parameters_on_1_and_n_gpus_with_uneven_batches(tiny, kvstore):
 @pytest.mark.gpu(min_gpus=2)
 def test_gradient_clipping_is_gpu_count_invariant(tiny):
     check_clipping_device_invariant(gpu_contexts, 2, tiny(), tol=GPU_TOL)
+
+
+@pytest.mark.gpu(min_gpus=2)
+def test_batchnorm_running_statistics_on_two_gpus_match_the_imperative_step(tiny):
+    check_running_stats_match_imperative(gpu_contexts, 2, tiny, tol=GPU_TOL)
 
 
 @pytest.mark.gpu(min_gpus=2)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from device_checks import (CPU_TOL, check_clipping_device_invariant, check_devices_equivalent, cpu_contexts,
-                           max_diff, train_params, uneven_batches)
+                           check_running_stats_match_imperative, max_diff, train_params, uneven_batches)
 from gluon_unet.parallel import split_batch
 
 cpus = cpu_contexts
@@ -34,6 +34,11 @@ def batches():
 @pytest.mark.parametrize('kvstore', ['device', 'local'])
 def test_same_parameters_on_1_2_3_4_devices(tiny, batches, kvstore):
     check_devices_equivalent(cpus, (2, 3, 4), kvstore, tiny(), batches, tol=CPU_TOL)
+
+
+@pytest.mark.parametrize('ndev', [1, 2, 3])
+def test_batchnorm_running_statistics_match_the_imperative_step(tiny, ndev):
+    check_running_stats_match_imperative(cpus, ndev, tiny, tol=CPU_TOL)
 
 
 def test_gradient_clipping_is_device_count_invariant(tiny, batches):
