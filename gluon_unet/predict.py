@@ -34,7 +34,7 @@ from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
 from .export import card_summary
 from .inference import _Done, load_model, match_channels
-from .postprocess import SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
+from .postprocess import MARKERS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
 from .utils import atomic_open
@@ -63,6 +63,8 @@ class PredictConfig:
     min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
     marker: Optional[float] = None    #: mask+border models: interior score of a marker; None = the model's
+    h: Optional[float] = None         #: distance watershed: h-maxima depth in pixels; None = the model's
+    markers: Optional[str] = None     #: mask+border models: 'border' or 'distance'; None = the model's
     diameter: Optional[str] = None    #: nuclei's size in the images: 'auto' or pixels; None = no rescaling
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
@@ -91,6 +93,10 @@ class PredictConfig:
                 raise UserError("--diameter must be 'auto' or a positive number of pixels (got %r)" % self.diameter)
         if self.marker is not None and not 0 < self.marker < 1:
             raise UserError('--marker must be in (0, 1) (got %r)' % self.marker)
+        if self.h is not None and not self.h > 0:
+            raise UserError('--h must be > 0 pixels (got %r)' % self.h)
+        if self.markers is not None and self.markers not in MARKERS:
+            raise UserError('--markers must be one of %s (got %r)' % (', '.join(MARKERS), self.markers))
         if self.min_size is not None and self.min_size < 0:
             raise UserError('--min-size must be >= 0 (got %r)' % self.min_size)
         if self.split not in SPLITS:
@@ -268,6 +274,11 @@ class _Run:
         self.threshold = model.threshold if config.threshold is None else float(config.threshold)
         self.min_size = model.min_size if config.min_size is None else int(config.min_size)
         self.marker = model.marker if config.marker is None else float(config.marker)
+        self.h = model.h if config.h is None else float(config.h)
+        self.markers = model.markers if config.markers is None else config.markers
+        if self.markers == 'border' and not model.border:
+            raise UserError('--markers border needs a mask+border model; this one predicts the foreground only '
+                            '(use --markers distance or leave it out)')
         self.records, self.rows, self.failures = [], [], []
         self.inputs_per_device = [0] * len(model.ctxs)
         self.bar = _progress_bar(len(files), config.progress)
@@ -353,7 +364,7 @@ class _Run:
     def _instances(self, maps):
         """Instance labels of one image's probability maps, with this run's settings."""
         return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.config.split,
-                                   h=self.model.h, marker=self.marker, markers=self.model.markers)
+                                   h=self.h, marker=self.marker, markers=self.markers)
 
     def _write(self, rec, image, prob, used):
         cfg = self.config
@@ -498,6 +509,14 @@ def build_parser():
     parser.add_argument('--marker', type=float, default=None,
                         help="mask+border models: the interior score (foreground x (1 - border)) a watershed "
                              "marker needs (default: the model's, chosen on validation; else 0.5)")
+    parser.add_argument('--h', type=float, default=None,
+                        help="distance watershed: how much deeper than its surroundings (in pixels of distance "
+                             "to the background) a nucleus centre must be to seed its own object (default: the "
+                             "model's, chosen on validation; else 0.5)")
+    parser.add_argument('--markers', default=None,
+                        help="mask+border models: seed the watershed from the interiors the border map leaves "
+                             "(border) or from the distance transform of the foreground (distance) (default: the "
+                             "model's, chosen on validation; else border)")
     parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')

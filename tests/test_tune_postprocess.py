@@ -3,8 +3,10 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model
 from gluon_unet.postprocess import tune_postprocess
 from gluon_unet import predict as predict_mod
@@ -62,6 +64,13 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
     predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o2'), progress=False,
                               threshold=0.7, min_size=3)
     assert (seen['threshold'], seen['min_size']) == (0.7, 3)  # flags still win
+    predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o3'), progress=False,
+                              h=3.0, markers='distance')
+    assert (seen['h'], seen['markers']) == (3.0, 'distance')  # every tuned setting can be overridden
+    with pytest.raises(UserError, match='^--markers border needs a mask[+]border model'):
+        predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o4'), progress=False,
+                                  markers='border')
+    assert not os.path.exists(str(tmp_path / 'o4'))
 
 
 def test_no_tuning_when_switched_off(tiny):
