@@ -55,6 +55,31 @@ def _busy_seconds():
     return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf('SC_CLK_TCK')
 
 
+def _thread_ticks():
+    """{thread id: (name, CPU ticks so far)} of this process's threads (``/proc/self/task``).
+    A thread that ends between the listing and the read is skipped."""
+    out = {}
+    for tid in os.listdir('/proc/self/task'):
+        try:
+            with open('/proc/self/task/%s/stat' % tid) as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The name is in parentheses and may hold spaces; utime, stime are fields 14, 15.
+        name = stat[stat.index('(') + 1:stat.rindex(')')]
+        fields = stat[stat.rindex(')') + 2:].split()
+        out[tid] = (name, int(fields[11]) + int(fields[12]))
+    return out
+
+
+def thread_busy(before, after, wall):
+    """Each thread's CPU time between two :func:`_thread_ticks` snapshots as a share of
+    ``wall`` seconds, busiest first: [(share, name), ...] (threads below 1 % left out)."""
+    tck = os.sysconf('SC_CLK_TCK')
+    busy = [((ticks - before.get(tid, (name, 0))[1]) / tck / wall, name) for tid, (name, ticks) in after.items()]
+    return sorted((b for b in busy if b[0] >= 0.01), reverse=True)
+
+
 def _rss_kib(field):
     with open('/proc/self/status') as f:
         for line in f:
@@ -194,13 +219,14 @@ def _worker(kind, spec, env, conn):
             if cmd == 'stop':
                 break
             if cmd == 'run':
-                busy0, cpu0 = _busy_seconds(), time.process_time()
+                busy0, cpu0, threads0 = _busy_seconds(), time.process_time(), _thread_ticks()
                 wall = run(k)
                 cpu = time.process_time() - cpu0
+                threads = thread_busy(threads0, _thread_ticks(), wall)
                 # Cores' worth of CPU that something other than this worker used meanwhile
                 # (other users, idle workers, the parent, steal): the repetition was not alone.
                 foreign = max(0.0, _busy_seconds() - busy0 - cpu) / wall
-                conn.send((k * spec['batch'] / wall, k * spec['batch'] / max(cpu, 1e-9), foreign))
+                conn.send((k * spec['batch'] / wall, k * spec['batch'] / max(cpu, 1e-9), foreign, threads))
             elif cmd == 'mem':
                 conn.send({'base_kib': base, 'peak_kib': _rss_kib('VmHWM')})
     except Exception as exc:  # reported in the parent
@@ -217,7 +243,7 @@ class Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker, args=(kind, spec, env, child), daemon=True)
         self.proc.start()
-        self.rates, self.cpu_rates, self.foreign, self.retried = [], [], [], 0
+        self.rates, self.cpu_rates, self.foreign, self.threads, self.retried = [], [], [], [], 0
 
     def setup(self):
         self.conn.send('setup')
@@ -241,6 +267,7 @@ class Worker:
         self.rates.append(msg[0])
         self.cpu_rates.append(msg[1])
         self.foreign.append(msg[2])
+        self.threads.append(msg[3])
 
     def stop(self):
         self.conn.send('mem')
@@ -320,7 +347,7 @@ def run_config(width, size, batch, args):
                'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / PEAK_GFLOPS,
                'peak_rss_mib': w.mem['peak_kib'] / 1024,
                'foreign_cores': statistics.median(w.foreign), 'all_foreign': w.foreign,
-               'retried_reps': w.retried,
+               'retried_reps': w.retried, 'threads_busy': busiest_threads(w.threads),
                'mib_per_image': used_kib / 1024 / batch, 'mib_per_device': used_kib / 1024 / n}
         if torch_w and not w.name.startswith('pytorch'):
             row['vs_pytorch'] = w.median / torch_w.median
@@ -331,6 +358,24 @@ def run_config(width, size, batch, args):
             row['dp_overhead_cpu'] = 1.0 - w.cpu_median / one.cpu_median
         rows.append(row)
     return rows
+
+
+def busiest_threads(reps, keep=6):
+    """Per rank (busiest thread first), the median share of wall time over repetitions."""
+    ranks = min(keep, max((len(r) for r in reps), default=0))
+    return [statistics.median(r[i][0] if i < len(r) else 0.0 for r in reps) for i in range(ranks)]
+
+
+def format_threads(rows):
+    """Where the CPU time goes inside each worker: its busiest threads' shares of the wall
+    time. Two contexts that run side by side show two threads near 1.0; contexts that wait
+    for each other show their busy shares summing to about one core."""
+    lines = ['%-16s %4s  %s' % ('setup', 'w', 'busiest threads (CPU s per wall s, median over repetitions)')]
+    for r in rows:
+        shares = r.get('threads_busy') or []
+        lines.append('%-16s %4d  %s   sum %.2f' % (r['setup'], r['width'], ' '.join('%.2f' % b for b in shares),
+                                                 sum(shares)))
+    return '\n'.join(lines)
 
 
 def _fmt(row, key, fmt, scale=1):
@@ -407,6 +452,8 @@ def main(argv=None):
     print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s float32):'
           % (time.time() - t0, args.reps, PEAK_GFLOPS))
     print(format_rows(rows))
+    print()
+    print(format_threads(rows))
     for r in rows:
         if r['foreign_cores'] > args.max_foreign:
             print('warning: %s (width %d) ran while other processes used %.2f cores (median, after '

@@ -1,0 +1,38 @@
+"""The measuring parts of benchmarks/bench_train.py that decide what a figure means."""
+import os
+import sys
+import threading
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+
+import bench_train  # noqa: E402
+
+
+def test_thread_busy_shares_of_wall_time_busiest_first():
+    tck = os.sysconf('SC_CLK_TCK')
+    before = {'1': ('python', 0), '2': ('python', 10 * tck), '3': ('omp', 0)}
+    after = {'1': ('python', 2 * tck), '2': ('python', 11 * tck), '3': ('omp', 0), '4': ('new', tck // 2)}
+    busy = bench_train.thread_busy(before, after, wall=2.0)
+    # thread 1: 2 s in 2 s; thread 2: 1 s; thread 4 started meanwhile: 0.5 s; idle thread 3 left out
+    assert busy == [(1.0, 'python'), (0.5, 'python'), ((tck // 2) / tck / 2.0, 'new')]
+
+
+def test_busiest_threads_is_the_median_per_rank_over_repetitions():
+    reps = [[(0.9, 'a'), (0.5, 'b')], [(0.8, 'a')], [(1.0, 'a'), (0.7, 'b'), (0.1, 'c')]]
+    assert bench_train.busiest_threads(reps) == [0.9, 0.5, 0.0]
+    table = bench_train.format_threads([{'setup': 'ours x2', 'width': 16, 'threads_busy': [0.9, 0.5]}])
+    assert 'ours x2' in table and '0.90 0.50' in table and 'sum 1.40' in table
+
+
+def test_thread_ticks_sees_this_process_threads():
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name='waiter')
+    worker.start()
+    try:
+        ticks = bench_train._thread_ticks()
+        assert str(threading.get_native_id()) in ticks and str(worker.native_id) in ticks
+        assert all(t >= 0 for _, t in ticks.values())
+    finally:
+        stop.set()
+        worker.join()
