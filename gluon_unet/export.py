@@ -65,6 +65,19 @@ def model_from_checkpoint(checkpoint, ctxs=None):
     return net, cfg, meta
 
 
+def geometry(cfg):
+    """The part of the export's sidecar that tells predictors how to feed the network of
+    ``cfg`` and read its outputs (what :func:`~gluon_unet.inference.predict_image` needs)."""
+    return {
+        # What each output channel is: predictors read the maps by these names.
+        'outputs': list(OUTPUTS[cfg.model.target]),
+        'depth': cfg.model.depth,
+        'multiple': 2 ** cfg.model.depth,
+        'train_size': cfg.crop or cfg.size,
+        'resize_mode': 'crop' if cfg.crop else 'resize',
+    }
+
+
 def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
     """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
     ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``, atomically.
@@ -96,12 +109,7 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             'input_name': 'data',
             'in_channels': cfg.model.in_channels,
             'classes': cfg.model.classes,
-            # What each output channel is: predictors read the maps by these names.
-            'outputs': list(OUTPUTS[cfg.model.target]),
-            'depth': cfg.model.depth,
-            'multiple': 2 ** cfg.model.depth,
-            'train_size': cfg.crop or cfg.size,
-            'resize_mode': 'crop' if cfg.crop else 'resize',
+            **geometry(cfg),
             'normalization': 'uint8 / 255 per channel (16-bit and float images: '
                              'percentile-scaled to uint8 first)',
             'normalize': cfg.normalize,

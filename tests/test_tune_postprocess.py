@@ -73,6 +73,27 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
     assert not os.path.exists(str(tmp_path / 'o4'))
 
 
+def test_the_search_scores_whole_validation_images_predicted_like_bin_predict(tiny, monkeypatch):
+    """A model trained on crops is tuned on its validation images whole (tiled, as
+    bin/predict sees them), scored against their whole instance labels - not on the
+    training-time crops, whose settings need not suit whole images."""
+    from gluon_unet import engine
+    seen = []
+    real = engine.predict_image
+
+    def spy(net, meta, image, ctxs, **kw):
+        seen.append((image.shape, meta['resize_mode'], meta['train_size']))
+        return real(net, meta, image, ctxs, **kw)
+
+    monkeypatch.setattr(engine, 'predict_image', spy)
+    from gluon_unet.data.synthetic import synthetic_dataset
+    train_ds, val_ds = synthetic_dataset(12, 64, channels=1, seed=1), synthetic_dataset(6, 64, channels=1, seed=2)
+    history = fit(tiny(epochs=1, size=64, crop=32), train_ds, val_ds, verbose=False)
+    tuned = json.load(open(os.path.join(history.output, 'export', 'model.json')))['postprocess']
+    assert tuned['images'] == 6 and len(seen) == 6
+    assert all(shape[:2] == (64, 64) and mode == 'crop' and side == 32 for shape, mode, side in seen), seen
+
+
 def test_no_tuning_when_switched_off(tiny):
     history = fit(tiny(epochs=1, val_split=0.25, tune_postprocess=False), verbose=False)
     assert 'postprocess' not in json.load(open(os.path.join(history.output, 'export', 'model.json')))
