@@ -498,7 +498,9 @@ def tune_postprocess(pairs, grid=None, base=None):
         base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
 
     def score(setting):
-        return float(np.mean([dsb_image_score(instances_from_maps(m, **setting), t) for m, t in pairs]))
+        # float32 as bin/predict has them (a caller may keep the maps as float16)
+        return float(np.mean([dsb_image_score(instances_from_maps(np.asarray(m, np.float32), **setting), t)
+                              for m, t in pairs]))
 
     best, best_score = dict(base), score(base)
     base_score = best_score

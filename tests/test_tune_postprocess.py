@@ -127,3 +127,16 @@ def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, cap
     assert export_main([history.output, '--tune-postprocess']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and 'no validation images' in err[0]
+
+
+def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny):
+    import mxnet as mx
+    from gluon_unet.data.synthetic import synthetic_dataset
+    from gluon_unet.engine import build_network, tune_postprocessing
+    from gluon_unet.export import geometry
+    cfg = tiny(size=64, crop=32)
+    net = build_network(cfg, [mx.cpu()])
+    val_ds = synthetic_dataset(5, 64, channels=1, seed=2)
+    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=2 * 64 * 64)['images'] == 2
+    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=10)['images'] == 1
+    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_images=3)['images'] == 3
