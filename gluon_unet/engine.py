@@ -418,10 +418,11 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
     validation images, where the distance watershed scored 0.529).
 
-    At most ``max_images`` images, and no more once ``max_pixels`` are gathered (at least
-    one image): the maps are kept (float16) and each setting is scored on all of them, so
-    the search's memory and time follow the pixel count (DSB's 60 validation images are
-    10.4 Mpx: about two minutes of one core).
+    At most ``max_images`` images, and no more once ``max_pixels`` are gathered (an image
+    larger than that alone is cut to its central ``max_pixels``): the maps are kept
+    (float16) and each setting is scored on all of them, so the search's memory and time
+    follow the pixel count (DSB's 60 validation images are 10.4 Mpx: about two minutes of
+    one core).
 
     Returns
     -------
@@ -433,6 +434,9 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     pixels = 0
     for i in range(min(len(dataset), max_images)):
         image, _, labels = dataset.raw(i)
+        if labels.size > max_pixels:  # one huge image: its central part, at most the whole budget
+            window = _central_window(labels.shape, max_pixels)
+            image, labels = image[window], labels[window]
         if pairs and pixels + labels.size > max_pixels:
             break
         pixels += labels.size
@@ -443,6 +447,15 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     result = postprocess.tune_postprocess(pairs)
     result['seconds'] = time.time() - t0
     return result
+
+
+def _central_window(shape, max_pixels):
+    """Slices of the central part of an image of ``shape`` (H, W, ...) with at most
+    ``max_pixels`` pixels and the image's aspect ratio."""
+    scale = min(1.0, (max_pixels / float(shape[0] * shape[1])) ** 0.5)
+    h, w = max(1, int(shape[0] * scale)), max(1, int(shape[1] * scale))
+    y, x = (shape[0] - h) // 2, (shape[1] - w) // 2
+    return slice(y, y + h), slice(x, x + w)
 
 
 def retune(checkpoint, export_dir, ctxs=None):

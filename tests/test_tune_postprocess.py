@@ -129,7 +129,7 @@ def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, cap
     assert len(err) == 1 and 'no validation images' in err[0]
 
 
-def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny):
+def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch):
     import mxnet as mx
     from gluon_unet.data.synthetic import synthetic_dataset
     from gluon_unet.engine import build_network, tune_postprocessing
@@ -140,3 +140,15 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny):
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=2 * 64 * 64)['images'] == 2
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=10)['images'] == 1
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_images=3)['images'] == 3
+    # An image larger than the budget alone is cut to its centre, labels and image alike.
+    from gluon_unet import engine
+    shapes, real = [], engine.predict_image
+
+    def spy(net, meta, image, ctxs, **kw):
+        shapes.append(image.shape)
+        return real(net, meta, image, ctxs, **kw)
+
+    monkeypatch.setattr(engine, 'predict_image', spy)
+    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=32 * 32)['images'] == 1
+    assert shapes == [(32, 32, 1)]
+    assert engine._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
