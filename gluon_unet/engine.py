@@ -463,8 +463,9 @@ def retune(checkpoint, export_dir, ctxs=None):
     and store the result in its export (``bin/export --tune-postprocess``): for exports
     made before the search (or before it knew a setting), without retraining.
 
-    The run's data, split and crops are rebuilt from the checkpoint's config (the same
-    validation images the run used; never a hold-out).
+    The run's data and split are rebuilt from the checkpoint's config (the same
+    validation images the run used; never a hold-out), scored whole as at the end of
+    training.
 
     Returns
     -------
@@ -477,11 +478,10 @@ def retune(checkpoint, export_dir, ctxs=None):
     if cfg.model.classes != 1:
         raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
     cfg.progress = False
-    train_ds, val_ds = build_datasets(cfg)
+    _, val_ds = build_datasets(cfg)
     if val_ds is None or not len(val_ds):
         raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
                         '--val-data) to choose the post-processing on')
-    attach_transforms(cfg, train_ds, val_ds)
     net.hybridize(static_alloc=True, static_shape=True)
     tuned = tune_postprocessing(net, ctxs, val_ds, geometry(cfg), cfg.batch_size)
     update_sidecar(export_dir, {'postprocess': tuned})

@@ -126,7 +126,7 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
     if maps.ndim != 3 or maps.shape[0] not in (1, 2):
         raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
     if markers is not None and markers not in MARKERS:
-        raise ValueError("markers must be 'border' or 'distance' (got %r)" % (markers,))
+        raise ValueError('markers must be one of %s (got %r)' % (', '.join(MARKERS), markers))
     boundary = maps[1] if len(maps) == 2 and markers != 'distance' else None
     return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,
                                h=h, marker=marker)
