@@ -318,6 +318,10 @@ def read_sidecar(path):
     if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None, 'border', 'distance')):
         raise bad("'postprocess' must be an object whose 'markers' is \"border\" or \"distance\" (got %s)"
                   % json.dumps(tuned))
+    min_score = (tuned or {}).get('min_score')
+    if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
+                                  or not 0 <= min_score < 1):
+        raise bad("'postprocess' 'min_score' must be a number in [0, 1) (got %s)" % json.dumps(min_score))
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not diameter > 0):

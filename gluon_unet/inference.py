@@ -277,6 +277,7 @@ class LoadedModel:
     denoise: float = 0.0  # Gaussian sigma before the percentile stretch (0: exports from before it)
     diameter: Optional[float] = None  # median nucleus diameter in training (px); None: not recorded
     markers: Optional[str] = None  # a border model's watershed markers, as tuned: 'border' or 'distance'
+    min_score: float = 0.0  # objects with a lower mean probability are dropped (tuned; 0 before it existed)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -308,4 +309,5 @@ def load_model(model, ctxs):
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
                        int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
                        float(tuned.get('marker') or 0.5), predicts_border(meta),
-                       float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'), tuned.get('markers'))
+                       float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'), tuned.get('markers'),
+                       float(tuned.get('min_score') or 0.0))

@@ -180,7 +180,12 @@ def dsb_image_score(pred_labels, true_labels, thresholds=THRESHOLDS):
         Mean over thresholds of TP / (TP + FP + FN), a match being IoU > t (strictly).
         1.0 when neither image has an object; 0.0 when only one of them has.
     """
-    iou = iou_matrix(pred_labels, true_labels)
+    return dsb_score_from_iou(iou_matrix(pred_labels, true_labels), thresholds)
+
+
+def dsb_score_from_iou(iou, thresholds=THRESHOLDS):
+    """:func:`dsb_image_score` from an image's :func:`iou_matrix` (n_true, n_pred): a
+    search that drops predicted objects scores each choice from the columns it keeps."""
     n_true, n_pred = iou.shape
     if n_true == 0 and n_pred == 0:
         return 1.0

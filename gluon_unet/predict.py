@@ -61,6 +61,7 @@ class PredictConfig:
     tta: bool = False                 #: average the 8 flips / quarter turns
     threshold: Optional[float] = None  #: foreground cut; None = the model's training threshold
     min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
+    min_score: Optional[float] = None  #: drop objects whose mean probability is lower; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
     marker: Optional[float] = None    #: mask+border models: interior score of a marker; None = the model's
     h: Optional[float] = None         #: distance watershed: h-maxima depth in pixels; None = the model's
@@ -99,6 +100,8 @@ class PredictConfig:
             raise UserError('--markers must be one of %s (got %r)' % (', '.join(MARKERS), self.markers))
         if self.min_size is not None and self.min_size < 0:
             raise UserError('--min-size must be >= 0 (got %r)' % self.min_size)
+        if self.min_score is not None and not 0 <= self.min_score < 1:
+            raise UserError('--min-score must be in [0, 1) (got %r)' % self.min_score)
         if self.split not in SPLITS:
             raise UserError('--split must be one of %s (got %r)' % (', '.join(SPLITS), self.split))
         return self
@@ -273,6 +276,7 @@ class _Run:
         self.model, self.files, self.output_dir, self.config = model, files, output_dir, config
         self.threshold = model.threshold if config.threshold is None else float(config.threshold)
         self.min_size = model.min_size if config.min_size is None else int(config.min_size)
+        self.min_score = model.min_score if config.min_score is None else float(config.min_score)
         self.marker = model.marker if config.marker is None else float(config.marker)
         self.h = model.h if config.h is None else float(config.h)
         self.markers = model.markers if config.markers is None else config.markers
@@ -364,7 +368,7 @@ class _Run:
     def _instances(self, maps):
         """Instance labels of one image's probability maps, with this run's settings."""
         return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.config.split,
-                                   h=self.h, marker=self.marker, markers=self.markers)
+                                   h=self.h, marker=self.marker, markers=self.markers, min_score=self.min_score)
 
     def _write(self, rec, image, prob, used):
         cfg = self.config
@@ -497,6 +501,9 @@ def build_parser():
                              "training; else its training threshold)")
     parser.add_argument('--min-size', type=int, default=None,
                         help="drop objects under N pixels (default: the model's, chosen on validation; else 0)")
+    parser.add_argument('--min-score', type=float, default=None,
+                        help="drop objects whose mean foreground probability is below this: debris and faint "
+                             "blobs (default: the model's, chosen on validation; else 0 = keep all)")
     parser.add_argument('--split', default='watershed', choices=SPLITS,
                         help='separate touching nuclei with a watershed (default: from the interiors of a '
                              'mask+border model, else on the distance transform) or keep plain connected '

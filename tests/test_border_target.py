@@ -200,7 +200,8 @@ def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     from gluon_unet.export import read_sidecar
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
                        ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
-                       ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'")):
+                       ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'"),
+                       ({'postprocess': {'min_score': 1.5}}, "'postprocess' 'min_score' must be a number in")):
         folder = export_brightness_model(str(tmp_path / str(len(words))), dict(BRIGHTNESS_SIDECAR, **bad))
         with pytest.raises(UserError, match=words.replace('(', r'\(')):
             read_sidecar(os.path.join(folder, 'model.json'))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gluon_unet.metrics import iou_matrix
-from gluon_unet.postprocess import (instances_from_prob, overlay, rle_decode, rle_encode,
+from gluon_unet.postprocess import (instances_from_maps, instances_from_prob, overlay, rle_decode, rle_encode,
                                     submission_rows)
 
 
@@ -70,6 +70,22 @@ def test_min_size_removes_specks_and_labels_are_consecutive():
     assert labels[31, 31] == 0
     assert instances_from_prob(prob, min_size=0).max() == 3
     assert instances_from_prob(prob, min_size=0, split='none').max() == 3
+
+
+def test_min_score_drops_objects_of_low_mean_probability_and_renumbers():
+    prob = np.zeros((40, 40), np.float32)
+    prob[2:12, 2:12] = 0.95              # a confident nucleus
+    prob[20:30, 2:12] = 0.7              # a faint blob: over the pixel cut, unsure as a whole
+    prob[20:30, 25:35] = 0.9
+    prob[22:24, 27:29] = 0.55            # a confident nucleus with a dim spot: its mean is still high
+    boundary = np.zeros_like(prob)
+    for kw in ({}, {'split': 'none'}, {'boundary': boundary}, {'smooth': 0}):
+        assert instances_from_prob(prob, **kw).max() == 3
+        labels = instances_from_prob(prob, min_score=0.8, **kw)
+        assert sorted(np.unique(labels)) == [0, 1, 2], kw
+        assert labels[25, 5] == 0 and labels[5, 5] > 0 and labels[25, 30] > 0
+    assert instances_from_prob(prob, min_score=0.96).max() == 0
+    assert instances_from_maps(np.stack([prob, boundary]), min_score=0.8).max() == 2
 
 
 def test_threshold_is_strict_and_empty_is_empty():

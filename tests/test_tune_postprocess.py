@@ -8,7 +8,7 @@ import pytest
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model
-from gluon_unet.postprocess import tune_postprocess
+from gluon_unet.postprocess import TUNE_GRID, tune_postprocess
 from gluon_unet import predict as predict_mod
 
 import mxnet as mx
@@ -33,20 +33,47 @@ def test_the_search_finds_the_threshold_and_min_size_the_data_needs():
             if truth[y, x] == 0:
                 prob[y - 1:y + 1, x - 1:x + 1] = 0.55
         pairs.append((prob, truth))
-    result = tune_postprocess(pairs)
+    result = tune_postprocess(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))
     assert result['score'] > result['base_score']
     assert result['threshold'] >= 0.6 or result['min_size'] >= 16
     assert result['images'] == 4
+    # with the min score among the choices, the speckles (mean 0.55) may go that way instead
+    result = tune_postprocess(pairs)
+    assert result['score'] == 1.0 and (result['threshold'] >= 0.6 or result['min_size'] >= 16
+                                       or result['min_score'] > 0.55)
+
+
+def test_the_search_drops_faint_blobs_by_their_mean_probability_and_scores_what_it_reports():
+    """Faint blobs too large for any min size and too bright for any threshold of the grid
+    are dropped by the min score; the reported score is what the chosen setting gives."""
+    from gluon_unet.metrics import dsb_image_score
+    from gluon_unet.postprocess import instances_from_maps
+    pairs = []
+    for k in range(3):
+        truth = np.zeros((64, 64), np.int32)
+        prob = np.full((64, 64), 0.05, np.float32)
+        for n, (cy, cx) in enumerate([(14, 14), (14, 48), (48, 14)], start=1):
+            truth[_disc(truth.shape, cy, cx, 7)] = n
+            prob[_disc(truth.shape, cy, cx, 7)] = 0.97
+        prob[_disc(truth.shape, 46, 46, 8 + k)] = 0.7  # debris: not a nucleus
+        pairs.append((prob, truth))
+    result = tune_postprocess(pairs)
+    assert result['base_score'] < 0.8 and result['score'] == 1.0
+    assert 0.7 < result['min_score'] <= 0.97
+    setting = {k: result[k] for k in ('threshold', 'h', 'min_size', 'min_score')}
+    assert np.mean([dsb_image_score(instances_from_maps(m, **setting), t) for m, t in pairs]) == result['score']
+    assert tune_postprocess(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))['score'] < 1.0
 
 
 def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, monkeypatch):
     history = fit(tiny(epochs=2, val_split=0.25), verbose=False)
     meta = json.load(open(os.path.join(history.output, 'export', 'model.json')))
     tuned = meta['postprocess']
-    assert set(tuned) >= {'threshold', 'h', 'min_size', 'score', 'base_score', 'images'}
+    assert set(tuned) >= {'threshold', 'h', 'min_size', 'min_score', 'score', 'base_score', 'images'}
     assert tuned['images'] == 6 and tuned['score'] >= tuned['base_score']
     model = load_model(history.output, [mx.cpu()])
-    assert (model.threshold, model.min_size, model.h) == (tuned['threshold'], tuned['min_size'], tuned['h'])
+    assert (model.threshold, model.min_size, model.h, model.min_score) == (
+        tuned['threshold'], tuned['min_size'], tuned['h'], tuned['min_score'])
     seen = {}
     real = predict_mod.instances_from_maps
 
@@ -60,10 +87,11 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
     os.makedirs(str(tmp_path / 'in'))
     cv2.imwrite(str(tmp_path / 'in' / 'a.png'), synthetic_nuclei(1, size=32, channels=1, seed=5)[0][0])
     predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'out'), progress=False)
-    assert (seen['threshold'], seen['min_size'], seen['h']) == (tuned['threshold'], tuned['min_size'], tuned['h'])
+    assert (seen['threshold'], seen['min_size'], seen['h'], seen['min_score']) == (
+        tuned['threshold'], tuned['min_size'], tuned['h'], tuned['min_score'])
     predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o2'), progress=False,
-                              threshold=0.7, min_size=3)
-    assert (seen['threshold'], seen['min_size']) == (0.7, 3)  # flags still win
+                              threshold=0.7, min_size=3, min_score=0.25)
+    assert (seen['threshold'], seen['min_size'], seen['min_score']) == (0.7, 3, 0.25)  # flags still win
     predict_mod.predict_paths(history.output, str(tmp_path / 'in'), str(tmp_path / 'o3'), progress=False,
                               h=3.0, markers='distance')
     assert (seen['h'], seen['markers']) == (3.0, 'distance')  # every tuned setting can be overridden
