@@ -23,7 +23,7 @@ _CHOICES = {
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
-    'balance': ('none', 'groups', 'sqrt'),
+    'balance': ('none', 'groups', 'sqrt', 'oversample'),
     'target': ('mask', 'mask+border'),
     'memory': ('speed', 'balanced', 'low'),
 }
@@ -87,9 +87,10 @@ class TrainConfig:
                                'specks; 0 = off (as before it existed); stored in the export')
     balance: str = _opt('none', 'groups: draw every appearance group equally often per epoch (same epoch '
                                 'length; rare groups repeat); sqrt: in proportion to the square root of its '
-                                'size (rare groups more often, common ones not starved). Groups: the CSV\'s '
-                                'group column, else from the pixels (fluorescence, brightfield, colour); '
-                                'validation is not resampled')
+                                'size (rare groups more often, common ones not starved); oversample: every '
+                                'group as often as the largest one (nothing is cut down; the epoch grows to '
+                                'groups x largest). Groups: the CSV\'s group column, else from the pixels '
+                                '(fluorescence, brightfield, colour); validation is not resampled')
     skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
     augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
     elastic: bool = _opt(False, 'elastic deformation augmentation')

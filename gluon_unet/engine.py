@@ -618,7 +618,8 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=strategy.num_workers, shard=strategy.rank,
                          pin_device=gpus[0] if gpus else None,
-                         groups=groups if cfg.balance != 'none' else None, power=BALANCE_POWER.get(cfg.balance, 0.0))
+                         groups=groups if cfg.balance != 'none' else None, power=BALANCE_POWER.get(cfg.balance, 0.0),
+                         epoch_length=balanced_epoch_length(groups, cfg.balance))
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
@@ -676,7 +677,16 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
 
 
 #: ``--balance``: each group's share of an epoch grows as its size to this power.
-BALANCE_POWER = {'groups': 0.0, 'sqrt': 0.5}
+BALANCE_POWER = {'groups': 0.0, 'sqrt': 0.5, 'oversample': 0.0}
+
+
+def balanced_epoch_length(groups, balance):
+    """Draws per epoch for ``--balance``: ``oversample`` draws every group as often as
+    the largest one (groups x largest); the others keep the dataset's size (None)."""
+    if balance != 'oversample' or groups is None:
+        return None
+    counts = np.unique(np.asarray(groups), return_counts=True)[1]
+    return int(len(counts) * counts.max())
 
 
 def log_groups(log, groups, balance):
@@ -687,7 +697,8 @@ def log_groups(log, groups, balance):
     sizes = ', '.join('%s %d' % (n, c) for n, c in zip(names, counts))
     if balance in BALANCE_POWER:
         weights = counts.astype(float) ** BALANCE_POWER[balance]
-        draws = ', '.join('%s ~%d' % (n, len(groups) * w / weights.sum()) for n, w in zip(names, weights))
+        draws_per_epoch = balanced_epoch_length(groups, balance) or len(groups)
+        draws = ', '.join('%s ~%d' % (n, draws_per_epoch * w / weights.sum()) for n, w in zip(names, weights))
         log.info('appearance groups of the training images: %s; --balance %s draws per epoch: %s',
                  sizes, balance, draws)
     else:

@@ -131,6 +131,25 @@ def test_sqrt_balance_draws_groups_in_proportion_to_the_square_root_of_their_siz
                        minlength=10).tolist() == [1] * 10  # power 1: every sample once, no balancing
 
 
+def test_oversample_draws_every_group_as_often_as_the_largest_and_keeps_all_of_it():
+    from gluon_unet.engine import balanced_epoch_length
+    length = balanced_epoch_length(GROUPS, 'oversample')
+    assert length == 3 * 90 and balanced_epoch_length(GROUPS, 'groups') is None
+    assert balanced_epoch_length(None, 'oversample') is None
+    sampler = EpochSampler(len(GROUPS), seed=3, groups=GROUPS, epoch_length=length, block=8, num_shards=2, shard=1)
+    assert len(sampler) == 136  # 270 draws dealt to 2 shards in blocks of 8, padded
+    sampler = EpochSampler(len(GROUPS), seed=3, groups=GROUPS, epoch_length=length)
+    pairs = list(sampler)
+    assert len(pairs) == len(sampler) == 270
+    counts = {g: sum(GROUPS[i] == g for i, _ in pairs) for g in set(GROUPS)}
+    assert counts == {'fluo': 90, 'bf': 90, 'he': 90}
+    # every fluorescence image exactly once: the common group is not cut down
+    assert sorted(i for i, _ in pairs if GROUPS[i] == 'fluo') == list(range(90))
+    assert len({s for _, s in pairs}) > 260  # every draw its own augmentation seed
+    with pytest.raises(ValueError, match='epoch_length needs groups'):
+        EpochSampler(len(GROUPS), epoch_length=10)
+
+
 def test_balanced_sampler_is_deterministic_for_a_seed_and_changes_with_seed_and_epoch():
     def order(seed, epoch):
         s = EpochSampler(len(GROUPS), seed=seed, groups=GROUPS)
@@ -203,9 +222,13 @@ def test_training_and_predict_feed_the_network_the_same_stain_normalized_input(t
 
     d = _folder(tmp_path, ['colour', 'colour', 'fluorescence', 'brightfield'])
     cfg = tiny(data=str(d / 'images'), masks=str(d / 'masks'), crop=16, epochs=1, batch_size=2, val_split=0.0,
-               normalize='stain', balance='groups', cache_dir=str(tmp_path / 'cache'), in_channels=0,
+               normalize='stain', balance='oversample', cache_dir=str(tmp_path / 'cache'), in_channels=0,
                tune_postprocess=False)
     run = fit(cfg, verbose=False)
+    with open(os.path.join(run.output, 'train.log')) as f:
+        log = f.read()
+    # 3 groups as large as the largest (colour, 2 images): 6 draws, 3 batches of 2
+    assert 'draws per epoch: brightfield ~2, colour ~2, fluorescence ~2' in log and ' 3 steps per epoch' in log, log
     trained = load_dataset(str(d / 'images'), str(d / 'masks'), crop=16, workers=0, progress=False,
                            normalize='stain', cache_dir=str(tmp_path / 'cache'))
     assert trained.channels == 1  # the hematoxylin leaves no colour

@@ -143,16 +143,24 @@ class EpochSampler(gluon.data.Sampler):
 
     With ``groups`` (one label per index, ``--balance groups``) every group is drawn
     equally often per epoch, in an epoch of the same length (:func:`balanced_order`):
-    a rare group's samples repeat, each repeat with its own augmentation seed. The order
+    a rare group's samples repeat, each repeat with its own augmentation seed.
+    ``epoch_length`` (with ``groups`` only) draws that many per epoch instead
+    (``--balance oversample``: every group as often as the largest one, so the common
+    group is not cut down to make room for the rare ones). The order
     is computed here, in the main process, from ``(seed, epoch)`` alone, so it is the
     same with any number of loader workers, and every shard deals from the same order.
     """
 
-    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1, groups=None, power=0.0):
+    def __init__(self, length, shuffle=True, seed=0, num_shards=1, shard=0, block=1, groups=None, power=0.0,
+                 epoch_length=None):
         if not 0 <= shard < num_shards:
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
         if groups is not None and len(groups) != length:
             raise ValueError('groups has %d labels for %d samples' % (len(groups), length))
+        if epoch_length is not None and (groups is None or epoch_length < 1):
+            raise ValueError('epoch_length needs groups and must be >= 1 (got %r)' % (epoch_length,))
+        # draws per epoch: the dataset's size unless balanced groups choose another
+        length = length if epoch_length is None else int(epoch_length)
         self.length, self.shuffle, self.seed = length, shuffle, seed
         self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
         self.block = max(1, int(block))
@@ -272,9 +280,9 @@ def default_workers(num_gpus, cores=None):
 
 
 def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, shard=0, pin_device=None,
-                groups=None, power=0.0):
+                groups=None, power=0.0, epoch_length=None):
     """A Gluon DataLoader over ``dataset`` drawing from an :class:`EpochSampler`
-    (``groups``, ``power``: balance them, see there).
+    (``groups``, ``power``, ``epoch_length``: balance them, see there).
 
     Call :func:`set_loader_epoch` before each epoch to reshuffle. With ``pin_device``
     (a GPU id), batches arrive in page-locked memory, which the copies to the GPUs read
@@ -282,7 +290,7 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     ``weight_fn``, ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
-                           block=batch_size, groups=groups, power=power)
+                           block=batch_size, groups=groups, power=power, epoch_length=epoch_length)
     batches = gluon.data.BatchSampler(sampler, batch_size, last_batch='keep')
     kwargs = {}
     if workers > 0:
