@@ -36,3 +36,31 @@ def test_thread_ticks_sees_this_process_threads():
     finally:
         stop.set()
         worker.join()
+
+
+def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, capsys):
+    """benchmarks/dsb_val_analysis.py errors: the kinds of error it reports are the ones drawn."""
+    import numpy as np
+    import dsb_val_analysis
+
+    truth = np.zeros((64, 64), np.int32)
+    prob = np.zeros((64, 64), np.float32)
+    truth[4:14, 4:14] = 1; prob[4:14, 4:14] = 0.95            # matched
+    truth[20:30, 4:12] = 2; truth[20:30, 12:20] = 3           # two nuclei ...
+    prob[20:30, 4:20] = 0.95                                  # ... predicted as one rectangle: merged
+    truth[40:56, 40:56] = 4                                   # one nucleus ...
+    prob[40:56, 40:47] = prob[40:56, 49:56] = 0.95            # ... predicted as two halves: split
+    truth[4:14, 40:50] = 5                                    # not predicted at all: missed
+    prob[50:60, 4:14] = 0.7                                   # a faint false object on background
+    path = str(tmp_path / 'maps.npz')
+    np.savez(path, maps_a=prob[None], truth_a=truth, group_a=np.array('fluorescence'),
+             setting=np.array(repr({'threshold': 0.5, 'h': 2.0, 'min_size': 0})))
+    dsb_val_analysis.main(['errors', path])
+    out = capsys.readouterr().out
+    assert ('true nuclei 5: matched 1; unmatched: merged with a neighbour 2, split 1, missed 1, other 0; '
+            'predicted objects on background 1') in out, out
+    dsb_val_analysis.main(['min-score', path, '--cuts', '0', '0.8'])
+    out = capsys.readouterr().out
+    # the faint object goes at 0.8: one false object fewer
+    scores = [float(line.split()[-1]) for line in out.splitlines() if line.startswith('min score')]
+    assert len(scores) == 2 and scores[1] > scores[0], out

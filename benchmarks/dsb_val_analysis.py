@@ -1,0 +1,208 @@
+"""Where a trained run loses DSB score, on its own validation images (never the hold-out).
+
+The run's validation split is rebuilt from its checkpoint's config (the images its
+post-processing search used), each image predicted whole as ``bin/predict --mode tile``
+predicts it, and the probability maps kept in a file so every question below is asked
+of the same maps::
+
+    python benchmarks/dsb_val_analysis.py maps /tmp/gu13/v6 /tmp/gu14/v6_maps.npz [--tta]
+    python benchmarks/dsb_val_analysis.py errors /tmp/gu14/v6_maps.npz     # what kind of error
+    python benchmarks/dsb_val_analysis.py min-score /tmp/gu14/v6_maps.npz  # the min score's effect
+    python benchmarks/dsb_val_analysis.py ensemble A.npz B.npz             # averaging two runs' maps
+    python benchmarks/dsb_val_analysis.py scale /tmp/gu13/v6               # rescaling to the training diameter
+
+``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
+nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
+the mean probability of matched and false objects and scores a few cuts; ``scale``
+compares the image's own scale with rescaling by its *true* nucleus diameter (an
+oracle: what a perfect ``--diameter`` could give) and by ``--diameter auto``.
+"""
+import argparse
+import ast
+import os
+import sys
+
+import cv2
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+from gluon_unet.metrics import THRESHOLDS, dsb_score_from_iou, iou_matrix  # noqa: E402
+from gluon_unet.postprocess import instances_from_maps, object_scores  # noqa: E402
+
+SETTING_KEYS = ('threshold', 'min_size', 'h', 'marker', 'markers', 'min_score')
+
+
+def validation_set(run):
+    """(net, cfg, val_ds, meta) of a run folder: its best checkpoint's network and the
+    validation split its config builds."""
+    import mxnet as mx
+
+    from gluon_unet.engine import build_datasets
+    from gluon_unet.export import _resolve_run, geometry, model_from_checkpoint
+    ckpt, export_dir = _resolve_run(run, None)
+    net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
+    net.hybridize(static_alloc=True, static_shape=True)
+    cfg.progress = False
+    _, val_ds = build_datasets(cfg)
+    return net, cfg, val_ds, geometry(cfg), export_dir
+
+
+def predict_maps(net, meta, image, tta=False, scale=1.0):
+    """Probability maps of one validation image (uint8 as the dataset holds it), at
+    ``scale`` and mapped back."""
+    import mxnet as mx
+
+    from gluon_unet.inference import predict_image
+    h, w = image.shape[:2]
+    if scale != 1.0:
+        size = (max(1, round(w * scale)), max(1, round(h * scale)))
+        image = cv2.resize(image, size, interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
+        image = image.reshape(size[1], size[0], -1)
+    maps = predict_image(net, meta, image, [mx.cpu()], mode='tile', tta=tta, maps=True)
+    if scale != 1.0:
+        maps = np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps])
+    return maps
+
+
+def tuned_setting(export_dir):
+    """The post-processing the run's export chose (its sidecar's ``postprocess``)."""
+    import json
+    with open(os.path.join(export_dir, 'model.json')) as f:
+        tuned = json.load(f).get('postprocess') or {}
+    return {k: tuned[k] for k in SETTING_KEYS if k in tuned}
+
+
+def cmd_maps(args):
+    net, cfg, val_ds, meta, export_dir = validation_set(args.run)
+    arrays = {}
+    for i in range(len(val_ds)):
+        image, _, labels = val_ds.raw(i)
+        arrays['maps_%s' % val_ds.names[i]] = predict_maps(net, meta, image, args.tta).astype(np.float16)
+        arrays['truth_%s' % val_ds.names[i]] = labels.astype(np.int32)
+        arrays['group_%s' % val_ds.names[i]] = np.array(val_ds.groups[i] if val_ds.groups else '?')
+    arrays['setting'] = np.array(repr(tuned_setting(export_dir)))
+    np.savez_compressed(args.out, **arrays)
+    print('%d validation images of %s -> %s' % (len(val_ds), args.run, args.out))
+
+
+def load_maps(path):
+    """{name: (maps float32, truth, group)} and the run's tuned setting."""
+    data = np.load(path)
+    names = [k[5:] for k in data.files if k.startswith('maps_')]
+    images = {n: (data['maps_' + n].astype(np.float32), data['truth_' + n], str(data['group_' + n]))
+              for n in names}
+    return images, ast.literal_eval(str(data["setting"]))  # written by cmd_maps
+
+
+def score(images, setting, maps_of=lambda n, m: m):
+    return float(np.mean([dsb_score_from_iou(iou_matrix(instances_from_maps(maps_of(n, m), **setting), t))
+                          for n, (m, t, _) in images.items()]))
+
+
+def cmd_errors(args):
+    images, setting = load_maps(args.maps)
+    if args.min_score is not None:
+        setting['min_score'] = args.min_score
+    per_threshold, counts = [], np.zeros(6, np.int64)
+    for m, t, _ in images.values():
+        p = instances_from_maps(m, **setting)
+        iou = iou_matrix(p, t)  # (true, predicted)
+        tp = (iou[iou > 0.5][None] > THRESHOLDS[:, None]).sum(1)
+        per_threshold.append(tp / np.maximum(iou.shape[0] + iou.shape[1] - tp, 1))
+        joint = np.zeros((t.max() + 1, p.max() + 1), np.int64)
+        np.add.at(joint, (t.ravel(), p.ravel()), 1)
+        in_pred = joint[1:, 1:] / np.maximum(joint[1:].sum(1, keepdims=True), 1)  # share of truth k in pred j
+        of_pred = joint[1:, 1:] / np.maximum(joint[:, 1:].sum(0, keepdims=True), 1)  # share of pred j in truth k
+        matched = (iou > 0.5).any(1)
+        covers_two = (in_pred > 0.5).sum(0) >= 2
+        merged = ~matched & ((in_pred > 0.5) & covers_two[None]).any(1)
+        split = ~matched & ~merged & ((of_pred > 0.5).sum(1) >= 2)
+        missed = ~matched & ~merged & ~split & (joint[1:, 0] / np.maximum(joint[1:].sum(1), 1) > 0.5)
+        false = ~(iou > 0.5).any(0) & (joint[0, 1:] / np.maximum(joint[:, 1:].sum(0), 1) > 0.5)
+        counts += [len(matched), matched.sum(), merged.sum(), split.sum(), missed.sum(), false.sum()]
+    curve = np.mean(per_threshold, 0)
+    print('setting %s: DSB %.4f' % (setting, curve.mean()))
+    print('score at each IoU threshold: ' + ' '.join('%.2f:%.3f' % x for x in zip(THRESHOLDS, curve)))
+    other = counts[0] - counts[1:5].sum()
+    print('true nuclei %d: matched %d; unmatched: merged with a neighbour %d, split %d, missed %d, other %d; '
+          'predicted objects on background %d' % (tuple(counts[:5]) + (other, counts[5])))
+
+
+def cmd_min_score(args):
+    images, setting = load_maps(args.maps)
+    base = {k: v for k, v in setting.items() if k != 'min_score'}
+    matched, false = [], []
+    for m, t, _ in images.values():
+        p = instances_from_maps(m, **base)
+        mean = object_scores(p, m[0])
+        hit = (iou_matrix(p, t) > 0.5).any(0)
+        matched += list(mean[hit])
+        false += list(mean[~hit])
+    print('objects with %s: %d matched, mean probability median %.3f; %d false, median %.3f (quartiles %s)'
+          % (base, len(matched), np.median(matched), len(false), np.median(false),
+             np.percentile(false, [25, 75]).round(3).tolist()))
+    for s in args.cuts:
+        print('min score %.2f: DSB %.4f' % (s, score(images, dict(base, min_score=s))))
+
+
+def cmd_ensemble(args):
+    runs = [load_maps(p) for p in args.maps]
+    setting = runs[0][1]
+    for path, (images, _) in zip(args.maps, runs):
+        print('%s alone: %.4f' % (path, score(images, setting)))
+    images = runs[0][0]
+    mean = lambda n, m: np.mean([r[0][n][0][:1] for r in runs], axis=0)  # noqa: E731 (foreground maps)
+    print('foreground maps averaged: %.4f (setting %s)' % (score(images, setting, mean), setting))
+
+
+def cmd_scale(args):
+    from gluon_unet.scale import SCALE_LIMITS, SCALE_TOLERANCE, estimate_diameter
+    net, cfg, val_ds, meta, export_dir = validation_set(args.run)
+    setting = tuned_setting(export_dir)
+    import json
+    with open(os.path.join(export_dir, 'model.json')) as f:
+        model_diameter = json.load(f).get('diameter')
+    rows = []
+    for i in range(len(val_ds)):
+        image, _, truth = val_ds.raw(i)
+        native = predict_maps(net, meta, image)
+        own = instances_from_maps(native, **setting)
+        row = {'native': dsb_score_from_iou(iou_matrix(own, truth))}
+        for name, d in (('oracle', estimate_diameter(truth)), ('auto', estimate_diameter(own))):
+            f = float(np.clip(model_diameter / d, *SCALE_LIMITS)) if d else 1.0
+            if abs(np.log(f)) < np.log(SCALE_TOLERANCE):
+                row[name] = row['native']
+            else:
+                labels = instances_from_maps(predict_maps(net, meta, image, scale=f), **setting)
+                row[name] = dsb_score_from_iou(iou_matrix(labels, truth))
+        rows.append(row)
+    print('model diameter %.1f px, %d validation images, setting %s' % (model_diameter, len(rows), setting))
+    for name in ('native', 'oracle', 'auto'):
+        print('%-7s DSB %.4f' % (name, np.mean([r[name] for r in rows])))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    sub = p.add_subparsers(dest='cmd', required=True)
+    a = sub.add_parser('maps', help="predict a run's validation images and keep the maps")
+    a.add_argument('run')
+    a.add_argument('out')
+    a.add_argument('--tta', action='store_true')
+    a = sub.add_parser('errors', help='score per IoU threshold and the kinds of error')
+    a.add_argument('maps')
+    a.add_argument('--min-score', type=float, default=None, help="override the run's min score")
+    a = sub.add_parser('min-score', help="mean probability of matched and false objects; a few cuts")
+    a.add_argument('maps')
+    a.add_argument('--cuts', type=float, nargs='+', default=[0.0, 0.75, 0.8, 0.85, 0.88, 0.9])
+    a = sub.add_parser('ensemble', help="average several runs' foreground maps")
+    a.add_argument('maps', nargs='+')
+    a = sub.add_parser('scale', help='own scale vs rescaled by the true / measured diameter')
+    a.add_argument('run')
+    args = p.parse_args(argv)
+    {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
+     'scale': cmd_scale}[args.cmd](args)
+
+
+if __name__ == '__main__':
+    main()
