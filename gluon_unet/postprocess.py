@@ -109,11 +109,13 @@ def object_scores(labels, prob):
 
 
 def drop_unsure(labels, prob, min_score):
-    """``labels`` without the objects whose mean ``prob`` is below ``min_score``,
-    renumbered 1..K in their order (int32)."""
+    """Remove from ``labels`` (int32, numbered 1..K; changed in place and returned) the
+    objects whose mean ``prob`` is below ``min_score``, renumbering the others in their
+    order. In place, so a large image's labels are not held twice."""
     keep = np.concatenate([[False], object_scores(labels, prob) >= min_score])
-    lut = (np.cumsum(keep) * keep).astype(np.int32)
-    return lut[labels]
+    lut = (np.cumsum(keep) * keep).astype(labels.dtype)
+    # mode='clip' is not buffered: each pixel reads its own id, then writes its new one
+    return np.take(lut, labels, out=labels, mode='clip')
 
 
 def _interior_markers(prob, boundary, mask, marker):
