@@ -19,15 +19,21 @@ def _disc(shape, cy, cx, r):
     return (yy - cy) ** 2 + (xx - cx) ** 2 <= r * r
 
 
+def _nuclei(centres, value, radius=7):
+    """(prob, truth) of 64 px discs at ``centres`` with foreground probability ``value``."""
+    truth = np.zeros((64, 64), np.int32)
+    prob = np.full((64, 64), 0.05, np.float32)
+    for k, (cy, cx) in enumerate(centres, start=1):
+        truth[_disc(truth.shape, cy, cx, radius)] = k
+        prob[_disc(truth.shape, cy, cx, radius)] = value
+    return prob, truth
+
+
 def test_the_search_finds_the_threshold_and_min_size_the_data_needs():
     rng = np.random.RandomState(0)
     pairs = []
     for _ in range(4):
-        truth = np.zeros((64, 64), np.int32)
-        prob = np.full((64, 64), 0.05, np.float32)
-        for k, (cy, cx) in enumerate([(16, 16), (16, 46), (46, 30)], start=1):
-            truth[_disc(truth.shape, cy, cx, 7)] = k
-            prob[_disc(truth.shape, cy, cx, 7)] = 0.9
+        prob, truth = _nuclei([(16, 16), (16, 46), (46, 30)], 0.9)
         # Speckles at 0.55: the default cut of 0.5 turns each into a false nucleus.
         for y, x in rng.randint(2, 62, size=(6, 2)):
             if truth[y, x] == 0:
@@ -50,11 +56,7 @@ def test_the_search_drops_faint_blobs_by_their_mean_probability_and_scores_what_
     from gluon_unet.postprocess import instances_from_maps
     pairs = []
     for k in range(3):
-        truth = np.zeros((64, 64), np.int32)
-        prob = np.full((64, 64), 0.05, np.float32)
-        for n, (cy, cx) in enumerate([(14, 14), (14, 48), (48, 14)], start=1):
-            truth[_disc(truth.shape, cy, cx, 7)] = n
-            prob[_disc(truth.shape, cy, cx, 7)] = 0.97
+        prob, truth = _nuclei([(14, 14), (14, 48), (48, 14)], 0.97)
         prob[_disc(truth.shape, 46, 46, 8 + k)] = 0.7  # debris: not a nucleus
         pairs.append((prob, truth))
     result = tune_postprocess(pairs)
