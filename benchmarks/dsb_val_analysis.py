@@ -163,6 +163,8 @@ def cmd_scale(args):
     import json
     with open(os.path.join(export_dir, 'model.json')) as f:
         model_diameter = json.load(f).get('diameter')
+    if not model_diameter:
+        raise SystemExit('error: %s: the export records no training diameter (trained before it existed)' % args.run)
     rows = []
     for i in range(len(val_ds)):
         image, _, truth = val_ds.raw(i)
