@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from gluon_unet.metrics import THRESHOLDS, dsb_score_from_iou, iou_matrix  # noqa: E402
+from gluon_unet.metrics import THRESHOLDS, dsb_image_score, iou_matrix  # noqa: E402
 from gluon_unet.postprocess import instances_from_maps, object_scores  # noqa: E402
 
 SETTING_KEYS = ('threshold', 'min_size', 'h', 'marker', 'markers', 'min_score')
@@ -96,7 +96,7 @@ def load_maps(path):
 
 
 def score(images, setting, maps_of=lambda n, m: m):
-    return float(np.mean([dsb_score_from_iou(iou_matrix(instances_from_maps(maps_of(n, m), **setting), t))
+    return float(np.mean([dsb_image_score(instances_from_maps(maps_of(n, m), **setting), t)
                           for n, (m, t, _) in images.items()]))
 
 
@@ -170,14 +170,14 @@ def cmd_scale(args):
         image, _, truth = val_ds.raw(i)
         native = predict_maps(net, meta, image)
         own = instances_from_maps(native, **setting)
-        row = {'native': dsb_score_from_iou(iou_matrix(own, truth))}
+        row = {'native': dsb_image_score(own, truth)}
         for name, d in (('oracle', estimate_diameter(truth)), ('auto', estimate_diameter(own))):
             f = float(np.clip(model_diameter / d, *SCALE_LIMITS)) if d else 1.0
             if abs(np.log(f)) < np.log(SCALE_TOLERANCE):
                 row[name] = row['native']
             else:
                 labels = instances_from_maps(predict_maps(net, meta, image, scale=f), **setting)
-                row[name] = dsb_score_from_iou(iou_matrix(labels, truth))
+                row[name] = dsb_image_score(labels, truth)
         rows.append(row)
     print('model diameter %.1f px, %d validation images, setting %s' % (model_diameter, len(rows), setting))
     for name in ('native', 'oracle', 'auto'):
