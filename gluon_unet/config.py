@@ -24,7 +24,7 @@ _CHOICES = {
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
-    'target': ('mask', 'mask+border'),
+    'target': ('mask', 'mask-gap', 'mask+border'),
     'memory': ('speed', 'balanced', 'low'),
 }
 
@@ -48,9 +48,10 @@ class ModelConfig:
     batch_norm: bool = _opt(True, 'BatchNorm after every convolution')
     dropout: float = _opt(0.0, 'dropout rate at the bottleneck (0 = off)')
     upsample: str = _opt('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
-    target: str = _opt('mask', 'what the network predicts: mask (foreground), or mask+border (foreground and '
-                               'the nuclei\'s borders, a second output channel: instances grow from the '
-                               'interiors, so touching nuclei come apart)')
+    target: str = _opt('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
+                               '1 px background line where nuclei touch, so the map keeps them apart); or '
+                               'mask+border (foreground and the nuclei\'s borders, a second output channel: '
+                               'instances grow from the interiors, so touching nuclei come apart)')
 
     @property
     def outputs(self):
@@ -215,9 +216,9 @@ class TrainConfig:
             value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
             if value not in allowed:
                 raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
-        if m.target == 'mask+border' and (m.classes > 1 or self.loss == 'ce'):
-            raise UserError('--target mask+border is for binary masks (--classes 1) with a sigmoid loss '
-                            '(bce, dice, bce_dice, wbce), not --loss ce')
+        if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
+            raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
+                            '(bce, dice, bce_dice, wbce), not --loss ce' % m.target)
         if self.memory != 'speed' and (self.amp or self.sync_bn):
             # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
             # the memory settings train through a bound symbol (parallel.MirroredStep).

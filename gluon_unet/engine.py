@@ -374,7 +374,8 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 
     Pixel metrics are summed over the whole set (not averaged per batch), so the
     numbers do not depend on the batch size or on how batches fall on devices; they
-    score the foreground (a ``mask+border`` model's border channel enters the loss and,
+    score the foreground against the true nuclei (a ``mask-gap`` model's target gaps
+    count as foreground; a ``mask+border`` model's border channel enters the loss and,
     through the instances, the DSB score). With a list ``keep``, the first few
     ``(image, truth, probability)`` are appended to it (for TensorBoard's overlays).
     """
@@ -382,17 +383,22 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     loss_total, offset = 0.0, 0
     t0 = time.time()
     binary = True
+    gap_target = getattr(dataset, 'target', 'mask') == 'mask-gap'
     for batch, maps, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
         loss_total += loss_sum
         truth = batch[1].asnumpy()[:, 0]
         prob = maps[:, 0]
+        labels = [true_labels(k) for k in range(len(prob))] if binary and (
+            instance_metric or gap_target) else None
+        if gap_target:  # its gaps are foreground in the truth: score against the true nuclei
+            truth = np.stack(labels) > 0
         pixel.update(prob, truth > 0)  # foreground = any non-background class
         if keep is not None and len(keep) < KEEP_VAL_SAMPLES:
             keep.extend(zip(batch[0].asnumpy(), truth, prob))
             del keep[KEEP_VAL_SAMPLES:]
         if binary and instance_metric:
             for k in range(len(prob)):
-                dsb.update(postprocess.instances_from_maps(maps[k], threshold), true_labels(k))
+                dsb.update(postprocess.instances_from_maps(maps[k], threshold), labels[k])
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],

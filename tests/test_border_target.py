@@ -183,7 +183,7 @@ def test_train_export_predict_a_border_model_and_a_mask_model(tiny, tmp_path):
 
 
 def test_bad_target_values_are_one_line(tmp_path):
-    for flags, words in ((['--target', 'borders'], '--target must be one of mask, mask+border'),
+    for flags, words in ((['--target', 'borders'], '--target must be one of mask, mask-gap, mask+border'),
                          (['--target', 'mask+border', '--loss', 'ce', '--classes', '3'], '--target mask+border')):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'r'),
                                '--epochs', '1', '--no-progress'] + flags, capture_output=True, text=True, timeout=120)

@@ -14,7 +14,7 @@ import numpy as np
 from mxnet import gluon
 
 from ..errors import UserError
-from .targets import make_target
+from .targets import make_target, separate_touching
 
 
 class SegmentationDataset(gluon.data.Dataset):
@@ -38,13 +38,13 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
-    target : {'mask', 'mask+border'}
+    target : {'mask', 'mask-gap', 'mask+border'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
-    target (K,H,W) float32)`` (K = 1 for ``mask``, 2 for ``mask+border``), plus
+    target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for ``mask+border``), plus
     ``weight (1,H,W) float32`` when ``weight_fn`` is set.
     """
 
@@ -105,6 +105,10 @@ class SegmentationDataset(gluon.data.Dataset):
             # No all-ones weight map: it would be batched, copied to every device and
             # multiplied in for nothing.
             return image, target
+        if self.target == 'mask-gap':
+            # The weight map's border term lives on background pixels between nuclei:
+            # with the contacts cleared it lands on the gaps the target asks for.
+            inst = separate_touching(inst)
         return image, target, self.weight_fn(inst).astype(np.float32)[None]
 
 
