@@ -93,6 +93,32 @@ def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, argv, fla
     assert not out.exists()
 
 
+def test_sigterm_to_the_whole_process_group_with_loader_workers_exits_after_its_checkpoint(tmp_path):
+    # kill -- -PGID, Slurm's scancel and pkill -f signal the loader's worker processes
+    # too. A worker killed while waiting for a task holds the pool's queue lock, and the
+    # main process used to hang forever at exit after saving its checkpoint.
+    out = tmp_path / 'run'
+    cmd = _train_cmd(out, '--epochs', '40')
+    cmd[cmd.index('--workers') + 1] = '2'
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = out / 'train.log'
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and 'epoch 1 |' in log.read_text()):
+        time.sleep(0.2)
+    workers = subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) >= 3  # the main process and its two loader workers
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError('still running 60 s after SIGTERM to its process group')
+    assert proc.returncode == 143 and 'SIGTERM' in err and 'Traceback' not in err, err
+    assert load_checkpoint(list_checkpoints(str(out / 'checkpoints'))[-1])['epoch'] >= 1
+    time.sleep(1)
+    assert not subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True).stdout.split()
+
+
 def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
     out = tmp_path / 'run'
     # A constant LR: resume may then lengthen the run (other schedules are shaped by --epochs).

@@ -6,9 +6,12 @@ an optional augmentation applied to all three together. Augmentation randomness 
 from a seed derived from ``(run seed, epoch, sample index)``, carried to the dataset by
 the sampler, so the same seed gives the same batches with any number of loader workers.
 """
+import contextlib
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 
 import numpy as np
 from mxnet import gluon
@@ -304,7 +307,46 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         check_shared_memory(dataset, batch_size, 2 * workers)
     if pin_device is not None:
         kwargs.update(pin_memory=True, pin_device_id=pin_device)
-    return _Loader(gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs), sampler, workers)
+    with _workers_survive_sigterm(workers > 0):  # Gluon forks the workers right here
+        loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
+    return _Loader(loader, sampler, workers)
+
+
+_LOADER_PARENT = {}  # SIGTERM handler in force before the loader's workers were forked, by pid
+
+
+def _loader_sigterm(signum, frame):
+    """SIGTERM in a loader worker: ignored while its main process lives.
+
+    A SIGTERM sent to the whole process group (``kill -- -PGID``, Slurm's ``scancel``,
+    ``pkill -f``) would otherwise kill a worker while it waits for a task holding the
+    pool's queue lock, and the main process - which handles SIGTERM by saving a
+    checkpoint - then hangs forever at exit, shutting down the pool on that lock. The
+    main process ends its workers itself. (MXNet's loader does the same for SIGINT.)
+    """
+    parent = _LOADER_PARENT.get('pid')
+    if os.getpid() == parent:  # the main process itself, during the fork: what it had
+        old = _LOADER_PARENT.get('handler')
+        if callable(old):
+            return old(signum, frame)
+        if old != signal.SIG_IGN:
+            os._exit(128 + signum)
+    elif os.getppid() != parent:  # an orphan (its main process was killed): go
+        os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def _workers_survive_sigterm(active):
+    """Fork the loader's workers with :func:`_loader_sigterm` as their SIGTERM handler."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _LOADER_PARENT.update(pid=os.getpid(), handler=signal.getsignal(signal.SIGTERM))
+    signal.signal(signal.SIGTERM, _loader_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, _LOADER_PARENT['handler'])
 
 
 class _Loader:
