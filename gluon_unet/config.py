@@ -146,6 +146,9 @@ class TrainConfig:
     threshold: float = _opt(0.5, 'probability threshold for masks')
     tune_postprocess: bool = _opt(True, 'after training, choose the threshold, watershed h and minimum object '
                                         'size on the validation split; stored in the export for bin/predict')
+    tune_tta: bool = _opt(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
+                                 'quarter turns: 8x the search\'s prediction time), for a model you will run '
+                                 'with bin/predict --tta')
     benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = _opt(True, 'show progress bars')
     tensorboard: bool = _opt(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '

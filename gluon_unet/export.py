@@ -322,6 +322,8 @@ def read_sidecar(path):
     if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
                                   or not 0 <= min_score < 1):
         raise bad("'postprocess' 'min_score' must be a number in [0, 1) (got %s)" % json.dumps(min_score))
+    if 'tta' in (tuned or {}) and not isinstance(tuned['tta'], bool):
+        raise bad("'postprocess' 'tta' must be true or false (got %s)" % json.dumps(tuned['tta']))
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not diameter > 0):
@@ -396,8 +398,8 @@ EXPORT_EXAMPLES = """examples:
 
 @reports_errors
 def main(argv=None, retune=None):
-    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess]``: export the best
-    (or given) checkpoint. ``retune(checkpoint, export_dir)``: the search behind
+    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess [--tta]]``: export the
+    best (or given) checkpoint. ``retune(checkpoint, export_dir, tta=False)``: the search behind
     ``--tune-postprocess`` (``engine.retune``, passed in by the CLI: the engine imports
     this module)."""
     parser = OneLineParser(
@@ -412,14 +414,19 @@ def main(argv=None, retune=None):
                         help="choose the threshold, markers and minimum object size again on the run's own "
                              "validation split (its data must still be where it trained) and store them in "
                              "the export, as training does at its end")
+    parser.add_argument('--tta', action='store_true',
+                        help='with --tune-postprocess: search on test-time-augmented maps, for a model you '
+                             'will run with bin/predict --tta (8x the search\'s prediction time)')
     args = parser.parse_args(argv)
+    if args.tta and not args.tune_postprocess:
+        raise UserError('--tta goes with --tune-postprocess (it says which maps the search scores)')
     if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
     prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if args.tune_postprocess:
-        tuned = retune(ckpt, out)
+        tuned = retune(ckpt, out, tta=args.tta)
         print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
               % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
     return 0

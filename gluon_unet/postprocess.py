@@ -495,7 +495,8 @@ def settings_text(tuned):
     else:
         markers = '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h'])
     text = 'threshold %.2f, %s, min size %d' % (tuned['threshold'], markers, tuned['min_size'])
-    return text + (', min score %.2f' % tuned['min_score'] if tuned.get('min_score') else '')
+    text += ', min score %.2f' % tuned['min_score'] if tuned.get('min_score') else ''
+    return text + (' (chosen on TTA maps)' if tuned.get('tta') else '')
 
 
 def tune_postprocess(pairs, grid=None, base=None):

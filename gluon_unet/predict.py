@@ -430,6 +430,8 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     check_diameter(config.diameter, loaded)
     if config.progress and card_summary(loaded.meta):
         print(card_summary(loaded.meta))
+    if config.progress and tta_note(loaded.meta, config.tta):
+        print(tta_note(loaded.meta, config.tta), file=sys.stderr)
     run = _Run(loaded, files, output_dir, config)
     t0 = time.time()
     result = run.run()
@@ -465,6 +467,18 @@ def _summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=
                                  ', '.join('%s %d' % kv for kv in sorted(modes.items())),
                                  ', tta' if config.tta else '', output_dir,
                                  (', submission %s' % config.rle) if config.rle else ''))
+
+
+def tta_note(meta, tta):
+    """A note when the export's post-processing was searched on other maps than these
+    predictions give (with / without ``--tta``), else ''."""
+    tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
+    if 'score' not in tuned or bool(tuned.get('tta')) == bool(tta):
+        return ''
+    if tta:
+        return ('note: this model\'s post-processing was chosen on maps without TTA; `bin/export RUN '
+                '--tune-postprocess --tta` chooses it on TTA maps, as --tta predicts')
+    return 'note: this model\'s post-processing was chosen on TTA maps; add --tta to predict as it was tuned'
 
 
 def _device_list(ctxs, inputs_per_device=None):

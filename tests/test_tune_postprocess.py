@@ -182,3 +182,49 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=32 * 32)['images'] == 1
     assert shapes == [(32, 32, 1)]
     assert engine._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
+
+
+def test_tune_tta_searches_on_the_maps_predict_tta_gives_and_says_so(tiny, tmp_path, monkeypatch, capsys):
+    """--tune-tta (and bin/export --tune-postprocess --tta): the search scores TTA maps,
+    the export records it, and bin/predict notes a mismatch with its own --tta."""
+    from gluon_unet import engine
+    from gluon_unet.cli import export_main
+    from gluon_unet.postprocess import settings_text
+    calls = []
+    real = engine.predict_image
+
+    def spy(net, meta, image, ctxs, **kw):
+        calls.append(kw.get('tta', False))
+        return real(net, meta, image, ctxs, **kw)
+
+    monkeypatch.setattr(engine, 'predict_image', spy)
+    history = fit(tiny(epochs=1, val_split=0.25, tune_tta=True), verbose=False)
+    sidecar = os.path.join(history.output, 'export', 'model.json')
+    tuned = json.load(open(sidecar))['postprocess']
+    assert tuned['tta'] is True and calls == [True] * tuned['images'] and calls
+    assert settings_text(tuned).endswith('(chosen on TTA maps)')
+    assert predict_mod.tta_note(json.load(open(sidecar)), tta=True) == ''
+    assert 'add --tta' in predict_mod.tta_note(json.load(open(sidecar)), tta=False)
+    # Searched again without TTA: the flag leaves the sidecar, and --tta predictions get the note.
+    calls.clear()
+    assert export_main([history.output, '--tune-postprocess']) == 0
+    tuned = json.load(open(sidecar))['postprocess']
+    assert 'tta' not in tuned and calls == [False] * tuned['images']
+    assert '--tune-postprocess --tta' in predict_mod.tta_note(json.load(open(sidecar)), tta=True)
+    assert export_main([history.output, '--tune-postprocess', '--tta']) == 0
+    assert json.load(open(sidecar))['postprocess']['tta'] is True
+    capsys.readouterr()
+    # --tta alone means nothing: one line, exit 2, the export untouched.
+    before = open(sidecar).read()
+    assert export_main([history.output, '--tta']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and '--tta goes with --tune-postprocess' in err[0]
+    assert open(sidecar).read() == before
+
+
+def test_a_sidecar_whose_tta_is_not_a_boolean_is_refused(tmp_path):
+    from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
+    from gluon_unet.export import read_sidecar
+    folder = export_brightness_model(str(tmp_path / 'm'), dict(BRIGHTNESS_SIDECAR, postprocess={'tta': 'yes'}))
+    with pytest.raises(UserError, match="'postprocess' 'tta' must be true or false"):
+        read_sidecar(os.path.join(folder, 'model.json'))
