@@ -36,7 +36,9 @@ def test_alignment_with_scale_and_elastic(sample, seed):
     assert ((img[..., 0] > 127) == (m > 0)).mean() > 0.97
     np.testing.assert_array_equal(i > 0, m > 0)  # same nearest mapping: exact
     assert set(np.unique(m)) <= {0, 1}
-    assert set(np.unique(i)) <= set(np.unique(inst))  # no blended label ids
+    # No blended label ids: each is an original or a mirror of one (original + k * max id).
+    step = int(inst.max())
+    assert set((np.unique(i[i > 0]) - 1) % step + 1) <= set(np.unique(inst[inst > 0]))
 
 
 def test_transform_changes_something_and_is_reproducible(sample):
@@ -61,15 +63,34 @@ def test_intensity_touches_image_only(sample):
     assert np.abs(img[..., 0] - image[..., 0] / 255.0).max() > 0.01
 
 
-def test_crop_pads_small_images(sample):
-    image, mask, inst = sample
+@pytest.mark.parametrize('seed', range(3))
+def test_crop_pads_small_images_and_their_labels_alike(sample, seed):
+    _, mask, inst = sample
     t = make_transform(augment=False, crop=64)
-    img, m, i = t(image, mask, inst, np.random.default_rng(0))
-    assert img.shape == (64, 64, 1) and m.shape == (64, 64)
-    assert m.sum() == mask.sum()  # masks padded with zeros, all of the image inside
-    assert i.max() == inst.max()
-    # reflect padding: the image's pixel values extend into the border (not zeros)
-    assert (img[..., 0] > 0).mean() > (image[..., 0] > 0).mean() * 0.9
+    img, m, i = t(_as_image(mask), mask, inst, np.random.default_rng(seed))
+    assert img.shape == (64, 64, 1) and m.shape == i.shape == (64, 64)
+    # The image is reflected into the border, and the labels with it: a mirrored nucleus
+    # is a nucleus (zeros there taught the network that such nuclei are background).
+    np.testing.assert_array_equal(img[..., 0] > 127, m > 0)
+    np.testing.assert_array_equal(i > 0, m > 0)
+    assert m.sum() > mask.sum()
+    # The whole image is inside, ids unchanged; every mirrored nucleus has an id of its own.
+    rows, cols = np.nonzero(np.isin(i, np.unique(inst[inst > 0])))
+    top, left = rows.min() - np.nonzero(inst)[0].min(), cols.min() - np.nonzero(inst)[1].min()
+    np.testing.assert_array_equal(i[top:top + 48, left:left + 48], inst)
+    outside = i.copy()
+    outside[top:top + 48, left:left + 48] = 0
+    assert outside.any() and not np.isin(outside[outside > 0], inst).any()
+
+
+def test_mirrored_nuclei_in_different_borders_get_different_ids():
+    from gluon_unet.data.augment import _reflect_instances
+    inst = np.zeros((6, 6), np.int32)
+    inst[1:5, 1:5] = 1  # one nucleus, mirrored into all 8 borders
+    out = _reflect_instances(inst, 12, 12, 3, 3)
+    assert out.shape == (12, 12) and out.dtype == np.int32
+    np.testing.assert_array_equal(out[3:9, 3:9], inst)
+    assert len(np.unique(out[out > 0])) == 9  # the nucleus and 8 mirrors
 
 
 def test_no_augment_no_crop_is_none():

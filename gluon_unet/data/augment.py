@@ -47,6 +47,27 @@ def _pad_to_at_least(arr, h, w, top, left, mode):
     return np.pad(arr, pads, mode='constant')
 
 
+def _reflect_instances(inst, h, w, top, left):
+    """Instance labels reflect-padded like the image, the mirrored nuclei as new ones.
+
+    Each of the up to 8 padded regions (above, below, left, right, corners) offsets its
+    ids by its own multiple of the largest id, so a mirror image never shares an id with
+    its original or with another mirror (a nucleus cut by the image edge and its mirror
+    are two nuclei that touch, as they look).
+    """
+    H, W = inst.shape
+    out = _pad_to_at_least(inst, h, w, top, left, 'reflect').astype(np.int32)
+    step = int(inst.max()) if inst.size else 0
+    if step == 0 or out.shape == inst.shape:
+        return out
+    rows = np.digitize(np.arange(out.shape[0]), [top, top + H])  # 0 above, 1 inside, 2 below
+    cols = np.digitize(np.arange(out.shape[1]), [left, left + W])
+    region = rows[:, None] * 3 + cols[None, :]  # 4 = the image itself
+    code = np.where(region < 4, region + 1, np.where(region > 4, region, 0))  # 1..8 outside, 0 inside
+    out += ((out > 0) * code * step).astype(np.int32)
+    return out
+
+
 @dataclass(repr=False, eq=False)
 class Augment:
     """The transform: crop/scale, flips, 90-degree rotations, elastic, intensity.
@@ -55,7 +76,9 @@ class Augment:
     ----------
     crop : int
         Output side at native resolution (0 = keep the input size). Images smaller than
-        the crop window are padded: reflected for the image, zeros for masks.
+        the crop window are reflect-padded, the masks and instance labels with them (the
+        mirrored nuclei are nuclei, as the network sees them; zeros there would teach
+        it that a nucleus is background wherever the padding shows one).
     flip : bool
         Random horizontal and vertical flips (p = 0.5 each).
     rot90 : bool
@@ -110,8 +133,8 @@ class Augment:
             top = int(rng.integers(0, max(0, wh - H) + 1))
             left = int(rng.integers(0, max(0, ww - W) + 1))
             image = _pad_to_at_least(image, wh, ww, top, left, 'reflect')
-            mask = _pad_to_at_least(mask, wh, ww, top, left, 'zeros')
-            inst = _pad_to_at_least(inst, wh, ww, top, left, 'zeros')
+            mask = _pad_to_at_least(mask, wh, ww, top, left, 'reflect')
+            inst = _reflect_instances(inst, wh, ww, top, left)
             H, W = image.shape[:2]
         y = int(rng.integers(0, H - wh + 1))
         x = int(rng.integers(0, W - ww + 1))
