@@ -26,6 +26,7 @@ _CHOICES = {
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
     'target': ('mask', 'mask-gap', 'mask+border'),
     'memory': ('speed', 'balanced', 'low'),
+    'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES
 }
 
 
@@ -146,6 +147,8 @@ class TrainConfig:
     threshold: float = _opt(0.5, 'probability threshold for masks')
     tune_postprocess: bool = _opt(True, 'after training, choose the threshold, watershed h and minimum object '
                                         'size on the validation split; stored in the export for bin/predict')
+    tune_mode: str = _opt('auto', 'the bin/predict --mode the search predicts the validation images with '
+                                  '(auto, tile, whole, resize): the one you will predict with')
     tune_tta: bool = _opt(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
                                  'quarter turns: 8x the search\'s prediction time), for a model you will run '
                                  'with bin/predict --tta')

@@ -412,7 +412,8 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
 
 
-def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max_pixels=16 * 2 ** 20, tta=False):
+def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max_pixels=16 * 2 ** 20,
+                        mode='auto', tta=False):
     """Search the post-processing settings (``postprocess.TUNE_GRID``) that give the best
     DSB score on the validation split with ``net`` as it is (the best checkpoint's
     weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
@@ -422,11 +423,12 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     not as the training-time crops validation uses: crops cut nuclei at their edges and
     lack the tiles' context, and the settings they choose need not suit whole images
     (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
-    validation images, where the distance watershed scored 0.529). With ``tta`` the maps
-    are the 8-fold test-time-augmented ones ``bin/predict --tta`` gives: averaging smooths
-    them, and the threshold and h that suit them differ (measured on a DSB run's 60
-    validation images: 0.547 with the setting chosen without TTA, 0.556 with the one
-    chosen on TTA maps).
+    validation images, where the distance watershed scored 0.529). ``mode`` and ``tta`` are
+    ``bin/predict``'s ``--mode`` and ``--tta``: tiles blend overlapping windows and TTA
+    averages 8 flips, both smooth the maps, and the threshold and h that suit them differ
+    (measured on a DSB run's 60 validation images predicted with ``--mode tile --tta``:
+    0.547 with the setting chosen on ``auto`` maps without TTA, 0.556 with the one chosen
+    on the maps themselves).
 
     At most ``max_images`` images, and no more once ``max_pixels`` are gathered (an image
     larger than that alone is cut to its central ``max_pixels``): the maps are kept
@@ -452,12 +454,12 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
         pixels += labels.size
         if image.dtype != np.uint8:  # float images given through the API (already scaled to 0..1)
             image = np.clip(image * 255 + 0.5, 0, 255).astype(np.uint8)
-        maps = predict_image(net, meta, image, ctxs, tta=tta, batch_size=batch_size, maps=True)
+        maps = predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
         pairs.append((maps.astype(np.float16), labels))
     result = postprocess.tune_postprocess(pairs)
     result['seconds'] = time.time() - t0
-    if tta:
-        result['tta'] = True
+    if mode != 'auto' or tta:  # what bin/predict compares its own --mode / --tta with
+        result.update(mode=mode, tta=tta)
     return result
 
 
@@ -470,14 +472,14 @@ def _central_window(shape, max_pixels):
     return slice(y, y + h), slice(x, x + w)
 
 
-def retune(checkpoint, export_dir, ctxs=None, tta=False):
+def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
     """Search the post-processing again for a trained run, on its own validation split,
     and store the result in its export (``bin/export --tune-postprocess``): for exports
     made before the search (or before it knew a setting), without retraining.
 
     The run's data and split are rebuilt from the checkpoint's config (the same
     validation images the run used; never a hold-out), scored whole as at the end of
-    training; with ``tta``, on their test-time-augmented maps (``--tune-tta``).
+    training, predicted with ``mode`` and ``tta`` (``--tune-mode``, ``--tune-tta``).
 
     Returns
     -------
@@ -495,7 +497,7 @@ def retune(checkpoint, export_dir, ctxs=None, tta=False):
         raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
                         '--val-data) to choose the post-processing on')
     net.hybridize(static_alloc=True, static_shape=True)
-    tuned = tune_postprocessing(net, ctxs, val_ds, geometry(cfg), cfg.batch_size, tta=tta)
+    tuned = tune_postprocessing(net, ctxs, val_ds, geometry(cfg), cfg.batch_size, mode=mode, tta=tta)
     update_sidecar(export_dir, {'postprocess': tuned})
     return tuned
 
@@ -663,7 +665,8 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     if cfg.tune_postprocess and run.val_ds is not None and len(run.val_ds) and state.history \
             and cfg.model.classes == 1:
         load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
-        tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size, tta=cfg.tune_tta)
+        tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
+                                    mode=cfg.tune_mode, tta=cfg.tune_tta)
         log.info('post-processing chosen on %d validation images in %.1f s: %s (val DSB %.4f, untuned %.4f); '
                  'stored in the export, bin/predict uses it', tuned['images'], tuned['seconds'],
                  postprocess.settings_text(tuned), tuned['score'], tuned['base_score'])

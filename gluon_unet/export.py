@@ -26,6 +26,7 @@ from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
 from .postprocess import settings_text
 from .runtime import apply_runtime_defaults, user_environ
+from .tiling import MODES
 from .utils import atomic_open, dir_mode
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
@@ -324,6 +325,8 @@ def read_sidecar(path):
         raise bad("'postprocess' 'min_score' must be a number in [0, 1) (got %s)" % json.dumps(min_score))
     if 'tta' in (tuned or {}) and not isinstance(tuned['tta'], bool):
         raise bad("'postprocess' 'tta' must be true or false (got %s)" % json.dumps(tuned['tta']))
+    if (tuned or {}).get('mode', 'auto') not in MODES:
+        raise bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), json.dumps(tuned['mode'])))
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not diameter > 0):
@@ -398,8 +401,8 @@ EXPORT_EXAMPLES = """examples:
 
 @reports_errors
 def main(argv=None, retune=None):
-    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess [--tta]]``: export the
-    best (or given) checkpoint. ``retune(checkpoint, export_dir, tta=False)``: the search behind
+    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess [--mode M] [--tta]]``:
+    export the best (or given) checkpoint. ``retune(checkpoint, export_dir, mode=, tta=)``: the search behind
     ``--tune-postprocess`` (``engine.retune``, passed in by the CLI: the engine imports
     this module)."""
     parser = OneLineParser(
@@ -414,19 +417,24 @@ def main(argv=None, retune=None):
                         help="choose the threshold, markers and minimum object size again on the run's own "
                              "validation split (its data must still be where it trained) and store them in "
                              "the export, as training does at its end")
+    parser.add_argument('--mode', choices=MODES, default=None,
+                        help='with --tune-postprocess: predict the validation images with this bin/predict '
+                             '--mode (default auto), the one you will predict with')
     parser.add_argument('--tta', action='store_true',
                         help='with --tune-postprocess: search on test-time-augmented maps, for a model you '
                              'will run with bin/predict --tta (8x the search\'s prediction time)')
     args = parser.parse_args(argv)
-    if args.tta and not args.tune_postprocess:
-        raise UserError('--tta goes with --tune-postprocess (it says which maps the search scores)')
+    for flag, given in (('--mode', args.mode is not None), ('--tta', args.tta)):
+        if given and not args.tune_postprocess:
+            raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
+                            'images)' % flag)
     if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
     prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if args.tune_postprocess:
-        tuned = retune(ckpt, out, tta=args.tta)
+        tuned = retune(ckpt, out, mode=args.mode or 'auto', tta=args.tta)
         print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
               % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
     return 0

@@ -496,7 +496,9 @@ def settings_text(tuned):
         markers = '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h'])
     text = 'threshold %.2f, %s, min size %d' % (tuned['threshold'], markers, tuned['min_size'])
     text += ', min score %.2f' % tuned['min_score'] if tuned.get('min_score') else ''
-    return text + (' (chosen on TTA maps)' if tuned.get('tta') else '')
+    how = (['--mode %s' % tuned['mode']] if tuned.get('mode', 'auto') != 'auto' else []) \
+        + (['--tta'] if tuned.get('tta') else [])
+    return text + (' (chosen on maps predicted with %s)' % ' '.join(how) if how else '')
 
 
 def tune_postprocess(pairs, grid=None, base=None):

@@ -430,8 +430,9 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     check_diameter(config.diameter, loaded)
     if config.progress and card_summary(loaded.meta):
         print(card_summary(loaded.meta))
-    if config.progress and tta_note(loaded.meta, config.tta):
-        print(tta_note(loaded.meta, config.tta), file=sys.stderr)
+    note = tuning_note(loaded.meta, config.mode, config.tta)
+    if config.progress and note:
+        print(note, file=sys.stderr)
     run = _Run(loaded, files, output_dir, config)
     t0 = time.time()
     result = run.run()
@@ -469,16 +470,19 @@ def _summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=
                                  (', submission %s' % config.rle) if config.rle else ''))
 
 
-def tta_note(meta, tta):
-    """A note when the export's post-processing was searched on other maps than these
-    predictions give (with / without ``--tta``), else ''."""
+def tuning_note(meta, mode, tta):
+    """A note when the export's post-processing was searched on maps predicted with
+    another ``--mode`` / ``--tta`` than these predictions use, else ''."""
     tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
-    if 'score' not in tuned or bool(tuned.get('tta')) == bool(tta):
+    chosen, used = (tuned.get('mode', 'auto'), bool(tuned.get('tta'))), (mode, bool(tta))
+    if 'score' not in tuned or chosen == used:
         return ''
-    if tta:
-        return ('note: this model\'s post-processing was chosen on maps without TTA; `bin/export RUN '
-                '--tune-postprocess --tta` chooses it on TTA maps, as --tta predicts')
-    return 'note: this model\'s post-processing was chosen on TTA maps; add --tta to predict as it was tuned'
+
+    def flags(m, t):
+        return '--mode %s%s' % (m, ' --tta' if t else '')
+    return ('note: this model\'s post-processing was chosen on validation maps predicted with %s, these '
+            'predictions use %s; `bin/export RUN --tune-postprocess %s` chooses it for them'
+            % (flags(*chosen), flags(*used), flags(*used)))
 
 
 def _device_list(ctxs, inputs_per_device=None):

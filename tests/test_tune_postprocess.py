@@ -184,9 +184,10 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch
     assert engine._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
 
 
-def test_tune_tta_searches_on_the_maps_predict_tta_gives_and_says_so(tiny, tmp_path, monkeypatch, capsys):
-    """--tune-tta (and bin/export --tune-postprocess --tta): the search scores TTA maps,
-    the export records it, and bin/predict notes a mismatch with its own --tta."""
+def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(tiny, monkeypatch, capsys):
+    """--tune-mode / --tune-tta (and bin/export --tune-postprocess --mode M --tta): the
+    search scores maps predicted that way, the export records it, and bin/predict notes
+    when its own --mode / --tta differ."""
     from gluon_unet import engine
     from gluon_unet.cli import export_main
     from gluon_unet.postprocess import settings_text
@@ -194,37 +195,51 @@ def test_tune_tta_searches_on_the_maps_predict_tta_gives_and_says_so(tiny, tmp_p
     real = engine.predict_image
 
     def spy(net, meta, image, ctxs, **kw):
-        calls.append(kw.get('tta', False))
+        calls.append((kw.get('mode', 'auto'), kw.get('tta', False)))
         return real(net, meta, image, ctxs, **kw)
 
     monkeypatch.setattr(engine, 'predict_image', spy)
-    history = fit(tiny(epochs=1, val_split=0.25, tune_tta=True), verbose=False)
+    history = fit(tiny(epochs=1, val_split=0.25, tune_mode='tile', tune_tta=True), verbose=False)
     sidecar = os.path.join(history.output, 'export', 'model.json')
     tuned = json.load(open(sidecar))['postprocess']
-    assert tuned['tta'] is True and calls == [True] * tuned['images'] and calls
-    assert settings_text(tuned).endswith('(chosen on TTA maps)')
-    assert predict_mod.tta_note(json.load(open(sidecar)), tta=True) == ''
-    assert 'add --tta' in predict_mod.tta_note(json.load(open(sidecar)), tta=False)
-    # Searched again without TTA: the flag leaves the sidecar, and --tta predictions get the note.
+    assert tuned['mode'] == 'tile' and tuned['tta'] is True and calls == [('tile', True)] * tuned['images'] and calls
+    assert settings_text(tuned).endswith('(chosen on maps predicted with --mode tile --tta)')
+    meta = json.load(open(sidecar))
+    assert predict_mod.tuning_note(meta, 'tile', True) == ''
+    note = predict_mod.tuning_note(meta, 'auto', False)
+    assert 'chosen on validation maps predicted with --mode tile --tta, these predictions use --mode auto' in note
+    assert note.endswith('`bin/export RUN --tune-postprocess --mode auto` chooses it for them')
+    # Searched again the default way: nothing recorded, and tile/TTA predictions get the note.
     calls.clear()
     assert export_main([history.output, '--tune-postprocess']) == 0
     tuned = json.load(open(sidecar))['postprocess']
-    assert 'tta' not in tuned and calls == [False] * tuned['images']
-    assert '--tune-postprocess --tta' in predict_mod.tta_note(json.load(open(sidecar)), tta=True)
-    assert export_main([history.output, '--tune-postprocess', '--tta']) == 0
-    assert json.load(open(sidecar))['postprocess']['tta'] is True
+    assert 'tta' not in tuned and 'mode' not in tuned and calls == [('auto', False)] * tuned['images']
+    assert predict_mod.tuning_note(json.load(open(sidecar)), 'auto', False) == ''
+    assert '--tune-postprocess --mode tile --tta`' in predict_mod.tuning_note(json.load(open(sidecar)), 'tile', True)
+    assert export_main([history.output, '--tune-postprocess', '--mode', 'whole', '--tta']) == 0
+    tuned = json.load(open(sidecar))['postprocess']
+    assert (tuned['mode'], tuned['tta']) == ('whole', True)
     capsys.readouterr()
-    # --tta alone means nothing: one line, exit 2, the export untouched.
+    # --mode / --tta without the search, or a bad mode: one line, exit 2, the export untouched.
     before = open(sidecar).read()
-    assert export_main([history.output, '--tta']) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and '--tta goes with --tune-postprocess' in err[0]
+    for argv, words in (([history.output, '--tta'], '--tta goes with --tune-postprocess'),
+                        ([history.output, '--mode', 'tile'], '--mode goes with --tune-postprocess'),
+                        ([history.output, '--tune-postprocess', '--mode', 'tiles'], '--mode')):
+        try:
+            code = export_main(argv)
+        except SystemExit as exc:  # argparse's usage errors exit (bin/export: one line, 2)
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
     assert open(sidecar).read() == before
 
 
-def test_a_sidecar_whose_tta_is_not_a_boolean_is_refused(tmp_path):
+def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
     from gluon_unet.export import read_sidecar
-    folder = export_brightness_model(str(tmp_path / 'm'), dict(BRIGHTNESS_SIDECAR, postprocess={'tta': 'yes'}))
-    with pytest.raises(UserError, match="'postprocess' 'tta' must be true or false"):
-        read_sidecar(os.path.join(folder, 'model.json'))
+    for bad, words in (({'tta': 'yes'}, "'postprocess' 'tta' must be true or false"),
+                       ({'mode': 'tiles'}, "'postprocess' 'mode' must be one of auto, resize, tile, whole")):
+        folder = export_brightness_model(str(tmp_path / next(iter(bad))), dict(BRIGHTNESS_SIDECAR, postprocess=bad))
+        with pytest.raises(UserError, match=words):
+            read_sidecar(os.path.join(folder, 'model.json'))
