@@ -425,10 +425,11 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
     validation images, where the distance watershed scored 0.529). ``mode`` and ``tta`` are
     ``bin/predict``'s ``--mode`` and ``--tta``: tiles blend overlapping windows and TTA
-    averages 8 flips, both smooth the maps, and the threshold and h that suit them differ
-    (measured on a DSB run's 60 validation images predicted with ``--mode tile --tta``:
-    0.547 with the setting chosen on ``auto`` maps without TTA, 0.556 with the one chosen
-    on the maps themselves).
+    averages 8 flips, both smooth the maps, and the threshold and h that suit them can
+    differ (on a DSB run's 60 validation images predicted with ``--mode tile --tta``: 0.547
+    with the setting chosen on ``auto`` maps, 0.556 with the one chosen on those maps -
+    but 0.596 against 0.587 on the hold-out the other way round: 60 images do not tell
+    such settings apart).
 
     At most ``max_images`` images, and no more once ``max_pixels`` are gathered (an image
     larger than that alone is cut to its central ``max_pixels``): the maps are kept
