@@ -6,6 +6,7 @@ an optional augmentation applied to all three together. Augmentation randomness 
 from a seed derived from ``(run seed, epoch, sample index)``, carried to the dataset by
 the sampler, so the same seed gives the same batches with any number of loader workers.
 """
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -307,53 +308,77 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         check_shared_memory(dataset, batch_size, 2 * workers)
     if pin_device is not None:
         kwargs.update(pin_memory=True, pin_device_id=pin_device)
-    with _workers_survive_sigterm(workers > 0):  # Gluon forks the workers right here
+    shutdown = _WorkerShutdown() if workers > 0 else None
+    with _workers_survive_sigterm(shutdown):  # Gluon forks the workers right here
         loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
-    return _Loader(loader, sampler, workers)
+    return _Loader(loader, sampler, workers, shutdown)
 
 
-_LOADER_PARENT = {}  # SIGTERM handler in force before the loader's workers were forked, by pid
+class _WorkerShutdown:
+    """A flag in shared memory that the loader's worker processes read: set when the
+    main process shuts their pool down.
+
+    A SIGTERM sent to the whole process group (``kill -- -PGID``, Slurm's ``scancel``,
+    ``pkill -f``) would kill a worker while it waits for a task holding the pool's queue
+    lock, and the main process - which handles SIGTERM by saving a checkpoint - would
+    then hang forever at exit, shutting the pool down on that lock. So the workers
+    ignore SIGTERM while their main process lives, until it shuts the pool down: Pool's
+    terminate takes that lock itself and SIGTERMs the workers, which must then go.
+    (MXNet's loader ignores SIGINT in its workers for the same reason.)
+    """
+
+    def __init__(self):
+        self.flag = multiprocessing.RawValue('b', 0)
+        self.parent = os.getpid()
+        # Runs before multiprocessing's own exit handler terminates the pool (atexit
+        # is last-in, first-out; multiprocessing registered at import).
+        atexit.register(self.set)
+
+    def set(self):
+        self.flag.value = 1
+
+
+_FORKING = {}  # while a loader forks its workers: its _WorkerShutdown and the SIGTERM handler before
 
 
 def _loader_sigterm(signum, frame):
-    """SIGTERM in a loader worker: ignored while its main process lives.
-
-    A SIGTERM sent to the whole process group (``kill -- -PGID``, Slurm's ``scancel``,
-    ``pkill -f``) would otherwise kill a worker while it waits for a task holding the
-    pool's queue lock, and the main process - which handles SIGTERM by saving a
-    checkpoint - then hangs forever at exit, shutting down the pool on that lock. The
-    main process ends its workers itself. (MXNet's loader does the same for SIGINT.)
-    """
-    parent = _LOADER_PARENT.get('pid')
-    if os.getpid() == parent:  # the main process itself, during the fork: what it had
-        old = _LOADER_PARENT.get('handler')
-        if callable(old):
-            return old(signum, frame)
-        if old != signal.SIG_IGN:
-            os._exit(128 + signum)
-    elif os.getppid() != parent:  # an orphan (its main process was killed): go
-        os._exit(128 + signum)
+    """SIGTERM in a loader worker (see :class:`_WorkerShutdown`)."""
+    shutdown, before = _FORKING.get('shutdown'), _FORKING.get('handler')
+    if shutdown is None or os.getpid() == shutdown.parent:  # the main process, while it forks
+        if callable(before):
+            return before(signum, frame)
+        if before == signal.SIG_IGN:
+            return None
+    elif not shutdown.flag.value and os.getppid() == shutdown.parent:
+        return None  # the main process lives and has not shut the pool down: it will
+    os._exit(128 + signum)
 
 
 @contextlib.contextmanager
-def _workers_survive_sigterm(active):
+def _workers_survive_sigterm(shutdown):
     """Fork the loader's workers with :func:`_loader_sigterm` as their SIGTERM handler."""
-    if not active or threading.current_thread() is not threading.main_thread():
+    if shutdown is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    _LOADER_PARENT.update(pid=os.getpid(), handler=signal.getsignal(signal.SIGTERM))
+    _FORKING.update(shutdown=shutdown, handler=signal.getsignal(signal.SIGTERM))
     signal.signal(signal.SIGTERM, _loader_sigterm)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, _LOADER_PARENT['handler'])
+        signal.signal(signal.SIGTERM, _FORKING['handler'])
 
 
 class _Loader:
     """The DataLoader, with its sampler at hand and its worker time-out said plainly."""
 
-    def __init__(self, loader, epoch_sampler, workers):
+    def __init__(self, loader, epoch_sampler, workers, shutdown=None):
         self.loader, self.epoch_sampler, self.workers = loader, epoch_sampler, workers
+        self._shutdown = shutdown
+
+    def __del__(self):
+        # Gluon's DataLoader terminates its pool when it is collected, right after this.
+        if getattr(self, '_shutdown', None) is not None:
+            self._shutdown.set()
 
     def __len__(self):
         return len(self.loader)
