@@ -481,7 +481,7 @@ def tuning_note(meta, mode, tta):
     def flags(m, t):
         return '--mode %s%s' % (m, ' --tta' if t else '')
     return ('note: this model\'s post-processing was chosen on validation maps predicted with %s, these '
-            'predictions use %s; `bin/export RUN --tune-postprocess %s` chooses it for them'
+            'predictions use %s (`bin/export RUN --tune-postprocess %s` searches on maps like these)'
             % (flags(*chosen), flags(*used), flags(*used)))
 
 

@@ -208,7 +208,7 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
     assert predict_mod.tuning_note(meta, 'tile', True) == ''
     note = predict_mod.tuning_note(meta, 'auto', False)
     assert 'chosen on validation maps predicted with --mode tile --tta, these predictions use --mode auto' in note
-    assert note.endswith('`bin/export RUN --tune-postprocess --mode auto` chooses it for them')
+    assert note.endswith('(`bin/export RUN --tune-postprocess --mode auto` searches on maps like these)')
     # Searched again the default way: nothing recorded, and tile/TTA predictions get the note.
     calls.clear()
     assert export_main([history.output, '--tune-postprocess']) == 0
