@@ -26,7 +26,7 @@ _CHOICES = {
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
     'target': ('mask', 'mask-gap', 'mask+border'),
     'memory': ('speed', 'balanced', 'low'),
-    'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES
+    'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
 }
 
 

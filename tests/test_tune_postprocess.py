@@ -243,3 +243,10 @@ def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
         folder = export_brightness_model(str(tmp_path / next(iter(bad))), dict(BRIGHTNESS_SIDECAR, postprocess=bad))
         with pytest.raises(UserError, match=words):
             read_sidecar(os.path.join(folder, 'model.json'))
+
+
+def test_the_tune_mode_choices_are_predicts_modes():
+    # config.py spells them out (it stays free of numpy/OpenCV, which tiling imports).
+    from gluon_unet.config import _CHOICES
+    from gluon_unet.tiling import MODES
+    assert _CHOICES['tune_mode'] == MODES
