@@ -24,9 +24,18 @@ FORMAT = 2
 _EPOCH_FILE = re.compile(r'epoch(\d+)(?:-step(\d+))?\.ckpt$')
 
 
-def save_checkpoint(path, net, trainer, meta):
-    """Write ``net`` parameters, ``trainer`` states and ``meta`` (JSON-able) to ``path``."""
-    arrays = {'param:' + name: p._reduce() for name, p in net._collect_params_with_prefix().items()}
+def save_checkpoint(path, net, trainer, meta, average=None):
+    """Write ``net`` parameters, ``trainer`` states and ``meta`` (JSON-able) to ``path``.
+
+    With ``average`` (a :class:`~gluon_unet.averaging.WeightAverage`) the model the
+    checkpoint holds - what export, prediction and fine-tuning load - is the average;
+    the training weights are kept beside it (``train:``) for ``--resume``.
+    """
+    params = net._collect_params_with_prefix()
+    arrays = {'param:' + name: p._reduce() for name, p in params.items()}
+    if average is not None:
+        arrays = {'train:' + name: p._reduce() for name, p in params.items()}
+        arrays.update({'param:' + name: a for name, a in average.arrays.items()})
     meta = dict(meta, format=FORMAT)
     if trainer is not None:
         opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
@@ -36,8 +45,12 @@ def save_checkpoint(path, net, trainer, meta):
         mx.nd.save(tmp, arrays)
 
 
-def load_checkpoint(path, net=None, trainer=None, ctx=None):
+def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
     """Read a checkpoint; load it into ``net`` / ``trainer`` when given.
+
+    ``net`` receives the checkpoint's model (the averaged weights of an ``--ema`` run);
+    to resume such a run, pass its ``average`` too: ``net`` then receives the training
+    weights and ``average`` the average.
 
     Returns
     -------
@@ -52,9 +65,15 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None):
     except (mx.MXNetError, KeyError, ValueError) as exc:
         raise UserError('checkpoint %s is not a gluon_unet checkpoint or is damaged (%s)'
                         % (path, mxnet_message(exc, limit=120))) from None
+    if average is not None:
+        if not any(k.startswith('train:') for k in arrays):
+            raise UserError('--resume %s: this checkpoint has no weight average (it was written without --ema)'
+                            % path)
+        average.load({k[len('param:'):]: v for k, v in arrays.items() if k.startswith('param:')}, path)
     if net is not None:
         params = net._collect_params_with_prefix()
-        saved = {k[len('param:'):]: v for k, v in arrays.items() if k.startswith('param:')}
+        prefix = 'train:' if average is not None else 'param:'
+        saved = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
         missing, extra = set(params) - set(saved), set(saved) - set(params)
         if missing or extra:
             raise UserError('checkpoint %s does not fit this model (missing %s, unexpected %s): was it '
@@ -123,7 +142,7 @@ class CheckpointSaver:
         self.best, self.best_epoch = meta.get('best'), meta.get('best_epoch', 0)
         self.bad_epochs = meta.get('bad_epochs', 0)
 
-    def end_epoch(self, net, trainer, meta, value):
+    def end_epoch(self, net, trainer, meta, value, average=None):
         """Score the epoch's ``value``, write its checkpoint (and ``best.ckpt`` when it is
         the best so far), prune old ones. Returns whether it was the best."""
         is_best = self.is_better(value)
@@ -131,10 +150,10 @@ class CheckpointSaver:
             self.best, self.best_epoch, self.bad_epochs = value, meta['epoch'], 0
         else:
             self.bad_epochs += 1
-        self.save(net, trainer, meta, is_best)
+        self.save(net, trainer, meta, is_best, average=average)
         return is_best
 
-    def save(self, net, trainer, meta, is_best=False, step_in_epoch=0):
+    def save(self, net, trainer, meta, is_best=False, step_in_epoch=0, average=None):
         """Write a checkpoint (mid-epoch when ``step_in_epoch``); returns its path, or
         None when this saver writes nothing."""
         if self.folder is None:
@@ -144,7 +163,7 @@ class CheckpointSaver:
         if step_in_epoch:
             name = 'epoch%04d-step%06d.ckpt' % (meta['epoch'], step_in_epoch)
         path = os.path.join(self.folder, name)
-        save_checkpoint(path, net, trainer, meta)
+        save_checkpoint(path, net, trainer, meta, average)
         if is_best:
             # A hard link is an atomic, free copy; fall back to writing it again.
             tmp = os.path.join(self.folder, '.tmp-best.ckpt')
@@ -154,7 +173,7 @@ class CheckpointSaver:
                 os.link(path, tmp)
                 os.replace(tmp, os.path.join(self.folder, 'best.ckpt'))
             except OSError:
-                save_checkpoint(os.path.join(self.folder, 'best.ckpt'), net, trainer, meta)
+                save_checkpoint(os.path.join(self.folder, 'best.ckpt'), net, trainer, meta, average)
         self._prune()
         return path
 

@@ -115,6 +115,10 @@ class TrainConfig:
     nesterov: bool = _opt(True, 'Nesterov momentum for SGD')
     weight_decay: float = _opt(0.0, 'weight decay (decoupled for adamw)')
     clip_grad: float = _opt(0.0, 'clip the global gradient norm (0 = off)')
+    ema: float = _opt(0.0, 'keep an exponential moving average of the weights with this decay per step '
+                           '(e.g. 0.99: about the last 100 steps; warmed up as (1+t)/(10+t)); validation, '
+                           'the best checkpoint and the export use the average, training the raw weights; '
+                           '0 = off')
     lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
     warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
     lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
@@ -210,6 +214,8 @@ class TrainConfig:
         for name in ('weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight', 'denoise'):
             if getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        if not 0.0 <= self.ema < 1.0:
+            raise UserError('--ema must be in [0, 1) (a decay per step, e.g. 0.99; 0 = off) (got %r)' % self.ema)
         if not 0.0 <= self.val_split < 1.0:
             raise UserError('--val-split must be in [0, 1) (got %r)' % self.val_split)
         if self.threshold >= 1:
@@ -257,7 +263,7 @@ BEFORE_IT_EXISTED = {'denoise': 0.0}
 # with any device count). --epochs may change under the constant schedule only: the
 # others are shaped by the run's length.
 RESUME_FIXED = ('optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay', 'lr_schedule', 'warmup_epochs',
-                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype', 'balance')
+                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype', 'balance', 'ema')
 
 
 def resume_conflicts(saved, current):

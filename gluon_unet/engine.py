@@ -22,6 +22,7 @@ import numpy as np
 from . import distributed
 from . import metrics as M
 from . import postprocess
+from .averaging import applied, make_average
 from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
@@ -605,6 +606,7 @@ class _Run:
     steps_per_epoch: int
     val_ds: object
     recorder: RunRecorder
+    average: object = None   # the --ema weight average (None = off)
 
 
 def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
@@ -642,9 +644,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     update_on_kv = resolve_update_on_kvstore(cfg, amp_dtype, strategy)
     step = make_step(cfg, net, ctxs, amp_dtype, strategy, lr_sched, update_on_kv)
     ckpt_trainer = strategy.checkpoint_trainer(step.trainer, update_on_kv)
+    average = make_average(net, ctxs, cfg.ema)
     state = RunState()
     if resume_path:
-        meta = load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs)
+        meta = load_checkpoint(resume_path, net, ckpt_trainer, ctx=ctxs, average=average)
         state = RunState.from_meta(meta)
         recorder.saver.restore(meta)
         log.info('resumed from %s (epoch %d, step %d%s)', resume_path, state.epoch, state.step,
@@ -657,7 +660,8 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     # Validation runs on rank 0 only, over the whole validation set: the numbers are
     # exactly those a single process would report for these weights; the others wait
     # at the next step.
-    run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder)
+    run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder,
+               average)
     try:
         _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
@@ -748,11 +752,11 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
         for epoch in range(state.epoch + 1, cfg.epochs + 1):
             row, samples = _run_epoch(run, epoch, state, stop)
             if row is None:  # interrupted mid-epoch
-                path = run.recorder.interrupted(run.net, ckpt_trainer, state)
+                path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
                                   % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
                                      path or 'auto'), 128 + stop.signum)
-            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples)
+            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples, run.average)
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
             by_callback, early = strategy.broadcast([run_callbacks(callbacks, row, run, state),
@@ -774,13 +778,15 @@ class EpochContext:
     """What a callback object's ``on_epoch_end(record, context)`` receives, like Keras'
     ``self.model`` or Lightning's ``(trainer, pl_module)``: the network being trained
     (on every device; read weights with ``net.collect_params()``), the trainer, the run's
-    progress and config, and the run folder."""
+    progress and config, and the run folder; with ``--ema``, ``average``, the weight
+    average the checkpoints hold (``with context.average.applied():`` puts it in ``net``)."""
     net: object
     trainer: object
     state: RunState
     cfg: TrainConfig
     ctxs: list
     output: str
+    average: object = None
 
 
 def run_callbacks(callbacks, row, run, state):
@@ -789,7 +795,7 @@ def run_callbacks(callbacks, row, run, state):
     A plain function is called as ``fn(record)``; an object with an ``on_epoch_end``
     method as ``obj.on_epoch_end(record, context)`` with an :class:`EpochContext`.
     """
-    context = EpochContext(run.net, run.step.trainer, state, run.cfg, run.ctxs, run.cfg.output)
+    context = EpochContext(run.net, run.step.trainer, state, run.cfg, run.ctxs, run.cfg.output, run.average)
     stop = False
     for cb in callbacks:
         hook = getattr(cb, 'on_epoch_end', None)
@@ -813,6 +819,8 @@ def _run_epoch(run, epoch, state, stop):
     def on_step(k):
         state.step += 1
         state.step_in_epoch = k
+        if run.average is not None:
+            run.average.update(state.step)
         run.recorder.step(state.step, lr=run.step.trainer.learning_rate)
 
     def on_loss(k, loss):
@@ -836,8 +844,9 @@ def _run_epoch(run, epoch, state, stop):
         row['dev%d_images_per_s' % i] = n / stats['seconds'] if stats['seconds'] else 0.0
     samples = []
     if run.val_ds is not None and len(run.val_ds):
-        row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold,
-                            keep=samples if cfg.tensorboard else None))
+        with applied(run.average):  # the model the checkpoint will hold
+            row.update(validate(run.net, run.ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn, cfg.threshold,
+                                keep=samples if cfg.tensorboard else None))
     state.history.append(row)
     return row, samples
 

@@ -78,11 +78,12 @@ class RunRecorder:
         if self.tb is not None:
             self.tb.step(global_step, loss=loss, lr=lr)
 
-    def end_epoch(self, net, trainer, state, row, ndev, samples=()):
+    def end_epoch(self, net, trainer, state, row, ndev, samples=(), average=None):
         """Checkpoint, metrics table, curves and the epoch's log line; marks ``row['best']``.
-        ``samples``: validation ``(image, truth, probability)`` for TensorBoard overlays."""
+        ``samples``: validation ``(image, truth, probability)`` for TensorBoard overlays;
+        ``average``: the ``--ema`` weight average (the checkpoint's model)."""
         row['best'] = self.saver.end_epoch(net, trainer, state.to_meta(self.cfg, self.data_id),
-                                           row.get(self.monitor))
+                                           row.get(self.monitor), average)
         if self.enabled:
             self.table.write(state.history)
             self._plot(state.history)
@@ -90,10 +91,10 @@ class RunRecorder:
             self.tb.epoch(row, state.step, samples)
         self.log.info(epoch_line(row, self.monitor, ndev))
 
-    def interrupted(self, net, trainer, state):
+    def interrupted(self, net, trainer, state, average=None):
         """Save a mid-epoch checkpoint; returns its path (None when not writing)."""
         return self.saver.save(net, trainer, state.to_meta(self.cfg, self.data_id),
-                               step_in_epoch=state.step_in_epoch)
+                               step_in_epoch=state.step_in_epoch, average=average)
 
     def should_stop_early(self):
         """``--patience`` epochs without improvement (0 = never)."""
