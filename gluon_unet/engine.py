@@ -8,6 +8,7 @@ between one process and a multi-machine job is asked of a `distributed.Strategy`
 """
 import collections
 import hashlib
+import logging
 import math
 import signal
 import threading
@@ -197,7 +198,15 @@ def init_amp(cfg, ctxs):
     if dtype == 'bfloat16' and has_gpu(ctxs):
         raise UserError('--amp-dtype bfloat16 is for CPU training in MXNet 1.9; use float16 on GPUs')
     from mxnet.contrib import amp
-    amp.init(target_dtype=dtype)
+    # amp.init logs with the module-level logging.info, which configures the root logger
+    # when the application has not (logging.basicConfig): every gluon_unet line after it
+    # was printed twice. A handler on the root logger for the call keeps it unconfigured.
+    root, quiet = logging.getLogger(), logging.NullHandler()
+    root.addHandler(quiet)
+    try:
+        amp.init(target_dtype=dtype)
+    finally:
+        root.removeHandler(quiet)
     return dtype
 
 

@@ -1,5 +1,8 @@
 """Losses, schedules, optimizers, checkpoints and early stopping, one piece at a time."""
 import os
+import subprocess
+import sys
+import textwrap
 
 import mxnet as mx
 import numpy as np
@@ -80,6 +83,23 @@ def test_nccl_and_float16_need_gpus(tiny):
                      [mx.cpu(0), mx.cpu(1)], kvstore='nccl')
     with pytest.raises(UserError, match='float16 needs GPUs'):
         fit(tiny(amp=True, amp_dtype='float16'), verbose=False)
+
+
+def test_amp_init_leaves_the_root_logger_alone():
+    # MXNet's amp.init logs through logging.info, which configures the root logger when
+    # nothing has: every gluon_unet line after it reached stderr twice. In a subprocess,
+    # because amp.init patches MXNet for the whole process.
+    script = textwrap.dedent('''
+        import logging
+        import mxnet as mx
+        from gluon_unet.config import TrainConfig
+        from gluon_unet.engine import init_amp
+        assert init_amp(TrainConfig(amp=True), [mx.cpu()]) == 'bfloat16'
+        print('root handlers', len(logging.getLogger().handlers))
+    ''')
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert 'root handlers 0' in done.stdout
 
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
