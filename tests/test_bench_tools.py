@@ -3,10 +3,14 @@ import os
 import sys
 import threading
 
+import numpy as np
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 
 import bench_train  # noqa: E402
+import dsb_val_curves  # noqa: E402
 
 
 def test_thread_busy_shares_of_wall_time_busiest_first():
@@ -64,3 +68,12 @@ def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, 
     # the faint object goes at 0.8: one false object fewer
     scores = [float(line.split()[-1]) for line in out.splitlines() if line.startswith('min score')]
     assert len(scores) == 2 and scores[1] > scores[0], out
+
+
+def test_val_curves_measure_the_swings_after_the_first_epochs():
+    rows = [{'val_iou': v, 'val_dsb': d} for v, d in
+            [(0.1, 0.0), (0.9, 0.1), (0.5, 0.2), (0.8, 0.5), (0.7, 0.4), (0.75, 0.45)]]
+    st = dsb_val_curves.curve_stats(rows, skip=2, last=3)
+    assert st['max_iou_drop'] == pytest.approx(0.1)  # 0.8 -> 0.7; the 0.9 -> 0.5 drop is skipped
+    assert st['best_dsb'] == 0.5 and st['best_epoch'] == 4 and st['last_dsb'] == 0.45
+    assert st['dsb_std'] == pytest.approx(np.std([0.5, 0.4, 0.45]))
