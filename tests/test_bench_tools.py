@@ -1,4 +1,5 @@
-"""The measuring parts of benchmarks/bench_train.py that decide what a figure means."""
+"""The measuring parts of the benchmark scripts (bench_train.py, dsb_val_curves.py) that decide
+what a figure means."""
 import os
 import sys
 import threading
