@@ -31,10 +31,11 @@ def save_checkpoint(path, net, trainer, meta, average=None):
     checkpoint holds - what export, prediction and fine-tuning load - is the average;
     the training weights are kept beside it (``train:``) for ``--resume``.
     """
-    params = net._collect_params_with_prefix()
-    arrays = {'param:' + name: p._reduce() for name, p in params.items()}
-    if average is not None:
-        arrays = {'train:' + name: p._reduce() for name, p in params.items()}
+    weights = {name: p._reduce() for name, p in net._collect_params_with_prefix().items()}
+    if average is None:
+        arrays = {'param:' + name: w for name, w in weights.items()}
+    else:
+        arrays = {'train:' + name: w for name, w in weights.items()}
         arrays.update({'param:' + name: a for name, a in average.arrays.items()})
     meta = dict(meta, format=FORMAT)
     if trainer is not None:
