@@ -637,6 +637,12 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
                            user_net=user_net)
     recorder.start()
+    if val_ds is None:
+        # Said once, because both fall-backs are silent in the epoch lines.
+        log.info('no validation images (--val-split 0, no --val-data): the best checkpoint is the one with the '
+                 'lowest train_loss, not %s%s', cfg.monitor,
+                 '; the export keeps the default post-processing (bin/predict flags override it)'
+                 if cfg.tune_postprocess else '')
     amp_dtype = init_amp(cfg, ctxs)
     net = build_network(cfg, ctxs, amp_dtype, user_net)
     strategy.prepare_network(net, ctxs)

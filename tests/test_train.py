@@ -144,3 +144,14 @@ def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
         epochs = [int(line.split(',')[0]) for line in f.read().strip().splitlines()[1:]]
     assert epochs == list(range(1, meta['epoch'] + 3))
     assert json.load(open(out / 'export' / 'model.json'))['in_channels'] == 1
+
+
+def test_without_validation_the_log_says_what_picks_the_checkpoint(tiny):
+    cfg = tiny(val_split=0.0, epochs=1, monitor='val_dsb')
+    history = fit(cfg, verbose=False)
+    assert 'val_iou' not in history[0]
+    with open(os.path.join(cfg.output, 'train.log')) as f:
+        text = f.read()
+    assert 'no validation images' in text and 'lowest train_loss, not val_dsb' in text
+    assert 'default post-processing' in text
+    assert load_checkpoint(os.path.join(cfg.output, 'checkpoints', 'best.ckpt'))['epoch'] == 1
