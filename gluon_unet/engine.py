@@ -572,10 +572,12 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
-    check_amp_support(cfg, ctxs)
+    # What was asked for is checked before what this machine can do: a request that
+    # cannot work anywhere must say so on every CPU, not only on those with bfloat16.
     if net is not None and cfg.amp:
         raise UserError('amp with your own network: MXNet AMP rewrites the operators for the whole process, '
                         'so its float32 export is rebuilt from cfg.model in a fresh process; train it in float32')
+    check_amp_support(cfg, ctxs)
     if cfg.tensorboard:
         require_tensorboardx()
     strategy = distributed.make_strategy(cfg.kvstore)
