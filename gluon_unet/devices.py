@@ -21,10 +21,12 @@ GPUs are checked before anything trains on them (:func:`make_contexts`):
 ``gpu(0..3)`` are GPUs 4-7 and nothing touches GPU 0; :func:`make_contexts` maps the
 user's numbers onto the renumbered devices and :func:`context_names` says which is which.
 """
+import contextlib
 import ctypes
 import functools
 import os
 import re
+import sys
 
 from .errors import UserError, mxnet_message
 
@@ -601,6 +603,23 @@ def _bfloat16_probe():
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Send file descriptor 2 to /dev/null for a moment. Where the probe fails, MXNet's C++
+    side also logs the failure there ('[05:33:00] ../src/operator/nn/mkldnn/
+    mkldnn_convolution.cc:139: could not create a primitive descriptor iterator'); that
+    failure is the probe's answer, reported in one line by the caller, not news for the user."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, 'w') as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_bfloat16_support():
     """Whether this CPU runs MXNet's bfloat16 convolutions (``--amp`` on CPU).
@@ -619,7 +638,8 @@ def cpu_bfloat16_support():
     where = "in MXNet %s's oneDNN" % mx.__version__
     cpu = 'this CPU (%s)' % cpu_description()
     try:
-        deviation = _bfloat16_probe()
+        with _native_stderr_silenced():
+            deviation = _bfloat16_probe()
     except mx.base.MXNetError as exc:
         return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:

@@ -73,6 +73,20 @@ def test_probe_agrees_with_a_real_bfloat16_convolution(fresh_probe):
     assert devices.cpu_bfloat16_support() == (True, reason)  # cached, same answer
 
 
+def test_a_refused_probe_leaves_nothing_on_stderr(monkeypatch, fresh_probe, capfd):
+    # MXNet's C++ side logs the refusal to file descriptor 2 before raising (seen on Zen 3:
+    # doctor printed '[05:33:00] ../src/operator/nn/mkldnn/mkldnn_convolution.cc:139: ...'
+    # above its own one-line answer).
+    def refuse_loudly():
+        os.write(2, b'[05:33:00] ../src/operator/nn/mkldnn/mkldnn_convolution.cc:139: could not create\n')
+        raise mx.base.MXNetError(ONEDNN_ERROR)
+    monkeypatch.setattr(devices, '_bfloat16_probe', refuse_loudly)
+    ok, reason = devices.cpu_bfloat16_support()
+    os.write(2, b'after\n')  # and file descriptor 2 works again
+    assert not ok and 'could not create a primitive descriptor iterator' in reason
+    assert capfd.readouterr().err == 'after\n'
+
+
 def test_probe_reports_the_cpu_when_onednn_refuses(zen3):
     ok, reason = devices.cpu_bfloat16_support()
     assert not ok
