@@ -30,6 +30,7 @@ with ``torch.autocast('cpu', torch.bfloat16)``.
     python benchmarks/bench_train.py --inference             # exported model vs eval()+no_grad()
     python benchmarks/bench_train.py --configs 16:128:16 --cpus 1,2,4 --reps 7
     python benchmarks/bench_train.py --memory speed,balanced,low  # bin/train --memory, side by side
+    python benchmarks/bench_train.py --old /tmp/old --cpus 1,2     # another commit's package, alongside
 
 ``--configs`` is a comma list of WIDTH:SIZE:BATCH (depth 4, 3 input channels).
 """
@@ -91,7 +92,7 @@ def _rss_kib(field):
 # -- workers (run in their own process; import frameworks lazily) ---------------------------
 
 def _mx_train(spec):
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, spec.get('root') or ROOT)  # --old: that tree's gluon_unet
     # As bin/train --cpus N --memory M: OpenMP threads and MXNet scratch buffers per
     # context (runtime.apply_runtime_defaults) unless --env sets them.
     from gluon_unet.runtime import apply_runtime_defaults
@@ -206,7 +207,7 @@ def _worker(kind, spec, env, conn):
     # Before any framework import: some settings are read at load. A --env/--variant value
     # is the user's: gluon_unet's defaults (applied by the mx workers) never replace it.
     os.environ.update(env)
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, spec.get('root') or ROOT)
     conn.recv()  # 'setup': the parent warms workers up one at a time
     try:
         base, run = WORKERS[kind](spec)
@@ -311,10 +312,14 @@ def run_config(width, size, batch, args):
                 if n <= batch:
                     name = 'ours x%d' % n + ('' if memory == 'speed' else ' ' + memory)
                     workers.append(Worker(name, 'mx', dict(base, cpus=n, memory=memory), env))
+        if args.old:
+            for n in args.cpus:
+                if n <= batch:
+                    workers.append(Worker('old x%d' % n, 'mx', dict(base, cpus=n, root=args.old), env))
         for i, variant in enumerate(args.variant or []):
             venv = dict(env, **parse_env(variant.split(',')))
             n = int(venv.pop('CONTEXTS', 1))
-            workers.append(Worker('ours v%d' % (i + 1), 'mx', dict(base, cpus=n), venv))
+            workers.append(Worker('ours v%d' % (i + 1), 'mx', dict(base, cpus=n, memory='speed'), venv))
         if not args.no_torch:
             for t in args.torch_threads or [0]:
                 workers.append(Worker('pytorch t%d' % t if t else 'pytorch', 'torch',
@@ -333,8 +338,9 @@ def run_config(width, size, batch, args):
     # The ratio is against PyTorch at its best thread count among those measured.
     torch_w = max((w for w in workers if w.name.startswith('pytorch')), key=lambda w: w.median,
                   default=None)
-    # Data-parallel overhead: against one context with the same --memory setting.
-    ones = {w.spec.get('memory'): w for w in workers if w.kind == 'mx' and w.spec['cpus'] == 1}
+    # Data-parallel overhead: against one context with the same --memory setting (and tree).
+    ones = {(w.spec.get('memory'), w.spec.get('root')): w for w in workers
+            if w.kind == 'mx' and w.spec['cpus'] == 1 and not w.name.startswith('ours v')}
     rows = []
     for w in workers:
         n = w.spec['cpus']
@@ -352,12 +358,36 @@ def run_config(width, size, batch, args):
         if torch_w and not w.name.startswith('pytorch'):
             row['vs_pytorch'] = w.median / torch_w.median
             row['vs_pytorch_cpu'] = w.cpu_median / torch_w.cpu_median
-        one = ones.get(w.spec.get('memory'))
-        if one and w.name.startswith('ours') and n > 1:
+        one = ones.get((w.spec.get('memory'), w.spec.get('root')))
+        if one and w.kind == 'mx' and n > 1:
             row['dp_overhead'] = 1.0 - w.median / one.median
             row['dp_overhead_cpu'] = 1.0 - w.cpu_median / one.cpu_median
+            row['dp_overhead_paired'] = 1.0 - paired_ratio(w.rates, one.rates)
+        mine = [o for o in workers if o.name == w.name.replace('old ', 'ours ')]
+        if w.name.startswith('old ') and mine:
+            row['new_vs_old_paired'] = paired_ratio(mine[0].rates, w.rates)
         rows.append(row)
     return rows
+
+
+def paired_ratio(a, b):
+    """Median over repetitions of ``a[i] / b[i]``. Repetition i of every worker runs back to
+    back, so a machine whose speed drifts (a VM whose neighbours come and go: +-25 % within
+    seconds on the Zen 3 VM) slows both alike; the ratio of the medians does not pair them."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def format_paired(rows):
+    """The paired ratios (see :func:`paired_ratio`), where there are any."""
+    lines = []
+    for r in rows:
+        if 'dp_overhead_paired' in r:
+            lines.append('%-16s %4d  data-parallel overhead, paired by repetition: %+.1f%%'
+                         % (r['setup'], r['width'], 100 * r['dp_overhead_paired']))
+        if 'new_vs_old_paired' in r:
+            lines.append('%-16s %4d  this tree / --old, paired by repetition: %.3fx'
+                         % (r['setup'].replace('old', 'ours'), r['width'], r['new_vs_old_paired']))
+    return '\n'.join(lines)
 
 
 def busiest_threads(reps, keep=6):
@@ -421,12 +451,20 @@ def main(argv=None):
                    help='KEY=VALUE[,KEY=VALUE]: an extra worker of ours on 1 context with these '
                         'settings, measured alongside (to try a knob); rows "ours v1", "ours v2"...; '
                         'CONTEXTS=N runs the variant on N CPU contexts')
+    p.add_argument('--old', metavar='DIR',
+                   help='another version of the package, measured alongside on the same --cpus counts '
+                        '(rows "old x1", ...): a folder holding gluon_unet/, e.g. from '
+                        '`git archive <commit> gluon_unet | tar -x -C DIR`')
     p.add_argument('--max-foreign', type=float, default=0.15,
                    help='repeat a timed repetition (up to 3 times) when other processes used more '
                         'than this many cores meanwhile; column "other" = their median share')
     p.add_argument('--json', help='also write the rows here')
     args = p.parse_args(argv)
     args.cpus = [int(c) for c in args.cpus.split(',')]
+    if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
+        p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
+    if args.old:
+        args.old = os.path.abspath(args.old)
     args.memory = [m for m in args.memory.split(',') if m]
     bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
     if bad or not args.memory:
@@ -454,6 +492,10 @@ def main(argv=None):
     print(format_rows(rows))
     print()
     print(format_threads(rows))
+    paired = format_paired(rows)
+    if paired:
+        print()
+        print(paired)
     for r in rows:
         if r['foreign_cores'] > args.max_foreign:
             print('warning: %s (width %d) ran while other processes used %.2f cores (median, after '

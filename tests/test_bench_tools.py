@@ -30,6 +30,22 @@ def test_busiest_threads_is_the_median_per_rank_over_repetitions():
     assert 'ours x2' in table and '0.90 0.50' in table and 'sum 1.40' in table
 
 
+def test_paired_ratio_cancels_a_machine_that_changes_speed_between_repetitions():
+    # The machine runs 1.0x, 0.6x, 1.2x as fast in repetitions 1-3; b is always 10 % faster.
+    speed = [1.0, 0.6, 1.2]
+    a, b = [10 * s for s in speed], [11 * s for s in speed]
+    assert bench_train.paired_ratio(b, a) == pytest.approx(1.1)
+    rows = [{'setup': 'old x2', 'width': 16, 'dp_overhead_paired': 0.128, 'new_vs_old_paired': 1.05}]
+    text = bench_train.format_paired(rows)
+    assert '+12.8%' in text and 'ours x2' in text and '1.050x' in text
+
+
+def test_old_must_hold_a_package(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_train.main(['--old', str(tmp_path), '--configs', '16:32:2'])
+    assert stop.value.code == 2 and 'no gluon_unet/__init__.py' in capsys.readouterr().err
+
+
 def test_thread_ticks_sees_this_process_threads():
     stop = threading.Event()
     worker = threading.Thread(target=stop.wait, name='waiter')
