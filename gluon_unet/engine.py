@@ -264,13 +264,19 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
-    if cfg.hybridize:
+    threaded = cfg.sync_bn and len(ctxs) > 1
+    if cfg.hybridize and not threaded:
         # A graph keeps the scratch buffer it drew at its first call. Imperatively, each
         # loss op's backward drew the next one from the pool all CPU contexts share, and
         # when that was the buffer another device's backward held, this device's whole
         # backward waited for the other's (see DataParallelStep._forward_backward). Fewer
-        # engine operations per step, too.
-        static = cfg.memory == 'speed' and not (cfg.sync_bn and len(ctxs) > 1)
+        # engine operations per step, too. Not with SyncBatchNorm on several devices: its
+        # step calls the loss from one thread per device, and a HybridBlock builds its
+        # graph at its first call, unguarded against several threads at once; a thread
+        # failing there leaves the others at SyncBatchNorm's barrier for ever. (A CI run
+        # hung in test_sync_bn_skips_a_batch_... with the loss hybridized there; not
+        # reproduced in 5 runs since, so the threaded path keeps the imperative loss.)
+        static = cfg.memory == 'speed'
         loss_fn.hybridize(static_alloc=static, static_shape=static)
     if cfg.memory != 'speed':
         # --memory: a bound graph that recomputes in backward (validate() has refused

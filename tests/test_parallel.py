@@ -71,3 +71,13 @@ def test_every_forward_is_queued_before_any_loss_and_the_loss_is_a_graph(tiny):
     assert [c[0] for c in calls] == ['net', 'net', 'loss', 'loss']
     assert [c[1] for c in calls] == [ctxs[0], ctxs[1], ctxs[0], ctxs[1]]
     assert np.isfinite(sum(s.asscalar() for s in out['loss_sums']))
+
+
+def test_the_sync_bn_step_keeps_the_imperative_loss(tiny):
+    # One thread per device calls the loss there; a HybridBlock's first call (which builds
+    # its graph) is not guarded against threads.
+    from gluon_unet.engine import build_network, make_step
+    cfg = tiny(cpus=2, sync_bn=True, batch_norm=True)
+    ctxs = cpu_contexts(2)
+    step = make_step(cfg, build_network(cfg, ctxs), ctxs)
+    assert step.sync_bn and not step.loss_fn._active
