@@ -1,6 +1,7 @@
 """The input pipeline scales with the devices and carries no dead weight (issue 17 item 6)."""
 import logging
 import multiprocessing
+import os
 
 import mxnet as mx
 import numpy as np
@@ -16,6 +17,8 @@ from gluon_unet.losses import SegmentationLoss
 from gluon_unet.model import build_model
 from gluon_unet.optim import make_trainer
 from gluon_unet.parallel import DataParallelStep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize('gpus, cores, expected', [(8, 64, 16), (8, 6, 5), (1, 2, 1), (0, 2, 2), (0, 1, 1),
@@ -83,3 +86,39 @@ def test_a_loader_time_out_is_one_line_naming_shm_size():
     with pytest.raises(UserError, match=r'--shm-size=2g.*--workers 0') as err:
         list(loader)
     assert '\n' not in str(err.value)
+
+
+@pytest.mark.parametrize('how', ['exit handler first', 'pool collected first'])
+def test_the_workers_are_told_before_their_pool_is_terminated(how):
+    # The workers ignore SIGTERM until the main process says it is shutting their pool down
+    # (a SIGTERM to the whole process group must not kill one holding the queue lock). A CI
+    # run on Zen 3 hung after 'demo: segmented ...' inside multiprocessing's exit handler:
+    # the pool terminated with the flag still 0, and its last worker, waiting for the queue
+    # lock that the terminating pool holds, ignored its one SIGTERM. Whichever way the pool
+    # ends - multiprocessing's exit handler before any other exit hook, or Gluon's
+    # DataLoader collected before our wrapper - the flag must be set when it starts.
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent('''
+        import multiprocessing.pool, multiprocessing.util, sys
+        sys.path.insert(0, sys.argv[1])
+        seen = []
+        terminate_pool = multiprocessing.pool.Pool._terminate_pool.__func__
+        def spy(cls, *args):
+            seen.append(dataset._FORKING['shutdown'].flag.value)
+            return terminate_pool(cls, *args)
+        multiprocessing.pool.Pool._terminate_pool = classmethod(spy)
+        from gluon_unet.data import dataset, synthetic_dataset
+        loader = dataset.make_loader(synthetic_dataset(8, 32), batch_size=2, shuffle=True, seed=0, workers=2)
+        for _ in loader:
+            pass
+        if sys.argv[2] == 'exit handler first':
+            multiprocessing.util._run_finalizers(0)
+        else:
+            loader.loader._worker_pool.terminate()
+        print('flag when the pool terminated:', seen)
+    ''')
+    done = subprocess.run([sys.executable, '-c', script, ROOT, how], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'flag when the pool terminated: [1]' in done.stdout, done.stdout

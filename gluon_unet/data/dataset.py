@@ -6,10 +6,10 @@ an optional augmentation applied to all three together. Augmentation randomness 
 from a seed derived from ``(run seed, epoch, sample index)``, carried to the dataset by
 the sampler, so the same seed gives the same batches with any number of loader workers.
 """
-import atexit
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -311,6 +311,8 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     shutdown = _WorkerShutdown() if workers > 0 else None
     with _workers_survive_sigterm(shutdown):  # Gluon forks the workers right here
         loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
+    if shutdown is not None:
+        shutdown.guard(getattr(loader, '_worker_pool', None))
     return _Loader(loader, sampler, workers, shutdown)
 
 
@@ -330,12 +332,29 @@ class _WorkerShutdown:
     def __init__(self):
         self.flag = multiprocessing.RawValue('b', 0)
         self.parent = os.getpid()
-        # Runs before multiprocessing's own exit handler terminates the pool (atexit
-        # is last-in, first-out; multiprocessing registered at import).
-        atexit.register(self.set)
+        # At exit, multiprocessing's handler runs its finalizers highest priority first;
+        # the pool terminates its workers in one of priority 15. This one comes before it,
+        # whatever order the exit hooks ran in. (An atexit hook was not enough: a CI run
+        # on Zen 3 hung after 'demo: segmented ...', the pool terminating with the flag
+        # still 0, its last worker waiting for the queue lock that the terminating pool
+        # holds, ignoring its one SIGTERM.)
+        multiprocessing.util.Finalize(None, self.set, exitpriority=100)
 
     def set(self):
         self.flag.value = 1
+
+    def guard(self, pool):
+        """Set the flag whenever ``pool`` is terminated before exit (Gluon's DataLoader
+        terminates it when collected, which the garbage collector may do before or after
+        it collects our wrapper)."""
+        if pool is None:
+            return
+        terminate = pool.terminate
+
+        def set_then_terminate():
+            self.set()
+            terminate()
+        pool.terminate = set_then_terminate
 
 
 _FORKING = {}  # while a loader forks its workers: its _WorkerShutdown and the SIGTERM handler before
