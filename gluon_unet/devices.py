@@ -639,7 +639,17 @@ def cpu_bfloat16_support():
     cpu = 'this CPU (%s)' % cpu_description()
     try:
         with _native_stderr_silenced():
-            deviation = _bfloat16_probe()
+            try:
+                deviation = _bfloat16_probe()
+            finally:
+                # The probe's other failed operators keep their errors in the engine, which
+                # rethrows one at exit ('Exception ignored in atexit callback:
+                # _notify_shutdown ... could not create a primitive descriptor iterator', seen
+                # under doctor on Zen 3): a waitall rethrows and clears them, here.
+                try:
+                    mx.nd.waitall()
+                except mx.base.MXNetError:
+                    pass
     except mx.base.MXNetError as exc:
         return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:
