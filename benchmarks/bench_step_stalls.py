@@ -24,19 +24,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HZ = os.sysconf('SC_CLK_TCK')
-
-
-def thread_ticks():
-    """{tid: utime + stime ticks} of this process's threads."""
-    out = {}
-    for tid in os.listdir('/proc/self/task'):
-        try:
-            with open('/proc/self/task/%s/stat' % tid) as f:
-                fields = f.read().rsplit(')', 1)[1].split()
-        except OSError:
-            continue
-        out[int(tid)] = int(fields[11]) + int(fields[12])
-    return out
+sys.path.insert(0, HERE)
+from bench_train import _busy_seconds, _thread_ticks  # noqa: E402  (the same /proc readings)
 
 
 def runnable_waiting_ns(tids):
@@ -44,17 +33,11 @@ def runnable_waiting_ns(tids):
     out = {}
     for t in tids:
         try:
-            with open('/proc/self/task/%d/schedstat' % t) as f:
+            with open('/proc/self/task/%s/schedstat' % t) as f:
                 out[t] = int(f.read().split()[1])
         except (OSError, IndexError, ValueError):
             out[t] = 0
     return out
-
-
-def machine_busy_ticks():
-    with open('/proc/stat') as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return sum(v) - v[3] - v[4]  # all but idle and iowait (steal included)
 
 
 def main(argv=None):
@@ -90,13 +73,14 @@ def main(argv=None):
         step(*data)
     mx.nd.waitall()
     # The engine workers are the busiest threads other than this (the Python) one.
-    before = thread_ticks()
+    before = _thread_ticks()
     for _ in range(3):
         step(*data)
     mx.nd.waitall()
-    after = thread_ticks()
-    me = os.getpid()
-    workers = sorted((t for t in after if t != me), key=lambda t: before.get(t, 0) - after[t])[:args.cpus]
+    after = _thread_ticks()
+    me = str(os.getpid())
+    workers = sorted((t for t in after if t != me),
+                     key=lambda t: before.get(t, ('', 0))[1] - after[t][1])[:args.cpus]
     stall_below = args.cpus - 0.6 if args.stall_below is None else args.stall_below
     print('machine: %s, %d CPUs; package %s; %d context(s), OMP_NUM_THREADS=%s, MXNET_CPU_TEMP_COPY=%s'
           % (cpu_description(), os.cpu_count(), os.path.dirname(sys.modules['gluon_unet'].__file__), args.cpus,
@@ -104,15 +88,15 @@ def main(argv=None):
           flush=True)
     rows = []
     for i in range(args.steps):
-        t0, w0, m0 = thread_ticks(), runnable_waiting_ns(workers), machine_busy_ticks()
+        t0, w0, m0 = _thread_ticks(), runnable_waiting_ns(workers), _busy_seconds()
         c0 = time.perf_counter()
         step(*data)
         mx.nd.waitall()
         wall = time.perf_counter() - c0
-        t1, w1, m1 = thread_ticks(), runnable_waiting_ns(workers), machine_busy_ticks()
-        shares = [(t1.get(t, 0) - t0.get(t, 0)) / HZ / wall for t in workers]
-        mine = sum(t1[t] - t0.get(t, 0) for t in t1) / HZ
-        other = max(0.0, (m1 - m0) / HZ - mine) / wall
+        t1, w1, m1 = _thread_ticks(), runnable_waiting_ns(workers), _busy_seconds()
+        ticks = {t: t1[t][1] - t0.get(t, ('', 0))[1] for t in t1}
+        shares = [ticks.get(t, 0) / HZ / wall for t in workers]
+        other = max(0.0, (m1 - m0) - sum(ticks.values()) / HZ) / wall
         waiting = sum(w1[t] - w0[t] for t in workers) / 1e9 / wall
         rows.append((wall, sum(shares), other))
         if args.verbose:
