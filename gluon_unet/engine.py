@@ -285,7 +285,7 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
                             clip_grad=cfg.clip_grad, workers=strategy.grad_workers)
     return DataParallelStep(net, loss_fn, trainer, ctxs,
                             clip_grad=cfg.clip_grad, loss_scaling=scaling,
-                            sync_bn=cfg.sync_bn and len(ctxs) > 1, workers=strategy.grad_workers)
+                            sync_bn=threaded, workers=strategy.grad_workers)
 
 
 # -- one epoch -----------------------------------------------------------------------------

@@ -313,7 +313,7 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
     if shutdown is not None:
         shutdown.guard(getattr(loader, '_worker_pool', None))
-    return _Loader(loader, sampler, workers, shutdown)
+    return _Loader(loader, sampler, workers)
 
 
 class _WorkerShutdown:
@@ -344,9 +344,8 @@ class _WorkerShutdown:
         self.flag.value = 1
 
     def guard(self, pool):
-        """Set the flag whenever ``pool`` is terminated before exit (Gluon's DataLoader
-        terminates it when collected, which the garbage collector may do before or after
-        it collects our wrapper)."""
+        """Set the flag whenever ``pool`` is terminated before exit: Gluon's DataLoader
+        terminates it when collected, at whatever point the garbage collector does that."""
         if pool is None:
             return
         terminate = pool.terminate
@@ -390,14 +389,8 @@ def _workers_survive_sigterm(shutdown):
 class _Loader:
     """The DataLoader, with its sampler at hand and its worker time-out said plainly."""
 
-    def __init__(self, loader, epoch_sampler, workers, shutdown=None):
+    def __init__(self, loader, epoch_sampler, workers):
         self.loader, self.epoch_sampler, self.workers = loader, epoch_sampler, workers
-        self._shutdown = shutdown
-
-    def __del__(self):
-        # Gluon's DataLoader terminates its pool when it is collected, right after this.
-        if getattr(self, '_shutdown', None) is not None:
-            self._shutdown.set()
 
     def __len__(self):
         return len(self.loader)
