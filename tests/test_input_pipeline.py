@@ -91,12 +91,11 @@ def test_a_loader_time_out_is_one_line_naming_shm_size():
 @pytest.mark.parametrize('how', ['exit handler first', 'pool collected first'])
 def test_the_workers_are_told_before_their_pool_is_terminated(how):
     # The workers ignore SIGTERM until the main process says it is shutting their pool down
-    # (a SIGTERM to the whole process group must not kill one holding the queue lock). A CI
-    # run on Zen 3 hung after 'demo: segmented ...' inside multiprocessing's exit handler:
-    # the pool terminated with the flag still 0, and its last worker, waiting for the queue
-    # lock that the terminating pool holds, ignored its one SIGTERM. Whichever way the pool
-    # ends - multiprocessing's exit handler before any other exit hook, or Gluon's
-    # DataLoader collected before our wrapper - the flag must be set when it starts.
+    # (a SIGTERM to the whole process group must not kill one holding the queue lock).
+    # Whichever way the pool ends - multiprocessing's exit handler before any other exit
+    # hook, or Gluon's DataLoader collected - the flag must be set when it starts. (This
+    # order was suspected of a hang at exit seen in CI on Zen 3; the hang was seen again
+    # with the flag set, so it is a guarantee, not that hang's fix.)
     import subprocess
     import sys
     import textwrap

@@ -334,10 +334,10 @@ class _WorkerShutdown:
         self.parent = os.getpid()
         # At exit, multiprocessing's handler runs its finalizers highest priority first;
         # the pool terminates its workers in one of priority 15. This one comes before it,
-        # whatever order the exit hooks ran in. (An atexit hook was not enough: a CI run
-        # on Zen 3 hung after 'demo: segmented ...', the pool terminating with the flag
-        # still 0, its last worker waiting for the queue lock that the terminating pool
-        # holds, ignoring its one SIGTERM.)
+        # whatever order the exit hooks ran in. Not the whole story: on Zen 3 a run can
+        # still hang joining a worker that waits for the queue lock the terminating pool
+        # holds, with this flag already set (seen in CI after this change); why that
+        # worker outlives its SIGTERM is open (issue 16's note).
         multiprocessing.util.Finalize(None, self.set, exitpriority=100)
 
     def set(self):
