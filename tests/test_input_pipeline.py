@@ -121,3 +121,50 @@ def test_the_workers_are_told_before_their_pool_is_terminated(how):
     done = subprocess.run([sys.executable, '-c', script, ROOT, how], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert 'flag when the pool terminated: [1]' in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize('how', ['exit handler first', 'pool collected first'])
+def test_a_pool_ends_even_when_a_worker_never_runs_its_sigterm_handler(how, tmp_path):
+    # The hang at exit seen on Zen 3: the terminating pool holds the queue lock and joins a
+    # worker waiting for it, whose Python SIGTERM handler never ran (the signal went to one
+    # of MXNet's native threads, or came just before the wait began). Here a worker whose
+    # SIGTERM is ignored and that never finishes its item is that worker every time: the
+    # pool must still end it and the process exit.
+    import subprocess
+    import sys
+    import textwrap
+    script = textwrap.dedent('''
+        import os, signal, sys, time
+        sys.path.insert(0, sys.argv[1])
+        from gluon_unet.data import dataset, synthetic_dataset
+
+        class Deaf(type(synthetic_dataset(1, 32))):
+            def __getitem__(self, i):
+                if isinstance(i, tuple) and i[0] == 7:  # the sampler hands out (index, seed)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    open(sys.argv[3], 'w').close()
+                    time.sleep(3600)
+                return super().__getitem__(i)
+
+        ds = synthetic_dataset(8, 32)
+        ds.__class__ = Deaf
+        loader = dataset.make_loader(ds, batch_size=2, shuffle=False, seed=0, workers=2)
+        it = iter(loader)
+        next(it)  # the batch with item 7 is asked for now, and never comes
+        while not os.path.exists(sys.argv[3]):  # until a worker is in it
+            time.sleep(0.05)
+        if sys.argv[2] == 'pool collected first':
+            loader.loader._worker_pool.terminate()
+        print('terminating')
+    ''')
+    import signal
+    proc = subprocess.Popen([sys.executable, '-c', script, ROOT, how, str(tmp_path / 'deaf')],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the deaf worker too
+        proc.communicate()
+        raise AssertionError('still running 90 s after its loader was done: the pool hangs joining a '
+                             'worker') from None
+    assert proc.returncode == 0 and 'terminating' in out, err[-2000:]

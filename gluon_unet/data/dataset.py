@@ -13,6 +13,7 @@ import multiprocessing.util
 import os
 import signal
 import threading
+import weakref
 
 import numpy as np
 from mxnet import gluon
@@ -324,30 +325,43 @@ class _WorkerShutdown:
     ``pkill -f``) would kill a worker while it waits for a task holding the pool's queue
     lock, and the main process - which handles SIGTERM by saving a checkpoint - would
     then hang forever at exit, shutting the pool down on that lock. So the workers
-    ignore SIGTERM while their main process lives, until it shuts the pool down: Pool's
-    terminate takes that lock itself and SIGTERMs the workers, which must then go.
+    ignore SIGTERM while their main process lives, until it shuts the pool down.
     (MXNet's loader ignores SIGINT in its workers for the same reason.)
+
+    Pool's terminate takes that lock itself and then stops the workers, and it must not
+    rely on their SIGTERM handler to do so: a Python handler runs only when the worker's
+    main thread gets back to Python, and a worker waiting for the lock the terminating
+    pool holds never does if the signal was taken by one of MXNet's native threads, or
+    arrived just before the wait began. That is the hang at exit seen in CI on Zen 3
+    (parent joining, worker in ``SemLock.__enter__`` with the flag set). So once the
+    flag is set the pool's workers are stopped with SIGKILL: by then the main process
+    holds the queue lock, so no worker can die holding it.
     """
 
     def __init__(self):
         self.flag = multiprocessing.RawValue('b', 0)
         self.parent = os.getpid()
+        self._pool = None
         # At exit, multiprocessing's handler runs its finalizers highest priority first;
         # the pool terminates its workers in one of priority 15. This one comes before it,
-        # whatever order the exit hooks ran in. Not the whole story: on Zen 3 a run can
-        # still hang joining a worker that waits for the queue lock the terminating pool
-        # holds, with this flag already set (seen in CI after this change); why that
-        # worker outlives its SIGTERM is open (issue 16's note).
+        # whatever order the exit hooks ran in.
         multiprocessing.util.Finalize(None, self.set, exitpriority=100)
 
     def set(self):
+        """The pool is being shut down: tell its workers, and have the pool SIGKILL them."""
         self.flag.value = 1
+        pool = self._pool() if self._pool is not None else None
+        for proc in list(getattr(pool, '_pool', None) or ()):
+            # Pool._terminate_pool calls each worker's terminate() after taking the queue lock.
+            proc.terminate = proc.kill
 
     def guard(self, pool):
-        """Set the flag whenever ``pool`` is terminated before exit: Gluon's DataLoader
-        terminates it when collected, at whatever point the garbage collector does that."""
+        """Set the flag whenever ``pool`` is terminated, before exit too: Gluon's
+        DataLoader terminates it when collected, at whatever point the garbage collector
+        does that."""
         if pool is None:
             return
+        self._pool = weakref.ref(pool)
         terminate = pool.terminate
 
         def set_then_terminate():
