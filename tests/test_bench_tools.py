@@ -94,3 +94,34 @@ def test_val_curves_measure_the_swings_after_the_first_epochs():
     assert st['max_iou_drop'] == pytest.approx(0.1)  # 0.8 -> 0.7; the 0.9 -> 0.5 drop is skipped
     assert st['best_dsb'] == 0.5 and st['best_epoch'] == 4 and st['last_dsb'] == 0.45
     assert st['dsb_std'] == pytest.approx(np.std([0.5, 0.4, 0.45]))
+
+
+def _fake_package(root, make_loader_body):
+    pkg = root / 'gluon_unet' / 'data'
+    pkg.mkdir(parents=True)
+    (root / 'gluon_unet' / '__init__.py').write_text('')
+    (pkg / '__init__.py').write_text('def synthetic_dataset(n, size):\n    return list(range(n))\n')
+    (pkg / 'dataset.py').write_text('import os, signal, time\n\ndef make_loader(ds, **kw):\n' + make_loader_body)
+
+
+def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):
+    import stress_loader_exit
+    import subprocess
+    _fake_package(tmp_path / 'ok', '    return []\n')
+    # A "loader" that leaves a child behind which ignores SIGTERM, and never returns.
+    _fake_package(tmp_path / 'hangs', '    if os.fork() == 0:\n        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
+                                      '    time.sleep(3600)\n')
+    assert stress_loader_exit.run_once(str(tmp_path / 'ok'), timeout=60)[0] is False
+    hung, err = stress_loader_exit.run_once(str(tmp_path / 'hangs'), timeout=8)
+    assert hung and 'make_loader' in err  # the stack printed before the time-out
+    left = subprocess.run(['pgrep', '-f', str(tmp_path / 'hangs')], capture_output=True, text=True).stdout
+    assert not left.strip(), 'processes left behind: %s' % left
+
+
+def test_stress_loader_exit_refuses_bad_values(tmp_path, capsys):
+    import stress_loader_exit
+    for argv, says in ((['--old', str(tmp_path)], 'no gluon_unet/__init__.py'), (['--runs', '0'], '--runs 0'),
+                       (['--timeout', '3'], '--timeout 3')):
+        with pytest.raises(SystemExit) as stop:
+            stress_loader_exit.main(argv)
+        assert stop.value.code == 2 and says in capsys.readouterr().err

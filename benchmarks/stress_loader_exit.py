@@ -1,0 +1,103 @@
+"""Does a process with loader workers always exit? Many short runs, counted.
+
+Each run is a fresh Python process that makes a loader with 2 worker processes three times
+over synthetic nuclei, reads every batch, drops the first two loaders (Gluon terminates
+their pool when collected) and exits with the third alive (multiprocessing's exit handler
+terminates it). A run still alive after ``--timeout`` seconds is counted as hung, killed
+with its workers, and the Python stacks it printed (``faulthandler``, 5 s before the
+limit) are kept. With ``--old DIR`` the runs alternate between this tree's package and
+DIR's, so both see the same machine.
+
+This is how the hang at exit that CI met on Zen 3 was reproduced (parent joining in
+``Pool._terminate_pool``, a worker waiting for the queue lock the pool holds):
+
+    git archive a1a16ee gluon_unet | tar -x -C /tmp/old_pkg     # before the fix
+    python benchmarks/stress_loader_exit.py --runs 40 --old /tmp/old_pkg
+"""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+RUN = '''
+import faulthandler, sys
+faulthandler.dump_traceback_later(float(sys.argv[2]), exit=False)
+sys.path.insert(0, sys.argv[1])
+import mxnet as mx
+from gluon_unet.data import dataset, synthetic_dataset
+ds = synthetic_dataset(16, 32)
+for k in range(3):
+    loader = dataset.make_loader(ds, batch_size=2, shuffle=True, seed=k, workers=2)
+    for x in loader:
+        mx.nd.array(x[0]).sum().asscalar()
+    if k < 2:
+        del loader
+print('ok')
+'''
+
+
+def run_once(root, timeout):
+    """Run one process importing gluon_unet from ``root``: ``(hung, stderr)``."""
+    with tempfile.TemporaryFile('w+') as err:
+        proc = subprocess.Popen([sys.executable, '-c', RUN, root, str(max(1.0, timeout - 5))],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # a hung run's workers too; none are left otherwise
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        err.seek(0)
+        return hung, err.read()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--runs', type=int, default=40, help='runs per package (default 40)')
+    p.add_argument('--timeout', type=float, default=60.0,
+                   help='seconds after which a run counts as hung (default 60; a run takes ~5)')
+    p.add_argument('--old', metavar='DIR', help="also run DIR's gluon_unet (another commit's package)")
+    p.add_argument('--keep', metavar='DIR', help='write the stacks of hung runs here')
+    args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error('--runs %d: must be at least 1' % args.runs)
+    if args.timeout <= 5:
+        p.error('--timeout %g: must be more than 5 seconds' % args.timeout)
+    if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
+        p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
+    sys.path.insert(0, ROOT)
+    from gluon_unet.devices import cpu_description
+    print('CPU: %s, %d cores' % (cpu_description(), os.cpu_count() or 1))
+    roots = {'this tree': ROOT}
+    if args.old:
+        roots['--old'] = os.path.abspath(args.old)
+    hung = {name: 0 for name in roots}
+    for i in range(1, args.runs + 1):
+        for name, root in roots.items():
+            was_hung, err = run_once(root, args.timeout)
+            if was_hung:
+                hung[name] += 1
+                last = [l for l in err.splitlines() if l.strip().startswith('File')][:4]
+                print('run %d (%s) hung; its main thread, innermost first:\n    %s'
+                      % (i, name, '\n    '.join(last) or '(no stack printed)'), flush=True)
+                if args.keep:
+                    os.makedirs(args.keep, exist_ok=True)
+                    with open(os.path.join(args.keep, 'hung-%s-%d.txt' % (name.strip('-').replace(' ', '_'), i)),
+                              'w') as f:
+                        f.write(err)
+    for name in roots:
+        print('%-9s (%s): %d of %d runs hung (> %g s)' % (name, roots[name], hung[name], args.runs, args.timeout))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
