@@ -93,9 +93,8 @@ def test_the_workers_are_told_before_their_pool_is_terminated(how):
     # The workers ignore SIGTERM until the main process says it is shutting their pool down
     # (a SIGTERM to the whole process group must not kill one holding the queue lock).
     # Whichever way the pool ends - multiprocessing's exit handler before any other exit
-    # hook, or Gluon's DataLoader collected - the flag must be set when it starts. (This
-    # order was suspected of a hang at exit seen in CI on Zen 3; the hang was seen again
-    # with the flag set, so it is a guarantee, not that hang's fix.)
+    # hook, or Gluon's DataLoader collected - the flag must be set when it starts. (Not
+    # the fix of the hang at exit seen in CI on Zen 3: that is the test below.)
     import subprocess
     import sys
     import textwrap
