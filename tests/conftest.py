@@ -1,5 +1,7 @@
 """Shared fixtures: tiny configs so the whole suite runs in minutes on 2 CPU cores."""
 import os
+import signal
+import subprocess
 import sys
 import warnings
 
@@ -12,7 +14,8 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 # The GPU lane compares float32 results with CPU ones: no TF32 in cuDNN/cuBLAS on Ampere+
 # (read when they initialize, at the first GPU operation; no effect without GPUs).
 os.environ.setdefault('NVIDIA_TF32_OVERRIDE', '0')
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), '..')))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
+sys.path.insert(0, ROOT)
 warnings.filterwarnings('ignore', category=DeprecationWarning)
 
 from gluon_unet.config import ModelConfig, TrainConfig  # noqa: E402
@@ -109,6 +112,21 @@ def pids_with(marker):
         except OSError:
             pass
     return found
+
+
+def run_in_own_group(argv, timeout, **kw):
+    """``(exit code, stdout + stderr)`` of ``argv`` run from the repository root in a
+    process group of its own; on ``timeout`` seconds the whole group is killed (workers it
+    forked too) and the test fails with its output."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, cwd=ROOT, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail('timed out after %ds:\n%s' % (timeout, out.decode(errors='replace')[-3000:]))
+    return proc.returncode, out.decode(errors='replace')
 
 
 # -- the GPU lane ---------------------------------------------------------------------------

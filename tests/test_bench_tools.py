@@ -7,6 +7,8 @@ import threading
 import numpy as np
 import pytest
 
+from conftest import pids_with
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 
@@ -106,7 +108,6 @@ def _fake_package(root, make_loader_body):
 
 def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):
     import stress_loader_exit
-    import subprocess
     _fake_package(tmp_path / 'ok', '    return []\n')
     # A "loader" that leaves a child behind which ignores SIGTERM, and never returns.
     _fake_package(tmp_path / 'hangs', '    if os.fork() == 0:\n        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
@@ -114,8 +115,8 @@ def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):
     assert stress_loader_exit.run_once(str(tmp_path / 'ok'), timeout=60)[0] is False
     hung, err = stress_loader_exit.run_once(str(tmp_path / 'hangs'), timeout=8)
     assert hung and 'make_loader' in err  # the stack printed before the time-out
-    left = subprocess.run(['pgrep', '-f', str(tmp_path / 'hangs')], capture_output=True, text=True).stdout
-    assert not left.strip(), 'processes left behind: %s' % left
+    left = pids_with(str(tmp_path / 'hangs'))
+    assert not left, 'processes left behind: %s' % left
 
 
 def test_stress_loader_exit_refuses_bad_values(tmp_path, capsys):

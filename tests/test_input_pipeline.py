@@ -7,6 +7,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from conftest import run_in_own_group
 from gluon_unet.config import ModelConfig
 from gluon_unet.data import dataset as dataset_mod
 from gluon_unet.data import synthetic_dataset
@@ -129,7 +130,6 @@ def test_a_pool_ends_even_when_a_worker_never_runs_its_sigterm_handler(how, tmp_
     # of MXNet's native threads, or came just before the wait began). Here a worker whose
     # SIGTERM is ignored and that never finishes its item is that worker every time: the
     # pool must still end it and the process exit.
-    import subprocess
     import sys
     import textwrap
     script = textwrap.dedent('''
@@ -156,14 +156,6 @@ def test_a_pool_ends_even_when_a_worker_never_runs_its_sigterm_handler(how, tmp_
             loader.loader._worker_pool.terminate()
         print('terminating')
     ''')
-    import signal
-    proc = subprocess.Popen([sys.executable, '-c', script, ROOT, how, str(tmp_path / 'deaf')],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the deaf worker too
-        proc.communicate()
-        raise AssertionError('still running 90 s after its loader was done: the pool hangs joining a '
-                             'worker') from None
-    assert proc.returncode == 0 and 'terminating' in out, err[-2000:]
+    # A hang fails on the time-out, the deaf worker killed with its process group.
+    code, out = run_in_own_group([sys.executable, '-c', script, ROOT, how, str(tmp_path / 'deaf')], timeout=90)
+    assert code == 0 and 'terminating' in out, out[-2000:]
