@@ -21,6 +21,7 @@ import numpy as np
 from .data.targets import OUTPUTS
 from .devices import cpu_description
 from .devices import make_contexts
+from .losses import WEIGHTED
 from .model import flops_per_image
 from .parallel import split_batch
 
@@ -30,7 +31,7 @@ MIN_REPEAT_SECONDS = 0.5
 
 
 def synthetic_batch(cfg, batch_size=None, seed=0):
-    """A fixed ``(image, target)`` batch on the CPU (plus ``weight`` for ``wbce``), shaped
+    """A fixed ``(image, target)`` batch on the CPU (plus ``weight`` for ``wbce`` and ``wbce_dice``), shaped
     like a loader's.
 
     Speed does not depend on pixel values, so uniform noise and a random mask do.
@@ -42,7 +43,7 @@ def synthetic_batch(cfg, batch_size=None, seed=0):
     image = mx.nd.array(rng.rand(n, channels, side, side).astype(np.float32))
     maps = len(OUTPUTS[cfg.model.target])  # foreground (+ border)
     target = mx.nd.array((rng.rand(n, maps, side, side) > 0.5).astype(np.float32))
-    if cfg.loss != 'wbce':
+    if cfg.loss not in WEIGHTED:
         return image, target
     return image, target, mx.nd.ones((n, 1, side, side))
 

@@ -17,7 +17,7 @@ _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
     'optimizer': ('sgd', 'adam', 'adamw'),
     'lr_schedule': ('constant', 'cosine', 'poly', 'step'),
-    'loss': ('bce', 'dice', 'bce_dice', 'wbce', 'ce'),
+    'loss': ('bce', 'dice', 'bce_dice', 'wbce', 'wbce_dice', 'ce'),
     'kvstore': ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'dist_async'),
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
@@ -122,8 +122,9 @@ class TrainConfig:
     lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
     warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
     lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
-    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, wbce (boundary-weighted), ce (classes > 1)')
-    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice')
+    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, wbce (BCE weighted by the U-Net paper\'s map, heavy in '
+                            'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
+    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice')
     amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
     amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
     sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
@@ -230,7 +231,7 @@ class TrainConfig:
                 raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
-                            '(bce, dice, bce_dice, wbce), not --loss ce' % m.target)
+                            '(bce, dice, bce_dice, wbce, wbce_dice), not --loss ce' % m.target)
         if self.memory != 'speed' and (self.amp or self.sync_bn):
             # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
             # the memory settings train through a bound symbol (parallel.MirroredStep).

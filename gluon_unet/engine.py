@@ -7,6 +7,7 @@ epochs (`train_epoch` and `validate` each epoch), and the export. Everything tha
 between one process and a multi-machine job is asked of a `distributed.Strategy`.
 """
 import collections
+import functools
 import hashlib
 import logging
 import math
@@ -128,6 +129,11 @@ def attach_transforms(cfg, train_ds, val_ds):
     weight_fn = None
     if cfg.loss == 'wbce':
         weight_fn = unet_weight_map
+    elif cfg.loss == 'wbce_dice':
+        # The Dice term already balances nuclei against background, so only the map's
+        # border term is kept: the BCE stays calibrated as in bce_dice, and the
+        # searched threshold means the same.
+        weight_fn = functools.partial(unet_weight_map, class_balance=False)
     train_tf = val_tf = None
     if cfg.augment or cfg.crop or cfg.elastic:
         train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)

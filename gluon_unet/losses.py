@@ -6,25 +6,30 @@ device returns the *sum* of its samples' gradients, the kvstore adds them up, an
 """
 from mxnet import gluon
 
+#: The losses that take the U-Net paper's per-pixel weight map as a third input.
+WEIGHTED = ('wbce', 'wbce_dice')
+
 
 class SegmentationLoss(gluon.HybridBlock):
     """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and, for ``wbce``
-    (optional for ``ce``), a pixel ``weight (N, 1, H, W)``.
+    and ``wbce_dice`` (optional for ``ce``), a pixel ``weight (N, 1, H, W)``.
 
     The sigmoid losses also take several independent binary outputs (``--target
     mask+border``: logits and target ``(N, 2, H, W)``): BCE is averaged over all of them,
     Dice is computed per channel and averaged, so the thin border channel counts as much
-    as the foreground in the Dice term; ``wbce``'s weight map applies to every channel.
+    as the foreground in the Dice term; the weight map applies to every channel's BCE.
 
     Parameters
     ----------
-    kind : {'bce', 'dice', 'bce_dice', 'wbce', 'ce'}
+    kind : {'bce', 'dice', 'bce_dice', 'wbce', 'wbce_dice', 'ce'}
         ``bce``: sigmoid binary cross-entropy from logits (log-sum-exp form, stable);
         ``dice``: soft Dice; ``bce_dice``: their sum (Dice scaled by ``dice_weight``);
         ``wbce``: BCE weighted per pixel by ``weight`` (the U-Net paper's boundary map);
+        ``wbce_dice``: that weighted BCE plus the (unweighted) soft Dice, as ``bce_dice``
+        (training gives it the map without the class balancing: Dice does that);
         ``ce``: softmax cross-entropy for ``classes > 1`` (target holds class ids).
     dice_weight : float
-        Weight of the Dice term in ``bce_dice``.
+        Weight of the Dice term in ``bce_dice`` and ``wbce_dice``.
     """
 
     def __init__(self, kind='bce', dice_weight=1.0, **kwargs):
@@ -40,6 +45,10 @@ class SegmentationLoss(gluon.HybridBlock):
         if self.kind == 'ce':
             return self._ce(logits, F.squeeze(target, axis=1),
                             None if weight is None else F.squeeze(weight, axis=1))
+        if self.kind in WEIGHTED and weight is None:
+            # Gluon's BCE takes a missing weight as all ones: the loss would quietly
+            # become bce / bce_dice.
+            raise ValueError('--loss %s needs the per-pixel weight map as a third input' % self.kind)
         if self.kind == 'wbce':
             return self._bce(logits, target, weight)
         if self.kind == 'bce':
@@ -47,7 +56,8 @@ class SegmentationLoss(gluon.HybridBlock):
         dice = soft_dice_loss(F, F.sigmoid(logits), target)
         if self.kind == 'dice':
             return dice
-        return self._bce(logits, target) + self.dice_weight * dice
+        bce = self._bce(logits, target, weight) if self.kind == 'wbce_dice' else self._bce(logits, target)
+        return bce + self.dice_weight * dice
 
 
 def soft_dice_loss(F, prob, target, smooth=1.0):

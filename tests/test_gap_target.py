@@ -12,7 +12,7 @@ from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import make_target, separate_touching
 from gluon_unet.data.weights import unet_weight_map
-from gluon_unet.engine import fit, validate
+from gluon_unet.engine import attach_transforms, fit, validate
 from gluon_unet.inference import load_model, predict_image
 from gluon_unet.losses import SegmentationLoss
 
@@ -73,6 +73,26 @@ def test_the_dataset_cuts_the_cropped_instances_and_weights_the_gap():
     assert ds.subset([1]).target == 'mask-gap'
 
 
+def test_training_gives_each_weighted_loss_its_map(tiny):
+    labels = np.stack([_touching_pair()] * 2)
+    fg = (labels > 0).astype(np.uint8)
+    weights = {}
+    for loss in ('bce_dice', 'wbce', 'wbce_dice'):
+        ds = SegmentationDataset(fg[..., None] * 200, fg, labels, target='mask-gap')
+        attach_transforms(tiny(target='mask-gap', loss=loss), ds, None)
+        sample = ds[0]
+        weights[loss] = sample[2][0] if len(sample) == 3 else None
+    assert weights['bce_dice'] is None  # no map batched for nothing
+    cut = separate_touching(labels[0])
+    # wbce: the paper's map, class balancing included; wbce_dice: its border term on a
+    # base of 1 (Dice balances the classes), still heavy in the gap between the two.
+    np.testing.assert_allclose(weights['wbce'], unet_weight_map(cut), rtol=1e-6)
+    np.testing.assert_allclose(weights['wbce_dice'], unet_weight_map(cut, class_balance=False), rtol=1e-6)
+    assert weights['wbce_dice'].min() == 1.0
+    gap = (labels[0] > 0) & (cut == 0)
+    assert (weights['wbce_dice'][gap] > 5).all()
+
+
 class _Oracle(gluon.HybridBlock):
     """Logits that reproduce the input image: +20 where it is bright, -20 elsewhere."""
 
@@ -96,7 +116,7 @@ def test_validation_scores_a_gap_model_against_the_true_nuclei():
 
 
 def test_train_export_predict_a_gap_model(tiny, tmp_path):
-    run = fit(tiny(target='mask-gap', loss='wbce', val_split=0.25, crop=32, size=32,
+    run = fit(tiny(target='mask-gap', loss='wbce_dice', val_split=0.25, crop=32, size=32,
                    output=str(tmp_path / 'gap')), verbose=False)
     assert all(np.isfinite(v) for v in run[-1].values() if isinstance(v, float))
     sidecar = json.load(open(os.path.join(run.output, 'export', 'model.json')))

@@ -45,6 +45,12 @@ def test_dice_bce_dice_and_weighted_bce():
     weight = np.ones_like(target)
     weight[:, :, 0] = 10  # heavier first row
     assert (_loss('wbce', wrong, target, weight) > _loss('bce', wrong, target)).all()
+    # wbce_dice: the weighted BCE plus the unweighted Dice (the weight map must reach the BCE term)
+    np.testing.assert_allclose(_loss('wbce_dice', wrong, target, weight, dice_weight=2.0),
+                               _loss('wbce', wrong, target, weight) + 2 * _loss('dice', wrong, target), rtol=1e-5)
+    for kind in ('wbce', 'wbce_dice'):  # without the map they would silently be bce / bce_dice
+        with pytest.raises(ValueError, match='weight map'):
+            SegmentationLoss(kind)(mx.nd.array(wrong), mx.nd.array(target))
 
 
 def test_softmax_ce_for_several_classes():
