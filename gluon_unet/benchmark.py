@@ -31,8 +31,8 @@ MIN_REPEAT_SECONDS = 0.5
 
 
 def synthetic_batch(cfg, batch_size=None, seed=0):
-    """A fixed ``(image, target)`` batch on the CPU (plus ``weight`` for ``wbce`` and ``wbce_dice``), shaped
-    like a loader's.
+    """A fixed ``(image, target)`` batch on the CPU (plus ``weight`` for ``wbce`` and
+    ``wbce_dice``), shaped like a loader's.
 
     Speed does not depend on pixel values, so uniform noise and a random mask do.
     """
