@@ -36,7 +36,7 @@ from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
 from .export import geometry
 from .inference import predict_image
-from .losses import SegmentationLoss
+from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer
 from .parallel import DataParallelStep, MirroredStep, split_batch
@@ -127,13 +127,11 @@ def build_datasets(cfg):
 def attach_transforms(cfg, train_ds, val_ds):
     """Augmentation (and crops) for training; deterministic crops for validation."""
     weight_fn = None
-    if cfg.loss == 'wbce':
-        weight_fn = unet_weight_map
-    elif cfg.loss == 'wbce_dice':
-        # The Dice term already balances nuclei against background, so only the map's
-        # border term is kept: the BCE stays calibrated as in bce_dice, and the
-        # searched threshold means the same.
-        weight_fn = functools.partial(unet_weight_map, class_balance=False)
+    if cfg.loss in WEIGHTED:
+        # wbce is the paper's map, class balancing included. wbce_dice keeps only its
+        # border term: the Dice term already balances nuclei against background, so the
+        # BCE stays calibrated as in bce_dice and the searched threshold means the same.
+        weight_fn = functools.partial(unet_weight_map, class_balance=cfg.loss == 'wbce')
     train_tf = val_tf = None
     if cfg.augment or cfg.crop or cfg.elastic:
         train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
