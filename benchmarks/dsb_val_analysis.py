@@ -10,12 +10,19 @@ of the same maps::
     python benchmarks/dsb_val_analysis.py min-score /tmp/gu14/v6_maps.npz  # the min score's effect
     python benchmarks/dsb_val_analysis.py ensemble A.npz B.npz             # averaging two runs' maps
     python benchmarks/dsb_val_analysis.py scale /tmp/gu13/v6               # rescaling to the training diameter
+    python benchmarks/dsb_val_analysis.py thresholds /tmp/gu14/v6_maps.npz # a threshold per image, at best
+    python benchmarks/dsb_val_analysis.py object-filter /tmp/gu14/v6_maps.npz  # a learned filter vs the min score
 
 ``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
 nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
 the mean probability of matched and false objects and scores a few cuts; ``scale``
 compares the image's own scale with rescaling by its *true* nucleus diameter (an
-oracle: what a perfect ``--diameter`` could give) and by ``--diameter auto``.
+oracle: what a perfect ``--diameter`` could give) and by ``--diameter auto``;
+``thresholds`` scores each image at its own best foreground threshold (an oracle: the most
+that any per-image choice of outline could give over one global threshold);
+``object-filter`` asks, cross-validated over the images, whether a logistic regression on
+a few features of each object (mean / lowest probability, size, shape, neighbours) drops
+false objects better than the one min-score cut does.
 """
 import argparse
 import ast
@@ -27,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-from gluon_unet.metrics import THRESHOLDS, dsb_image_score, iou_matrix  # noqa: E402
+from gluon_unet.metrics import THRESHOLDS, dsb_image_score, dsb_score_from_iou, iou_matrix  # noqa: E402
 from gluon_unet.postprocess import instances_from_maps, object_scores  # noqa: E402
 
 SETTING_KEYS = ('threshold', 'min_size', 'h', 'marker', 'markers', 'min_score')
@@ -184,6 +191,92 @@ def cmd_scale(args):
         print('%-7s DSB %.4f' % (name, np.mean([r[name] for r in rows])))
 
 
+def cmd_thresholds(args):
+    images, setting = load_maps(args.maps)
+    grid = sorted(set(args.grid) | {setting.get('threshold', 0.5)})
+    per = np.array([[dsb_image_score(instances_from_maps(m, **dict(setting, threshold=th)), t) for th in grid]
+                    for m, t, _ in images.values()])
+    print('setting %s, %d images' % (setting, len(per)))
+    print('one threshold for all: ' + ' '.join('%.2f:%.4f' % x for x in zip(grid, per.mean(0))))
+    best = per.argmax(1)
+    print('each image at its own best threshold (oracle): %.4f; images preferring each: %s'
+          % (per.max(1).mean(), ' '.join('%.2f:%d' % (th, n) for th, n in zip(grid, np.bincount(best, minlength=len(grid))))))
+
+
+OBJECT_FEATURES = ('mean', 'min', 'p10', 'log_area', 'log_rel_area', 'solidity', 'eccentricity', 'at_edge',
+                   'neighbours', 'outline_mean', 'log_objects')
+
+
+def object_features(labels, prob):
+    """(K, len(OBJECT_FEATURES)) features of the objects 1..K of a sequentially numbered
+    label image."""
+    from scipy import ndimage as ndi
+    from skimage.measure import regionprops
+    n = int(labels.max())
+    if n == 0:
+        return np.zeros((0, len(OBJECT_FEATURES)))
+    idx = np.arange(1, n + 1)
+    area = np.bincount(labels.ravel(), minlength=n + 1)[1:].astype(np.float64)
+    outline = (ndi.grey_erosion(labels, size=3) != labels) | (ndi.grey_dilation(labels, size=3) != labels)
+    outline_mean = np.nan_to_num(ndi.mean(prob, np.where(outline, labels, 0), idx), nan=0.5)
+    neighbours = np.zeros(n)
+    for a, b in ((labels[:, :-1], labels[:, 1:]), (labels[:-1], labels[1:])):
+        touch = (a != b) & (a > 0) & (b > 0)
+        pairs = np.unique(np.sort(np.stack([a[touch], b[touch]], 1), 1), axis=0)
+        np.add.at(neighbours, pairs.ravel() - 1, 1)
+    h, w = labels.shape
+    rows = []
+    for r in regionprops(labels):
+        vals = prob[r.coords[:, 0], r.coords[:, 1]]
+        y0, x0, y1, x1 = r.bbox
+        i = r.label - 1
+        rows.append([vals.mean(), vals.min(), np.percentile(vals, 10), np.log(area[i]),
+                     np.log(area[i] / np.median(area)), r.solidity, r.eccentricity,
+                     float(y0 == 0 or x0 == 0 or y1 == h or x1 == w), min(neighbours[i], 4), outline_mean[i],
+                     np.log(n)])
+    return np.array(rows)
+
+
+def fit_logistic(x, y, l2=1e-2, steps=50):
+    """Newton's method for an L2-regularized logistic regression on standardized
+    features; returns ``predict(x) -> probability``."""
+    mu, sd = x.mean(0), x.std(0) + 1e-6
+    design = lambda v: np.c_[np.ones(len(v)), (v - mu) / sd]  # noqa: E731
+    z, wt = design(x), np.zeros(x.shape[1] + 1)
+    for _ in range(steps):
+        q = 1 / (1 + np.exp(-z @ wt))
+        hess = (z * (q * (1 - q))[:, None]).T @ z + l2 * np.eye(len(wt))
+        wt -= np.linalg.solve(hess, z.T @ (q - y) + l2 * wt)
+    return lambda v: 1 / (1 + np.exp(-design(v) @ wt))
+
+
+def cmd_object_filter(args):
+    images, setting = load_maps(args.maps)
+    base = {k: v for k, v in setting.items() if k != 'min_score'}
+    items = []  # (features, IoU matrix) per image, objects as the setting without min score finds them
+    for m, t, _ in images.values():
+        p = instances_from_maps(m, **base)
+        items.append((object_features(p, m[0]), iou_matrix(p, t)))
+    mean_score = lambda sel, keep: np.mean([dsb_score_from_iou(iou[:, keep(x)]) for x, iou in sel])  # noqa: E731
+    order = np.random.RandomState(0).permutation(len(items))
+    folds = [order[k::args.folds] for k in range(args.folds)]
+    scores = {'none': [], 'min score': [], 'learned filter': []}
+    for held in folds:
+        train = [items[i] for i in order if i not in held]
+        test = [items[i] for i in held]
+        cut = max(np.arange(0.5, 0.96, 0.025), key=lambda c: mean_score(train, lambda x: x[:, 0] >= c))
+        x = np.concatenate([f for f, _ in train])
+        hit = np.concatenate([iou.max(0) if iou.shape[0] else np.zeros(iou.shape[1]) for _, iou in train]) > 0.5
+        predict = fit_logistic(x, hit.astype(np.float64))
+        p_cut = max(np.arange(0.05, 0.96, 0.05), key=lambda c: mean_score(train, lambda x: predict(x) >= c))
+        for name, keep in (('none', lambda x: np.ones(len(x), bool)), ('min score', lambda x: x[:, 0] >= cut),
+                           ('learned filter', lambda x: predict(x) >= p_cut)):
+            scores[name] += [dsb_score_from_iou(iou[:, keep(x)]) for x, iou in test]
+    print('setting %s without its min score, %d images, %d-fold over images' % (base, len(items), args.folds))
+    for name, s in scores.items():
+        print('%-14s DSB %.4f' % (name, np.mean(s)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = p.add_subparsers(dest='cmd', required=True)
@@ -201,9 +294,15 @@ def main(argv=None):
     a.add_argument('maps', nargs='+')
     a = sub.add_parser('scale', help='own scale vs rescaled by the true / measured diameter')
     a.add_argument('run')
+    a = sub.add_parser('thresholds', help='each image at its own best threshold (an oracle)')
+    a.add_argument('maps')
+    a.add_argument('--grid', type=float, nargs='+', default=[0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    a = sub.add_parser('object-filter', help='a learned object filter against the min score, cross-validated')
+    a.add_argument('maps')
+    a.add_argument('--folds', type=int, default=5)
     args = p.parse_args(argv)
     {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
-     'scale': cmd_scale}[args.cmd](args)
+     'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter}[args.cmd](args)
 
 
 if __name__ == '__main__':

@@ -89,6 +89,55 @@ def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, 
     assert len(scores) == 2 and scores[1] > scores[0], out
 
 
+def _save_maps(path, images, setting):
+    arrays = {'setting': np.array(repr(setting))}
+    for name, (prob, truth) in images.items():
+        arrays.update({'maps_' + name: prob[None], 'truth_' + name: truth, 'group_' + name: np.array('fluorescence')})
+    np.savez(path, **arrays)
+
+
+def test_val_analysis_threshold_oracle_picks_each_images_own_outline(tmp_path, capsys):
+    """dsb_val_analysis.py thresholds: an image annotated loosely wants a low cut, one
+    annotated tightly the usual one; only a per-image choice gets both right."""
+    import dsb_val_analysis
+
+    loose_truth, loose = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    loose_truth[10:22, 10:22] = 1
+    loose[10:22, 10:22] = 0.35; loose[12:20, 12:20] = 0.9       # confident core, faint halo
+    tight_truth, tight = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    tight_truth[10:20, 10:20] = 1
+    tight[6:24, 6:24] = 0.35; tight[10:20, 10:20] = 0.9          # the halo is not nucleus here
+    path = str(tmp_path / 'maps.npz')
+    _save_maps(path, {'loose': (loose, loose_truth), 'tight': (tight, tight_truth)},
+               {'threshold': 0.5, 'h': 2.0, 'min_size': 0})
+    dsb_val_analysis.main(['thresholds', path, '--grid', '0.3', '0.5'])
+    out = capsys.readouterr().out
+    assert 'one threshold for all: 0.30:0.5000 0.50:0.5000' in out, out
+    assert 'own best threshold (oracle): 1.0000; images preferring each: 0.30:1 0.50:1' in out, out
+
+
+def test_val_analysis_object_filter_learns_what_the_min_score_cannot_see(tmp_path, capsys):
+    """dsb_val_analysis.py object-filter: false objects as confident as the true ones but of
+    another shape are left by the min score and dropped by the learned filter."""
+    import dsb_val_analysis
+
+    images = {}
+    for i in range(6):
+        truth, prob = np.zeros((64, 64), np.int32), np.zeros((64, 64), np.float32)
+        for k, (y, x) in enumerate(((4, 4), (4, 30), (30, 4))):
+            truth[y:y + 10, x:x + 10] = k + 1
+            prob[y:y + 10, x:x + 10] = 0.95
+        prob[30 + i % 3:50, 30:34] = prob[46:50, 30:50 - i % 2] = 0.95   # an L: no nucleus there
+        images['im%d' % i] = (prob, truth)
+    path = str(tmp_path / 'maps.npz')
+    _save_maps(path, images, {'threshold': 0.5, 'h': 2.0, 'min_size': 0, 'min_score': 0.8})
+    dsb_val_analysis.main(['object-filter', path, '--folds', '2'])
+    scores = dict(line.rsplit(' DSB ', 1) for line in capsys.readouterr().out.splitlines() if ' DSB ' in line)
+    scores = {k.strip(): float(v) for k, v in scores.items()}
+    assert scores['none'] == scores['min score'] == 0.75, scores   # 3 matched, 1 false per image
+    assert scores['learned filter'] == 1.0, scores
+
+
 def test_val_curves_measure_the_swings_after_the_first_epochs():
     rows = [{'val_iou': v, 'val_dsb': d} for v, d in
             [(0.1, 0.0), (0.9, 0.1), (0.5, 0.2), (0.8, 0.5), (0.7, 0.4), (0.75, 0.45)]]
