@@ -95,6 +95,9 @@ def cmd_maps(args):
 
 def load_maps(path):
     """{name: (maps float32, truth, group)} and the run's tuned setting."""
+    if not os.path.isfile(path):
+        raise SystemExit('error: %s: no such maps file (make it with: dsb_val_analysis.py maps RUN %s)'
+                         % (path, path))
     data = np.load(path)
     names = [k[5:] for k in data.files if k.startswith('maps_')]
     images = {n: (data['maps_' + n].astype(np.float32), data['truth_' + n], str(data['group_' + n]))
@@ -192,6 +195,9 @@ def cmd_scale(args):
 
 
 def cmd_thresholds(args):
+    bad = [t for t in args.grid if not 0 < t < 1]
+    if bad:
+        raise SystemExit('error: --grid thresholds must be between 0 and 1 (got %s)' % bad[0])
     images, setting = load_maps(args.maps)
     grid = sorted(set(args.grid) | {setting.get('threshold', 0.5)})
     per = np.array([[dsb_image_score(instances_from_maps(m, **dict(setting, threshold=th)), t) for th in grid]
@@ -252,6 +258,9 @@ def fit_logistic(x, y, l2=1e-2, steps=50):
 
 def cmd_object_filter(args):
     images, setting = load_maps(args.maps)
+    if not 2 <= args.folds <= len(images):
+        raise SystemExit('error: --folds must be 2 to %d, the number of images in %s (got %d)'
+                         % (len(images), args.maps, args.folds))
     base = {k: v for k, v in setting.items() if k != 'min_score'}
     items = []  # (features, IoU matrix) per image, objects as the setting without min score finds them
     for m, t, _ in images.values():

@@ -136,6 +136,11 @@ def test_val_analysis_object_filter_learns_what_the_min_score_cannot_see(tmp_pat
     scores = {k.strip(): float(v) for k, v in scores.items()}
     assert scores['none'] == scores['min score'] == 0.75, scores   # 3 matched, 1 false per image
     assert scores['learned filter'] == 1.0, scores
+    for argv, message in ((['object-filter', path, '--folds', '7'], '--folds must be 2 to 6'),
+                          (['thresholds', path, '--grid', '5'], '--grid thresholds must be between 0 and 1'),
+                          (['errors', str(tmp_path / 'none.npz')], 'none.npz: no such maps file')):
+        with pytest.raises(SystemExit, match=message):
+            dsb_val_analysis.main(argv)
 
 
 def test_val_curves_measure_the_swings_after_the_first_epochs():
