@@ -204,9 +204,9 @@ def cmd_thresholds(args):
                     for m, t, _ in images.values()])
     print('setting %s, %d images' % (setting, len(per)))
     print('one threshold for all: ' + ' '.join('%.2f:%.4f' % x for x in zip(grid, per.mean(0))))
-    best = per.argmax(1)
+    preferring = np.bincount(per.argmax(1), minlength=len(grid))
     print('each image at its own best threshold (oracle): %.4f; images preferring each: %s'
-          % (per.max(1).mean(), ' '.join('%.2f:%d' % (th, n) for th, n in zip(grid, np.bincount(best, minlength=len(grid))))))
+          % (per.max(1).mean(), ' '.join('%.2f:%d' % x for x in zip(grid, preferring))))
 
 
 OBJECT_FEATURES = ('mean', 'min', 'p10', 'log_area', 'log_rel_area', 'solidity', 'eccentricity', 'at_edge',
@@ -266,21 +266,21 @@ def cmd_object_filter(args):
     for m, t, _ in images.values():
         p = instances_from_maps(m, **base)
         items.append((object_features(p, m[0]), iou_matrix(p, t)))
-    mean_score = lambda sel, keep: np.mean([dsb_score_from_iou(iou[:, keep(x)]) for x, iou in sel])  # noqa: E731
+    mean_score = lambda sel, keep: np.mean([dsb_score_from_iou(iou[:, keep(f)]) for f, iou in sel])  # noqa: E731
     order = np.random.RandomState(0).permutation(len(items))
     folds = [order[k::args.folds] for k in range(args.folds)]
     scores = {'none': [], 'min score': [], 'learned filter': []}
     for held in folds:
         train = [items[i] for i in order if i not in held]
         test = [items[i] for i in held]
-        cut = max(np.arange(0.5, 0.96, 0.025), key=lambda c: mean_score(train, lambda x: x[:, 0] >= c))
+        cut = max(np.arange(0.5, 0.96, 0.025), key=lambda c: mean_score(train, lambda f: f[:, 0] >= c))
         x = np.concatenate([f for f, _ in train])
         hit = np.concatenate([iou.max(0) if iou.shape[0] else np.zeros(iou.shape[1]) for _, iou in train]) > 0.5
         predict = fit_logistic(x, hit.astype(np.float64))
-        p_cut = max(np.arange(0.05, 0.96, 0.05), key=lambda c: mean_score(train, lambda x: predict(x) >= c))
-        for name, keep in (('none', lambda x: np.ones(len(x), bool)), ('min score', lambda x: x[:, 0] >= cut),
-                           ('learned filter', lambda x: predict(x) >= p_cut)):
-            scores[name] += [dsb_score_from_iou(iou[:, keep(x)]) for x, iou in test]
+        p_cut = max(np.arange(0.05, 0.96, 0.05), key=lambda c: mean_score(train, lambda f: predict(f) >= c))
+        for name, keep in (('none', lambda f: np.ones(len(f), bool)), ('min score', lambda f: f[:, 0] >= cut),
+                           ('learned filter', lambda f: predict(f) >= p_cut)):
+            scores[name] += [dsb_score_from_iou(iou[:, keep(f)]) for f, iou in test]
     print('setting %s without its min score, %d images, %d-fold over images' % (base, len(items), args.folds))
     for name, s in scores.items():
         print('%-14s DSB %.4f' % (name, np.mean(s)))
