@@ -222,6 +222,7 @@ def object_features(labels, prob):
     if n == 0:
         return np.zeros((0, len(OBJECT_FEATURES)))
     idx = np.arange(1, n + 1)
+    mean = object_scores(labels, prob)  # what --min-score cuts on, so the two arms compare alike
     area = np.bincount(labels.ravel(), minlength=n + 1)[1:].astype(np.float64)
     outline = (ndi.grey_erosion(labels, size=3) != labels) | (ndi.grey_dilation(labels, size=3) != labels)
     outline_mean = np.nan_to_num(ndi.mean(prob, np.where(outline, labels, 0), idx), nan=0.5)
@@ -236,7 +237,7 @@ def object_features(labels, prob):
         vals = prob[r.coords[:, 0], r.coords[:, 1]]
         y0, x0, y1, x1 = r.bbox
         i = r.label - 1
-        rows.append([vals.mean(), vals.min(), np.percentile(vals, 10), np.log(area[i]),
+        rows.append([mean[i], vals.min(), np.percentile(vals, 10), np.log(area[i]),
                      np.log(area[i] / np.median(area)), r.solidity, r.eccentricity,
                      float(y0 == 0 or x0 == 0 or y1 == h or x1 == w), min(neighbours[i], 4), outline_mean[i],
                      np.log(n)])
