@@ -61,6 +61,13 @@ def test_thread_ticks_sees_this_process_threads():
         worker.join()
 
 
+def _save_maps(path, images, setting):
+    arrays = {'setting': np.array(repr(setting))}
+    for name, (prob, truth) in images.items():
+        arrays.update({'maps_' + name: prob[None], 'truth_' + name: truth, 'group_' + name: np.array('fluorescence')})
+    np.savez(path, **arrays)
+
+
 def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, capsys):
     """benchmarks/dsb_val_analysis.py errors: the kinds of error it reports are the ones drawn."""
     import numpy as np
@@ -76,8 +83,7 @@ def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, 
     truth[4:14, 40:50] = 5                                    # not predicted at all: missed
     prob[50:60, 4:14] = 0.7                                   # a faint false object on background
     path = str(tmp_path / 'maps.npz')
-    np.savez(path, maps_a=prob[None], truth_a=truth, group_a=np.array('fluorescence'),
-             setting=np.array(repr({'threshold': 0.5, 'h': 2.0, 'min_size': 0})))
+    _save_maps(path, {'a': (prob, truth)}, {'threshold': 0.5, 'h': 2.0, 'min_size': 0})
     dsb_val_analysis.main(['errors', path])
     out = capsys.readouterr().out
     assert ('true nuclei 5: matched 1; unmatched: merged with a neighbour 2, split 1, missed 1, other 0; '
@@ -87,13 +93,6 @@ def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, 
     # the faint object goes at 0.8: one false object fewer
     scores = [float(line.split()[-1]) for line in out.splitlines() if line.startswith('min score')]
     assert len(scores) == 2 and scores[1] > scores[0], out
-
-
-def _save_maps(path, images, setting):
-    arrays = {'setting': np.array(repr(setting))}
-    for name, (prob, truth) in images.items():
-        arrays.update({'maps_' + name: prob[None], 'truth_' + name: truth, 'group_' + name: np.array('fluorescence')})
-    np.savez(path, **arrays)
 
 
 def test_val_analysis_threshold_oracle_picks_each_images_own_outline(tmp_path, capsys):
