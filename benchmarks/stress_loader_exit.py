@@ -3,9 +3,10 @@
 Each run is a fresh Python process that makes a loader with 2 worker processes three times
 over synthetic nuclei, reads every batch, drops the first two loaders (Gluon terminates
 their pool when collected) and exits with the third alive (multiprocessing's exit handler
-terminates it). A run still alive after ``--timeout`` seconds is counted as hung, killed
-with its workers, and the Python stacks it printed (``faulthandler``, 5 s before the
-limit) are kept. With ``--old DIR`` the runs alternate between this tree's package and
+terminates it). A run still alive after ``--timeout`` seconds is counted as hung: it is
+asked for its Python stacks (``faulthandler`` on SIGUSR1, so they show where it is at the
+limit, not where it was some seconds before), then killed with its workers, and the
+stacks are kept. With ``--old DIR`` the runs alternate between this tree's package and
 DIR's, so both see the same machine.
 
 This is how the hang at exit that CI met on Zen 3 was reproduced (parent joining in
@@ -20,13 +21,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 RUN = '''
-import faulthandler, sys
-faulthandler.dump_traceback_later(float(sys.argv[2]), exit=False)
+import faulthandler, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 sys.path.insert(0, sys.argv[1])
 import mxnet as mx
 from gluon_unet.data import dataset, synthetic_dataset
@@ -41,16 +43,32 @@ print('ok')
 '''
 
 
+def _wait_for_output(f, seconds):
+    """Until the file ``f`` has stopped growing (0.2 s unchanged and not empty) or ``seconds``."""
+    deadline, last = time.monotonic() + seconds, -1
+    while time.monotonic() < deadline:
+        size = os.fstat(f.fileno()).st_size
+        if size and size == last:
+            return
+        last = size
+        time.sleep(0.2)
+
+
 def run_once(root, timeout):
     """Run one process importing gluon_unet from ``root``: ``(hung, stderr)``."""
     with tempfile.TemporaryFile('w+') as err:
-        proc = subprocess.Popen([sys.executable, '-c', RUN, root, str(max(1.0, timeout - 5))],
+        proc = subprocess.Popen([sys.executable, '-c', RUN, root],
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
             hung = False
         except subprocess.TimeoutExpired:
             hung = True
+            # A timer set at start dumped the stacks a fixed time after launch, so on a
+            # loaded machine it could catch a run still importing; ask at the limit instead.
+            # faulthandler's handler is C code and writes at once, even in a blocked thread.
+            os.kill(proc.pid, signal.SIGUSR1)
+            _wait_for_output(err, seconds=3.0)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # a hung run's workers too; none are left otherwise
         except ProcessLookupError:

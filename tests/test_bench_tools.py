@@ -167,7 +167,7 @@ def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):
                                       '    time.sleep(3600)\n')
     assert stress_loader_exit.run_once(str(tmp_path / 'ok'), timeout=60)[0] is False
     hung, err = stress_loader_exit.run_once(str(tmp_path / 'hangs'), timeout=8)
-    assert hung and 'make_loader' in err  # the stack printed before the time-out
+    assert hung and 'make_loader' in err  # the stack it was asked for at the time-out
     left = pids_with(str(tmp_path / 'hangs'))
     assert not left, 'processes left behind: %s' % left
 
