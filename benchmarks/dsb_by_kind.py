@@ -12,18 +12,36 @@ import sys
 KINDS = ('fluorescence', 'brightfield', 'he')
 
 
+def _read_scores(path, kind):
+    """The rows of one ``bin/evaluate --csv`` file whose image has a kind; one-line errors."""
+    if not os.path.isfile(path):
+        raise SystemExit('error: %s: no such file (bin/evaluate --csv writes it)' % path)
+    with open(path, newline='') as f:
+        reader = csv.DictReader(f)
+        missing = {'image_id', 'dsb', 'iou'} - set(reader.fieldnames or ())
+        if missing:
+            raise SystemExit('error: %s: not a bin/evaluate --csv file (no column %s)'
+                             % (path, ', '.join(sorted(missing))))
+        rows = [r for r in reader if r['image_id'] in kind]
+    if not rows:
+        raise SystemExit('error: %s: none of its images is in the kinds file' % path)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('csv', nargs='+', help='per-image CSVs from bin/evaluate --csv')
     p.add_argument('--kinds', default='/tmp/dsb/kinds.tsv')
     args = p.parse_args(argv)
+    if not os.path.isfile(args.kinds):
+        raise SystemExit('error: --kinds %s: no such file (benchmarks/dsb_split.py writes it)' % args.kinds)
     with open(args.kinds) as f:
         kind = {line.split()[0]: line.split()[1] for line in f if line.strip()}
+    # Read every file before printing, so a bad one stops the table instead of cutting it short.
+    tables = [(path, _read_scores(path, kind)) for path in args.csv]
     print('| scores | ' + ' | '.join('%s DSB (n)' % k for k in KINDS) + ' | all DSB | all IoU |')
     print('|---' * (len(KINDS) + 3) + '|')
-    for path in args.csv:
-        with open(path) as f:
-            rows = [r for r in csv.DictReader(f) if r['image_id'] in kind]
+    for path, rows in tables:
         cells = []
         for k in KINDS + (None,):
             sel = [float(r['dsb']) for r in rows if k is None or kind[r['image_id']] == k]

@@ -1,5 +1,5 @@
-"""The measuring parts of the benchmark scripts (bench_train.py, dsb_val_curves.py) that decide
-what a figure means."""
+"""The measuring parts of the benchmark scripts (bench_train.py, dsb_val_curves.py, dsb_by_kind.py, ...)
+that decide what a figure means."""
 import os
 import sys
 import threading
@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 
 import bench_train  # noqa: E402
+import dsb_by_kind  # noqa: E402
 import dsb_val_curves  # noqa: E402
 
 
@@ -140,6 +141,25 @@ def test_val_analysis_object_filter_learns_what_the_min_score_cannot_see(tmp_pat
                           (['errors', str(tmp_path / 'none.npz')], 'none.npz: no such maps file')):
         with pytest.raises(SystemExit, match=message):
             dsb_val_analysis.main(argv)
+
+
+def test_dsb_by_kind_averages_per_kind_and_refuses_what_is_not_a_score_file(tmp_path, capsys):
+    kinds = tmp_path / 'kinds.tsv'
+    kinds.write_text('a\tfluorescence\ttrain\nb\tfluorescence\tholdout\nc\the\tholdout\n')
+    scores = tmp_path / 'run.csv'
+    scores.write_text('image_id,dsb,iou\na,0.2,0.5\nb,0.6,0.7\nc,0.1,0.3\nother,1.0,1.0\n')
+    dsb_by_kind.main([str(scores), '--kinds', str(kinds)])
+    # 'other' has no kind and is left out; brightfield has no image here
+    assert '| run.csv | 0.400 (2) | - | 0.100 (1) | 0.300 (3) | 0.500 |' in capsys.readouterr().out
+    (tmp_path / 'notes.txt').write_text('just text\n')
+    (tmp_path / 'foreign.csv').write_text('image_id,dsb,iou\nzzz,0.5,0.5\n')
+    for argv, message in (([str(tmp_path / 'gone.csv')], 'gone.csv: no such file'),
+                          ([str(tmp_path / 'notes.txt')], 'notes.txt: not a bin/evaluate --csv file'),
+                          ([str(tmp_path / 'foreign.csv')], 'foreign.csv: none of its images is in the kinds file'),
+                          ([str(scores), '--kinds', str(tmp_path / 'nope.tsv')], '--kinds .*nope.tsv: no such file')):
+        with pytest.raises(SystemExit, match=message):
+            dsb_by_kind.main(argv if '--kinds' in argv else argv + ['--kinds', str(kinds)])
+    assert capsys.readouterr().out == ''   # a bad file stops before any table is printed
 
 
 def test_val_curves_measure_the_swings_after_the_first_epochs():
