@@ -43,12 +43,13 @@ print('ok')
 '''
 
 
-def _wait_for_output(f, seconds):
-    """Until the file ``f`` has stopped growing (0.2 s unchanged and not empty) or ``seconds``."""
+def _wait_for_output(f, after, seconds):
+    """Until the file ``f`` has grown past ``after`` bytes and then stopped (0.2 s unchanged),
+    or ``seconds`` have passed."""
     deadline, last = time.monotonic() + seconds, -1
     while time.monotonic() < deadline:
         size = os.fstat(f.fileno()).st_size
-        if size and size == last:
+        if size > after and size == last:
             return
         last = size
         time.sleep(0.2)
@@ -67,8 +68,9 @@ def run_once(root, timeout):
             # A timer set at start dumped the stacks a fixed time after launch, so on a
             # loaded machine it could catch a run still importing; ask at the limit instead.
             # faulthandler's handler is C code and writes at once, even in a blocked thread.
+            printed = os.fstat(err.fileno()).st_size  # warnings it wrote before are not the stacks
             os.kill(proc.pid, signal.SIGUSR1)
-            _wait_for_output(err, seconds=3.0)
+            _wait_for_output(err, printed, seconds=3.0)
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # a hung run's workers too; none are left otherwise
         except ProcessLookupError:
