@@ -36,7 +36,12 @@ def main(argv=None):
     if not os.path.isfile(args.kinds):
         raise SystemExit('error: --kinds %s: no such file (benchmarks/dsb_split.py writes it)' % args.kinds)
     with open(args.kinds) as f:
-        kind = {line.split()[0]: line.split()[1] for line in f if line.strip()}
+        fields = [(n, line.split()) for n, line in enumerate(f, 1) if line.strip()]
+    short = [n for n, cols in fields if len(cols) < 2]
+    if short:
+        raise SystemExit('error: --kinds %s: line %d has no kind (want "<image id> <kind>" per line, '
+                         'as benchmarks/dsb_split.py writes)' % (args.kinds, short[0]))
+    kind = {cols[0]: cols[1] for _, cols in fields}
     # Read every file before printing, so a bad one stops the table instead of cutting it short.
     tables = [(path, _read_scores(path, kind)) for path in args.csv]
     print('| scores | ' + ' | '.join('%s DSB (n)' % k for k in KINDS) + ' | all DSB | all IoU |')

@@ -153,10 +153,12 @@ def test_dsb_by_kind_averages_per_kind_and_refuses_what_is_not_a_score_file(tmp_
     assert '| run.csv | 0.400 (2) | - | 0.100 (1) | 0.300 (3) | 0.500 |' in capsys.readouterr().out
     (tmp_path / 'notes.txt').write_text('just text\n')
     (tmp_path / 'foreign.csv').write_text('image_id,dsb,iou\nzzz,0.5,0.5\n')
+    (tmp_path / 'ids.txt').write_text('a\nb\n')   # hold-out ids, not kinds
     for argv, message in (([str(tmp_path / 'gone.csv')], 'gone.csv: no such file'),
                           ([str(tmp_path / 'notes.txt')], 'notes.txt: not a bin/evaluate --csv file'),
                           ([str(tmp_path / 'foreign.csv')], 'foreign.csv: none of its images is in the kinds file'),
-                          ([str(scores), '--kinds', str(tmp_path / 'nope.tsv')], '--kinds .*nope.tsv: no such file')):
+                          ([str(scores), '--kinds', str(tmp_path / 'nope.tsv')], '--kinds .*nope.tsv: no such file'),
+                          ([str(scores), '--kinds', str(tmp_path / 'ids.txt')], '--kinds .*ids.txt: line 1 has no kind')):
         with pytest.raises(SystemExit, match=message):
             dsb_by_kind.main(argv if '--kinds' in argv else argv + ['--kinds', str(kinds)])
     assert capsys.readouterr().out == ''   # a bad file stops before any table is printed
