@@ -43,7 +43,7 @@ FLAG_GROUPS = {
              'normalize', 'denoise', 'balance', 'augment', 'elastic', 'skip_unpaired', 'workers', 'cache_dir',
              'synthetic_count'),
     'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
-    'optimization': ('epochs', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay',
+    'optimization': ('epochs', 'time_budget', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay',
                      'clip_grad', 'ema', 'lr_schedule', 'warmup_epochs', 'lr_steps', 'loss', 'dice_weight', 'amp',
                      'amp_dtype', 'hybridize', 'memory'),
     'devices': ('gpus', 'cpus', 'kvstore', 'update_on_kvstore', 'sync_bn'),
@@ -53,7 +53,7 @@ FLAG_GROUPS = {
 # Placeholders in the help: what the value is, not the field's name.
 _METAVARS = {'data': 'PATH', 'masks': 'DIR', 'val_data': 'PATH', 'cache_dir': 'DIR', 'output': 'DIR',
              'resume': 'PATH|auto', 'gpus': 'IDS', 'size': 'SIZE', 'crop': 'SIZE', 'mask_suffix': 'SUFFIX', 'lr_steps': 'FRACTIONS',
-             'ema': 'DECAY'}
+             'ema': 'DECAY', 'time_budget': 'MINUTES'}
 GROUP_TITLES = {'data': 'data', 'model': 'model (the U-Net)', 'optimization': 'optimization',
                 'devices': 'devices', 'run': 'run (folder, checkpoints, early stopping)'}
 

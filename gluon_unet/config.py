@@ -107,6 +107,10 @@ class TrainConfig:
 
     # optimization
     epochs: int = _opt(50, 'maximum number of epochs')
+    time_budget: float = _opt(0.0, 'minutes the epochs may take, training and validation (0 = no limit): after '
+                                   'each epoch, the run is cut to the epochs that fit and the LR schedule ends '
+                                   'with the last of them; loading before and the post-processing search and '
+                                   'export after are not counted')
     batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
                                 'kvstore: per worker; the global batch is workers x this)')
     optimizer: str = _opt('adam', 'optimizer')
@@ -212,9 +216,16 @@ class TrainConfig:
         for name in ('lr', 'threshold'):
             if not getattr(self, name) > 0:
                 raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
-        for name in ('weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight', 'denoise'):
+        for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight', 'denoise'):
             if getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        if self.time_budget and self.lr_schedule != 'constant' and self.kvstore.startswith('dist') \
+                and (self.kvstore == 'dist_async' or self.update_on_kvstore):
+            # The servers run the optimizer on a copy of the schedule sent at the start.
+            raise UserError('--time-budget with --kvstore %s%s: the LR schedule runs on the servers and cannot '
+                            'be fitted to the epochs that fit; use --lr-schedule constant or a synchronous '
+                            'kvstore updating on the workers' % (self.kvstore, ' --update-on-kvstore'
+                                                                 if self.update_on_kvstore else ''))
         if not 0.0 <= self.ema < 1.0:
             raise UserError('--ema must be in [0, 1) (a decay per step, e.g. 0.99; 0 = off) (got %r)' % self.ema)
         if not 0.0 <= self.val_split < 1.0:

@@ -25,6 +25,7 @@ from . import distributed
 from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
+from .budget import WINDOW, planned_epochs
 from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
@@ -38,7 +39,7 @@ from .export import geometry
 from .inference import predict_image
 from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
-from .optim import make_lr_scheduler, make_trainer
+from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
 from .parallel import DataParallelStep, MirroredStep, split_batch
 from .recorder import RunRecorder, RunState
 from .scale import median_diameter
@@ -780,17 +781,27 @@ def find_resume_point(cfg, data_id, strategy):
 
 
 def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
-    """Epochs until ``--epochs``, early stopping, a callback or a signal."""
+    """Epochs until ``--epochs`` (or what fits in ``--time-budget``), early stopping, a
+    callback or a signal."""
     cfg, log = run.cfg, run.recorder.log
+    # A resumed run plans from the epochs it has measured (the budget may have changed).
+    total = _plan_epochs(run, state, strategy)
     stop = _StopFlag().install()
+    clock = _clock()  # one running clock: checkpointing counts in the next epoch
     try:
-        for epoch in range(state.epoch + 1, cfg.epochs + 1):
-            row, samples = _run_epoch(run, epoch, state, stop)
+        epoch = state.epoch
+        while epoch < total:
+            epoch += 1
+            row, samples = _run_epoch(run, epoch, state, stop, total)
+            now = _clock()
+            state.train_seconds += now - clock
             if row is None:  # interrupted mid-epoch
                 path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
                 raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
                                   % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
                                      path or 'auto'), 128 + stop.signum)
+            state.epoch_seconds.append(now - clock)
+            clock = now
             run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples, run.average)
             # Rank 0 alone knows the validation numbers: its decisions hold for every
             # worker (one stopping alone would leave the others waiting for its gradients).
@@ -804,8 +815,36 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
                 log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
                          saver.monitor, cfg.patience, saver.best, saver.best_epoch)
                 break
+            total = _plan_epochs(run, state, strategy, total)
     finally:
         stop.restore()
+
+
+_clock = time.monotonic  # --time-budget's clock (tests give it a fake one)
+
+
+def _plan_epochs(run, state, strategy, before=None):
+    """``--time-budget``: the run's length in epochs after what has been measured (the
+    planned length ``before``, None at the start), the same on every worker (rank 0's
+    clock decides), with the LR schedule fitted to it."""
+    cfg = run.cfg
+    total = planned_epochs(cfg.time_budget * 60.0, state.train_seconds, state.epoch_seconds, state.epoch,
+                           cfg.epochs)
+    total = int(strategy.broadcast([total])[0])
+    if total != before:
+        resize_lr_scheduler(run.step.trainer.optimizer.lr_scheduler, total * run.steps_per_epoch,
+                            [float(s) for s in cfg.lr_steps.split(',') if s.strip()])
+    if total != (cfg.epochs if before is None else before):
+        left = max(0.0, cfg.time_budget * 60.0 - state.train_seconds)
+        if total > state.epoch:
+            run.recorder.log.info('time budget: %d of --epochs %d fit (%.1f of %g min left, epochs take up to '
+                                  '%.0f s); the LR schedule now ends with epoch %d', total, cfg.epochs,
+                                  left / 60.0, cfg.time_budget, max(state.epoch_seconds[-WINDOW:]), total)
+        else:
+            run.recorder.log.info('time budget: stopping after epoch %d of --epochs %d (%.1f of %g min left, '
+                                  'an epoch takes up to %.0f s)', state.epoch, cfg.epochs, left / 60.0,
+                                  cfg.time_budget, max(state.epoch_seconds[-WINDOW:]))
+    return total
 
 
 @dataclass
@@ -838,7 +877,7 @@ def run_callbacks(callbacks, row, run, state):
     return stop
 
 
-def _run_epoch(run, epoch, state, stop):
+def _run_epoch(run, epoch, state, stop, total):
     """Train and validate one epoch; returns its record (None when interrupted) and, with
     ``--tensorboard``, a few validation ``(image, truth, probability)`` for overlays."""
     cfg = run.cfg
@@ -847,7 +886,7 @@ def _run_epoch(run, epoch, state, stop):
     # of how many epochs ran in this process: a resumed run matches an unbroken one.
     mx.random.seed(cfg.seed * 100003 + epoch)
     set_loader_epoch(run.loader, epoch, skip_samples=skip * cfg.batch_size)
-    bar = _progress(cfg, epoch, (run.steps_per_epoch - skip) * cfg.batch_size)
+    bar = _progress(cfg, epoch, total, (run.steps_per_epoch - skip) * cfg.batch_size)
 
     first_step = state.step - skip  # global step of the epoch's step 0
 
@@ -886,9 +925,9 @@ def _run_epoch(run, epoch, state, stop):
     return row, samples
 
 
-def _progress(cfg, epoch, total):
+def _progress(cfg, epoch, epochs, images):
     if not cfg.progress:
         return None
     from tqdm import tqdm
-    return tqdm(total=total, desc='epoch %d/%d' % (epoch, cfg.epochs), unit='img', leave=False,
+    return tqdm(total=images, desc='epoch %d/%d' % (epoch, epochs), unit='img', leave=False,
                 dynamic_ncols=True)

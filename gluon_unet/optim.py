@@ -89,3 +89,27 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     except mx.MXNetError as exc:
         raise UserError('--kvstore %s: MXNet could not create it: %s'
                         % (kvstore, mxnet_message(exc))) from None
+
+
+def resize_lr_scheduler(scheduler, total_steps, step_fractions=(0.6, 0.85)):
+    """Change, in place, the run length ``scheduler`` (from :func:`make_lr_scheduler`)
+    decays over, so the rate still reaches its end at the new last step.
+
+    In place because the trainer (and a local kvstore updating on itself) holds this
+    very object. Cosine and poly are functions of the step, so the rate moves smoothly
+    to the new curve. The step schedule keeps the drops already taken and moves the
+    ones still ahead. A constant rate (``None`` or a factor-1 schedule) has no length.
+    """
+    total_steps = max(1, int(total_steps))
+    if isinstance(scheduler, (mx.lr_scheduler.CosineScheduler, mx.lr_scheduler.PolyScheduler)):
+        scheduler.max_update = max(total_steps, scheduler.warmup_steps + 1)
+        scheduler.max_steps = scheduler.max_update - scheduler.warmup_steps
+    elif isinstance(scheduler, mx.lr_scheduler.MultiFactorScheduler):
+        taken = list(scheduler.step[:scheduler.cur_step_ind])
+        after = taken[-1] if taken else scheduler.warmup_steps
+        ahead = []
+        for f in sorted(step_fractions)[len(taken):]:  # MXNet wants them increasing
+            after = max(after + 1, int(f * total_steps))
+            ahead.append(after)
+        scheduler.step = taken + ahead
+

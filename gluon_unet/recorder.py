@@ -25,17 +25,23 @@ class RunState:
     step: int = 0                # optimizer updates so far
     step_in_epoch: int = 0       # batches done in an interrupted epoch
     history: list = field(default_factory=list)
+    # For --time-budget: the wall seconds of each completed epoch, and of all epochs so
+    # far including an interrupted one's part; a resumed run goes on counting.
+    epoch_seconds: list = field(default_factory=list)
+    train_seconds: float = 0.0
 
     def to_meta(self, cfg, data_id=None):
         """The checkpoint's JSON record (the saver adds the best value and epoch)."""
         return {'config': cfg.to_dict(), 'data': data_id, 'epoch': self.epoch, 'step': self.step,
                 'step_in_epoch': self.step_in_epoch, 'history': self.history, 'seed': cfg.seed,
-                'metrics': self.history[-1] if self.history else {}}
+                'metrics': self.history[-1] if self.history else {},
+                'epoch_seconds': self.epoch_seconds, 'train_seconds': self.train_seconds}
 
     @classmethod
     def from_meta(cls, meta):
         return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
-                   history=meta.get('history', []))
+                   history=meta.get('history', []), epoch_seconds=meta.get('epoch_seconds', []),
+                   train_seconds=meta.get('train_seconds', 0.0))
 
 
 class RunRecorder:

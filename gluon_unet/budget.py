@@ -1,0 +1,45 @@
+"""``--time-budget``: as many epochs as fit in the minutes given, with the learning-rate
+schedule fitted to them.
+
+A recipe's "30 epochs in an hour" holds on the machine it was timed on; on a slower one
+the same run overruns, and cutting it short by hand leaves the cosine schedule
+half-decayed. Here the epoch count is planned again after every epoch from the epochs'
+measured wall time (training, validation and checkpointing), and the schedule is
+stretched or shrunk to end with the last epoch that fits (``optim.resize_lr_scheduler``).
+"""
+
+#: The next epoch is predicted by the slowest of the last few: one quick epoch must not
+#: promise time a loaded machine does not have, and the first epoch's one-off costs
+#: (building the graph) leave the window after a few epochs.
+WINDOW = 3
+
+
+def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epochs):
+    """The number of epochs the run should have in all.
+
+    Parameters
+    ----------
+    budget_seconds : float
+        Wall seconds the epochs may take; 0 = no limit.
+    spent_seconds : float
+        Seconds the epochs have taken so far (earlier processes of a resumed run and an
+        interrupted epoch's part included).
+    epoch_seconds : list of float
+        Wall seconds of each completed epoch.
+    done : int
+        Epochs completed.
+    max_epochs : int
+        ``--epochs``: the budget only ever shortens a run.
+
+    Returns
+    -------
+    int
+        Between ``done`` (stop now) and ``max_epochs``; ``max_epochs`` until an epoch
+        has been measured, so a run always gets at least one.
+    """
+    if not budget_seconds or not epoch_seconds:
+        return max_epochs
+    per_epoch = max(epoch_seconds[-WINDOW:])
+    left = max(0.0, budget_seconds - spent_seconds)
+    fit = int(left // per_epoch) if per_epoch > 0 else max_epochs
+    return max(done, min(max_epochs, done + fit))

@@ -1,0 +1,104 @@
+"""--time-budget: the run is cut to the epochs that fit, the LR schedule ends with the
+last of them, and a resumed run goes on counting the time already spent."""
+import itertools
+import os
+
+import pytest
+
+from gluon_unet import engine
+from gluon_unet.budget import planned_epochs
+from gluon_unet.checkpoint import load_checkpoint
+from gluon_unet.config import TrainConfig
+from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
+from gluon_unet.optim import make_lr_scheduler, resize_lr_scheduler
+
+
+def test_planned_epochs_fits_what_is_left_and_never_passes_epochs():
+    assert planned_epochs(0, 50.0, [10.0], 1, 30) == 30            # no budget
+    assert planned_epochs(600, 0.0, [], 0, 30) == 30               # nothing measured yet
+    assert planned_epochs(100, 20.0, [20.0], 1, 10) == 5           # 80 s left, 20 s an epoch
+    assert planned_epochs(200, 50.0, [10.0, 30.0, 10.0], 3, 20) == 8  # the slowest recent epoch
+    assert planned_epochs(200, 130.0, [100.0, 10.0, 10.0, 10.0], 4, 20) == 11  # 100 s left the window
+    assert planned_epochs(100, 95.0, [30.0, 35.0, 30.0], 3, 10) == 3  # no time for another: stop
+    assert planned_epochs(100, 120.0, [60.0, 60.0], 2, 10) == 2    # overspent: never below done
+    assert planned_epochs(10 ** 6, 10.0, [10.0], 1, 7) == 7        # --epochs caps it
+
+
+@pytest.mark.parametrize('schedule', ['cosine', 'poly'])
+def test_a_resized_decay_ends_at_the_new_last_step_like_one_built_for_it(schedule):
+    sched = make_lr_scheduler(schedule, 0.1, 100, warmup_steps=10)
+    resize_lr_scheduler(sched, 50)
+    fresh = make_lr_scheduler(schedule, 0.1, 50, warmup_steps=10)
+    for t in (5, 10, 20, 35, 49):
+        assert sched(t) == pytest.approx(fresh(t)), t
+    assert sched(50) == pytest.approx(0.0) and sched(80) == pytest.approx(0.0)
+    resize_lr_scheduler(sched, 5)  # shorter than the warmup: the decay still has a step
+    assert sched.max_update == 11 and sched(11) == pytest.approx(0.0)
+
+
+def test_a_resized_step_schedule_keeps_the_drops_taken_and_moves_those_ahead():
+    sched = make_lr_scheduler('step', 1.0, 100, step_fractions=(0.6, 0.85))
+    assert sched.step == [60, 85]
+    assert sched(70) == pytest.approx(0.1)  # the first drop is taken
+    resize_lr_scheduler(sched, 80, (0.6, 0.85))
+    assert sched.step == [60, 68]
+    assert sched(69) == pytest.approx(0.01)
+    untouched = make_lr_scheduler('step', 1.0, 100, step_fractions=(0.6, 0.85))
+    resize_lr_scheduler(untouched, 50, (0.85, 0.6))
+    assert untouched.step == [30, 42]
+    resize_lr_scheduler(None, 50)  # a constant rate has no length
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """Every reading of the budget's clock is 100 s after the one before: epochs of 100 s."""
+    ticks = itertools.count(0, 100.0)
+    monkeypatch.setattr(engine, '_clock', lambda: next(ticks))
+
+
+def _budget_cfg(tiny, tmp_path, **kw):
+    settings = dict(output=str(tmp_path / 'run'), epochs=8, lr=0.01, lr_schedule='cosine', warmup_epochs=1,
+                    synthetic_count=16, batch_size=8)
+    return tiny(**{**settings, **kw})
+
+
+def test_a_budget_cuts_the_run_and_its_cosine_ends_with_the_last_epoch(tiny, tmp_path, clock):
+    # 5 minutes, epochs of 100 s: after epoch 1, 200 s are left for 2 more.
+    history = fit(_budget_cfg(tiny, tmp_path, time_budget=5.0), verbose=False)
+    assert [r['epoch'] for r in history] == [1, 2, 3]
+    assert history[-1]['lr'] == pytest.approx(0.0, abs=1e-12)
+    assert history[1]['lr'] > 0
+    meta = load_checkpoint(os.path.join(str(tmp_path / 'run'), 'checkpoints', 'best.ckpt'))
+    assert meta['train_seconds'] == pytest.approx(100.0 * meta['epoch'])
+    with open(os.path.join(str(tmp_path / 'run'), 'train.log')) as f:
+        log = f.read()
+    assert 'time budget: 3 of --epochs 8 fit' in log and 'ends with epoch 3' in log
+
+
+def test_an_interrupted_budgeted_run_resumes_with_the_time_it_had_spent(tiny, tmp_path, clock):
+    unbroken = fit(_budget_cfg(tiny, tmp_path / 'a', time_budget=5.0), verbose=False)
+    fit(_budget_cfg(tiny, tmp_path / 'b', time_budget=5.0), verbose=False, callbacks=[lambda r: r['epoch'] == 1])
+    # The new process's clock starts anew; the checkpoint's 100 s are still spent.
+    resumed = fit(_budget_cfg(tiny, tmp_path / 'b', time_budget=5.0, resume='auto'), verbose=False)
+    assert [r['epoch'] for r in resumed] == [r['epoch'] for r in unbroken] == [1, 2, 3]
+    assert [r['lr'] for r in resumed] == pytest.approx([r['lr'] for r in unbroken])
+    # A larger budget on resume gives the run the epochs it now has time for: 300 s more.
+    longer = fit(_budget_cfg(tiny, tmp_path / 'b', time_budget=10.0, resume='auto'), verbose=False)
+    assert [r['epoch'] for r in longer] == [1, 2, 3, 4, 5, 6]
+    assert longer[-1]['lr'] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_without_a_budget_the_run_has_all_its_epochs(tiny, tmp_path, clock):
+    history = fit(_budget_cfg(tiny, tmp_path, epochs=3), verbose=False)
+    assert [r['epoch'] for r in history] == [1, 2, 3]
+    assert history[-1]['lr'] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_negative_budget_and_a_schedule_held_by_the_servers_are_refused():
+    with pytest.raises(UserError, match='--time-budget must be >= 0'):
+        TrainConfig(time_budget=-1.0).validate()
+    with pytest.raises(UserError, match='--time-budget with --kvstore dist_async'):
+        TrainConfig(time_budget=30.0, lr_schedule='cosine', kvstore='dist_async').validate()
+    TrainConfig(time_budget=30.0, lr_schedule='constant', kvstore='dist_async').validate()
+    TrainConfig(time_budget=30.0, lr_schedule='cosine', kvstore='dist_sync').validate()
