@@ -216,7 +216,8 @@ class TrainConfig:
         for name in ('lr', 'threshold'):
             if not getattr(self, name) > 0:
                 raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
-        for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum', 'dice_weight', 'denoise'):
+        for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum',
+                     'dice_weight', 'denoise'):
             if getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
         if self.time_budget and self.lr_schedule != 'constant' and self.kvstore.startswith('dist') \

@@ -112,4 +112,3 @@ def resize_lr_scheduler(scheduler, total_steps, step_fractions=(0.6, 0.85)):
             after = max(after + 1, int(f * total_steps))
             ahead.append(after)
         scheduler.step = taken + ahead
-
