@@ -14,6 +14,12 @@ stretched or shrunk to end with the last epoch that fits (``optim.resize_lr_sche
 WINDOW = 3
 
 
+def epoch_estimate(epoch_seconds):
+    """The seconds the next epoch is planned to take: the slowest of the last
+    :data:`WINDOW` completed ones."""
+    return max(epoch_seconds[-WINDOW:])
+
+
 def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epochs):
     """The number of epochs the run should have in all.
 
@@ -39,7 +45,7 @@ def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epoch
     """
     if not budget_seconds or not epoch_seconds:
         return max_epochs
-    per_epoch = max(epoch_seconds[-WINDOW:])
+    per_epoch = epoch_estimate(epoch_seconds)
     left = max(0.0, budget_seconds - spent_seconds)
     fit = int(left // per_epoch) if per_epoch > 0 else max_epochs
     return max(done, min(max_epochs, done + fit))

@@ -193,6 +193,10 @@ class TrainConfig:
     def from_json(cls, text):
         return cls.from_dict(json.loads(text))
 
+    def step_fractions(self):
+        """``--lr-steps`` as floats: where in the run the 'step' schedule drops."""
+        return [float(s) for s in self.lr_steps.split(',') if s.strip()]
+
     # -- validation ---------------------------------------------------------------------
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value."""
@@ -254,7 +258,7 @@ class TrainConfig:
                             "(got --loss %s, --classes %d)" % (self.loss, m.classes))
         if self.lr_schedule == 'step':
             try:
-                steps = [float(s) for s in self.lr_steps.split(',') if s.strip()]
+                steps = self.step_fractions()
             except ValueError:
                 steps = None
             if not steps or not all(0 < s < 1 for s in steps):

@@ -25,7 +25,7 @@ from . import distributed
 from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
-from .budget import WINDOW, planned_epochs
+from .budget import epoch_estimate, planned_epochs
 from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
@@ -676,7 +676,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
-                                 step_fractions=[float(s) for s in cfg.lr_steps.split(',') if s.strip()])
+                                 step_fractions=cfg.step_fractions())
     update_on_kv = resolve_update_on_kvstore(cfg, amp_dtype, strategy)
     step = make_step(cfg, net, ctxs, amp_dtype, strategy, lr_sched, update_on_kv)
     ckpt_trainer = strategy.checkpoint_trainer(step.trainer, update_on_kv)
@@ -828,22 +828,23 @@ def _plan_epochs(run, state, strategy, before=None):
     planned length ``before``, None at the start), the same on every worker (rank 0's
     clock decides), with the LR schedule fitted to it."""
     cfg = run.cfg
-    total = planned_epochs(cfg.time_budget * 60.0, state.train_seconds, state.epoch_seconds, state.epoch,
-                           cfg.epochs)
+    budget = cfg.time_budget * 60.0
+    total = planned_epochs(budget, state.train_seconds, state.epoch_seconds, state.epoch, cfg.epochs)
     total = int(strategy.broadcast([total])[0])
     if total != before:
         resize_lr_scheduler(run.step.trainer.optimizer.lr_scheduler, total * run.steps_per_epoch,
-                            [float(s) for s in cfg.lr_steps.split(',') if s.strip()])
+                            cfg.step_fractions())
     if total != (cfg.epochs if before is None else before):
-        left = max(0.0, cfg.time_budget * 60.0 - state.train_seconds)
+        left = max(0.0, budget - state.train_seconds) / 60.0
+        per_epoch = epoch_estimate(state.epoch_seconds)
         if total > state.epoch:
             run.recorder.log.info('time budget: %d of --epochs %d fit (%.1f of %g min left, epochs take up to '
                                   '%.0f s); the LR schedule now ends with epoch %d', total, cfg.epochs,
-                                  left / 60.0, cfg.time_budget, max(state.epoch_seconds[-WINDOW:]), total)
+                                  left, cfg.time_budget, per_epoch, total)
         else:
             run.recorder.log.info('time budget: stopping after epoch %d of --epochs %d (%.1f of %g min left, '
-                                  'an epoch takes up to %.0f s)', state.epoch, cfg.epochs, left / 60.0,
-                                  cfg.time_budget, max(state.epoch_seconds[-WINDOW:]))
+                                  'an epoch takes up to %.0f s)', state.epoch, cfg.epochs, left,
+                                  cfg.time_budget, per_epoch)
     return total
 
 
