@@ -6,6 +6,11 @@ the same run overruns, and cutting it short by hand leaves the cosine schedule
 half-decayed. Here the epoch count is planned again after every epoch from the epochs'
 measured wall time (training, validation and checkpointing), and the schedule is
 stretched or shrunk to end with the last epoch that fits (``optim.resize_lr_scheduler``).
+
+The budget is the whole ``bin/train``: the data loading before the epochs is counted
+as spent, and the post-processing search after them is kept aside, estimated from a
+probe of a few of its validation images (:func:`search_estimate`), so a budget of 60
+means the run, search and export included, ends within about an hour.
 """
 
 #: The next epoch is predicted by the slowest of the last few: one quick epoch must not
@@ -20,22 +25,47 @@ def epoch_estimate(epoch_seconds):
     return max(epoch_seconds[-WINDOW:])
 
 
-def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epochs):
+def search_estimate(predict_seconds, predicted_pixels, search_pixels, label_seconds, labelings):
+    """Seconds the post-processing search will take, from a probe of it.
+
+    The search predicts each of its images once, then labels all of them once per
+    setting it tries. The probe predicts some of them (``predicted_pixels`` of the
+    ``search_pixels``) and labels all of them once: its prediction time is scaled by the
+    pixels, its labelling time by ``labelings``.
+
+    Parameters
+    ----------
+    predict_seconds : float
+        The probe's time for predicting ``predicted_pixels``.
+    predicted_pixels, search_pixels : int
+        Pixels the probe predicted, and all the pixels the search will use.
+    label_seconds : float
+        The probe's time for one labelling of all the search's images.
+    labelings : int
+        Labellings per image the search does (``postprocess.search_labelings``).
+    """
+    predict = predict_seconds * float(search_pixels) / predicted_pixels if predicted_pixels > 0 else 0.0
+    return predict + labelings * label_seconds
+
+
+def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epochs, reserve_seconds=0.0):
     """The number of epochs the run should have in all.
 
     Parameters
     ----------
     budget_seconds : float
-        Wall seconds the epochs may take; 0 = no limit.
+        Wall seconds the run may take; 0 = no limit.
     spent_seconds : float
-        Seconds the epochs have taken so far (earlier processes of a resumed run and an
-        interrupted epoch's part included).
+        Seconds the run has taken so far: data loading and epochs (earlier processes of
+        a resumed run and an interrupted epoch's part included).
     epoch_seconds : list of float
         Wall seconds of each completed epoch.
     done : int
         Epochs completed.
     max_epochs : int
         ``--epochs``: the budget only ever shortens a run.
+    reserve_seconds : float
+        Kept for what follows the epochs (the post-processing search).
 
     Returns
     -------
@@ -46,6 +76,6 @@ def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epoch
     if not budget_seconds or not epoch_seconds:
         return max_epochs
     per_epoch = epoch_estimate(epoch_seconds)
-    left = max(0.0, budget_seconds - spent_seconds)
+    left = max(0.0, budget_seconds - spent_seconds - reserve_seconds)
     fit = int(left // per_epoch) if per_epoch > 0 else max_epochs
     return max(done, min(max_epochs, done + fit))

@@ -25,7 +25,7 @@ from . import distributed
 from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
-from .budget import epoch_estimate, planned_epochs
+from .budget import epoch_estimate, planned_epochs, search_estimate
 from .checkpoint import load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
@@ -441,8 +441,13 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
 
 
-def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max_pixels=16 * 2 ** 20,
-                        mode='auto', tta=False):
+SEARCH_MAX_IMAGES = 64  # the post-processing search's validation images, at most
+SEARCH_MAX_PIXELS = 16 * 2 ** 20  # ... and their pixels
+SEARCH_PROBE_FRACTION = 0.25  # --time-budget times the search's prediction on this share of its pixels
+
+
+def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=SEARCH_MAX_IMAGES,
+                        max_pixels=SEARCH_MAX_PIXELS, mode='auto', tta=False):
     """Search the post-processing settings (``postprocess.TUNE_GRID``) that give the best
     DSB score on the validation split with ``net`` as it is (the best checkpoint's
     weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
@@ -473,17 +478,7 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     """
     t0 = time.time()
     pairs = []
-    pixels = 0
-    for i in range(min(len(dataset), max_images)):
-        image, _, labels = dataset.raw(i)
-        if labels.size > max_pixels:  # one huge image: its central part, at most the whole budget
-            window = _central_window(labels.shape, max_pixels)
-            image, labels = image[window], labels[window]
-        if pairs and pixels + labels.size > max_pixels:
-            break
-        pixels += labels.size
-        if image.dtype != np.uint8:  # float images given through the API (already scaled to 0..1)
-            image = np.clip(image * 255 + 0.5, 0, 255).astype(np.uint8)
+    for image, labels in search_images(dataset, max_images, max_pixels):
         maps = predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
         pairs.append((maps.astype(np.float16), labels))
     result = postprocess.tune_postprocess(pairs)
@@ -491,6 +486,64 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=64, max
     if mode != 'auto' or tta:  # what bin/predict compares its own --mode / --tta with
         result.update(mode=mode, tta=tta)
     return result
+
+
+def search_images(dataset, max_images=SEARCH_MAX_IMAGES, max_pixels=SEARCH_MAX_PIXELS):
+    """The (uint8 image, instance labels) pairs :func:`tune_postprocessing` scores, in
+    order: the first ``max_images`` validation images, until ``max_pixels`` are gathered."""
+    pixels = 0
+    for i in range(min(len(dataset), max_images)):
+        image, _, labels = dataset.raw(i)
+        if labels.size > max_pixels:  # one huge image: its central part, at most the whole budget
+            window = _central_window(labels.shape, max_pixels)
+            image, labels = image[window], labels[window]
+        if pixels and pixels + labels.size > max_pixels:
+            return
+        pixels += labels.size
+        if image.dtype != np.uint8:  # float images given through the API (already scaled to 0..1)
+            image = np.clip(image * 255 + 0.5, 0, 255).astype(np.uint8)
+        yield image, labels
+
+
+def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False, border=False,
+                   probe_fraction=SEARCH_PROBE_FRACTION, clock=None):
+    """Estimated wall seconds of :func:`tune_postprocessing` on ``dataset``, for
+    ``--time-budget`` to keep aside.
+
+    The search predicts each of its images once, then labels them all once per setting
+    (:func:`postprocess.search_labelings`: 28 for a one-map model). So the probe predicts
+    its first images up to ``probe_fraction`` of the pixels, as the search predicts them,
+    and labels and scores all of them once, on their true masks (a network after one
+    epoch draws no nuclei like those the trained one will); :func:`budget.search_estimate`
+    scales that up. On DSB's 60 validation images the probe takes about a fifteenth of the search.
+
+    Returns
+    -------
+    (float, int, int)
+        The estimate, the images predicted by the probe and the images the search scores.
+    """
+    clock = clock or time.monotonic
+    images = list(search_images(dataset))
+    total = sum(labels.size for _, labels in images)
+    probe, pixels = [], 0
+    for image, labels in images:
+        if probe and pixels >= probe_fraction * total:
+            break
+        probe.append(image)
+        pixels += labels.size
+    if probe:  # untimed: the first prediction at the tiles' shapes builds their graph, once
+        predict_image(net, meta, probe[0], ctxs, mode=mode, tta=tta, batch_size=batch_size)
+    t0 = clock()
+    for image in probe:
+        predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
+    t1 = clock()
+    for _, labels in images:  # what the search does for each setting: label, match, score
+        fg = (labels > 0).astype(np.float32)
+        found = postprocess.instances_from_maps(np.stack([fg, np.zeros_like(fg)]) if border else fg)
+        M.dsb_score_from_iou(M.iou_matrix(found, labels)[:, postprocess.object_scores(found, fg) >= 0.5])
+    t2 = clock()
+    estimate = search_estimate(t1 - t0, pixels, total, t2 - t1, postprocess.search_labelings(border))
+    return estimate, len(probe), len(images)
 
 
 def _central_window(shape, max_pixels):
@@ -637,10 +690,18 @@ class _Run:
     val_ds: object
     recorder: RunRecorder
     average: object = None   # the --ema weight average (None = off)
+    started: float = 0.0     # _clock() when this process began the run (--time-budget)
+    search_reserve: float = None  # --time-budget: seconds kept for the search (None = not probed yet)
+
+
+def _will_tune(cfg, val_ds):
+    """Whether the run ends with the post-processing search (rank 0 holds ``val_ds``)."""
+    return bool(cfg.tune_postprocess and val_ds is not None and len(val_ds) and cfg.model.classes == 1)
 
 
 def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     """The stages of a run: data, resume point, run folder, network and step, epochs, export."""
+    started = _clock()  # --time-budget counts the data loading too
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and strategy.is_main)
     gpus = [c.device_id for c in ctxs if c.device_type == 'gpu']
@@ -697,14 +758,13 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     # exactly those a single process would report for these weights; the others wait
     # at the next step.
     run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder,
-               average)
+               average, started=started)
     try:
         _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
         recorder.close()
     tuned = None
-    if cfg.tune_postprocess and run.val_ds is not None and len(run.val_ds) and state.history \
-            and cfg.model.classes == 1:
+    if _will_tune(cfg, run.val_ds) and state.history:
         load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
         tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
                                     mode=cfg.tune_mode, tta=cfg.tune_tta)
@@ -785,9 +845,10 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
     callback or a signal."""
     cfg, log = run.cfg, run.recorder.log
     # A resumed run plans from the epochs it has measured (the budget may have changed).
+    clock = _clock()  # one running clock: checkpointing counts in the next epoch
+    state.train_seconds += clock - run.started  # this process's data loading and setup
     total = _plan_epochs(run, state, strategy)
     stop = _StopFlag().install()
-    clock = _clock()  # one running clock: checkpointing counts in the next epoch
     try:
         epoch = state.epoch
         while epoch < total:
@@ -827,25 +888,44 @@ def _plan_epochs(run, state, strategy, before=None):
     """``--time-budget``: the run's length in epochs after what has been measured (the
     planned length ``before``, None at the start), the same on every worker (rank 0's
     clock decides), with the LR schedule fitted to it."""
-    cfg = run.cfg
+    cfg, log = run.cfg, run.recorder.log
     budget = cfg.time_budget * 60.0
-    total = planned_epochs(budget, state.train_seconds, state.epoch_seconds, state.epoch, cfg.epochs)
+    if budget and state.epoch_seconds and run.search_reserve is None:
+        run.search_reserve = _probe_search(run, state)
+    reserve = run.search_reserve or 0.0
+    total = planned_epochs(budget, state.train_seconds, state.epoch_seconds, state.epoch, cfg.epochs,
+                           reserve_seconds=reserve)
     total = int(strategy.broadcast([total])[0])
     if total != before:
         resize_lr_scheduler(run.step.trainer.optimizer.lr_scheduler, total * run.steps_per_epoch,
                             cfg.step_fractions())
     if total != (cfg.epochs if before is None else before):
         left = max(0.0, budget - state.train_seconds) / 60.0
+        kept = ', %.1f of them kept for the search' % (reserve / 60.0) if reserve else ''
         per_epoch = epoch_estimate(state.epoch_seconds)
         if total > state.epoch:
-            run.recorder.log.info('time budget: %d of --epochs %d fit (%.1f of %g min left, epochs take up to '
-                                  '%.0f s); the LR schedule now ends with epoch %d', total, cfg.epochs,
-                                  left, cfg.time_budget, per_epoch, total)
+            log.info('time budget: %d of --epochs %d fit (%.1f of %g min left%s, epochs take up to %.0f s); '
+                     'the LR schedule now ends with epoch %d', total, cfg.epochs, left, cfg.time_budget, kept,
+                     per_epoch, total)
         else:
-            run.recorder.log.info('time budget: stopping after epoch %d of --epochs %d (%.1f of %g min left, '
-                                  'an epoch takes up to %.0f s)', state.epoch, cfg.epochs, left,
-                                  cfg.time_budget, per_epoch)
+            log.info('time budget: stopping after epoch %d of --epochs %d (%.1f of %g min left%s, an epoch '
+                     'takes up to %.0f s)', state.epoch, cfg.epochs, left, cfg.time_budget, kept, per_epoch)
     return total
+
+
+def _probe_search(run, state):
+    """``--time-budget``'s estimate of the post-processing search after the epochs (0 when
+    the run does none, or on workers other than rank 0, whose plan rank 0's replaces).
+    Its few seconds are spent now and count in the next epoch."""
+    cfg = run.cfg
+    if not _will_tune(cfg, run.val_ds):
+        return 0.0
+    seconds, probed, images = search_seconds(run.net, run.ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
+                                             mode=cfg.tune_mode, tta=cfg.tune_tta,
+                                             border=cfg.model.target == 'mask+border', clock=_clock)
+    run.recorder.log.info('time budget: the post-processing search after the epochs is estimated at %.1f min '
+                          '(%d of its %d validation images probed); kept aside', seconds / 60.0, probed, images)
+    return seconds
 
 
 @dataclass

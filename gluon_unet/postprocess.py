@@ -501,6 +501,25 @@ def settings_text(tuned):
     return text + (' (chosen on maps predicted with %s)' % ' '.join(how) if how else '')
 
 
+def _searches(border, grid=None):
+    """The (markers, grid) pairs :func:`tune_postprocess` searches in turn."""
+    if border:
+        return [('border', grid or TUNE_GRID_BORDER), ('distance', TUNE_GRID)]
+    return [(None, grid or TUNE_GRID)]
+
+
+def _search_keys(markers):
+    return ('threshold', 'marker' if markers == 'border' else 'h', 'min_size')
+
+
+def search_labelings(border, grid=None):
+    """How many times :func:`tune_postprocess` labels each image (the untuned default and
+    every setting of its grid; the min scores reuse a labelling): what ``--time-budget``
+    scales a probe's one labelling by."""
+    return 1 + sum(int(np.prod([len(space[k]) for k in _search_keys(markers)]))
+                   for markers, space in _searches(border, grid))
+
+
 def tune_postprocess(pairs, grid=None, base=None):
     """Choose the post-processing settings that score best on validation images.
 
@@ -530,11 +549,10 @@ def tune_postprocess(pairs, grid=None, base=None):
 
     from .metrics import dsb_score_from_iou, iou_matrix
     border = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
-    if border:  # (markers, grid) pairs searched in turn; the untuned default first
-        searches = [('border', grid or TUNE_GRID_BORDER), ('distance', TUNE_GRID)]
+    searches = _searches(border, grid)
+    if border:
         base = base or {'markers': 'border', 'threshold': 0.5, 'marker': 0.5, 'min_size': 0}
     else:
-        searches = [(None, grid or TUNE_GRID)]
         base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
 
     def scores(setting, min_scores):
@@ -554,7 +572,7 @@ def tune_postprocess(pairs, grid=None, base=None):
                                            [base['min_score']])[0])
     best = base
     for markers, space in searches:
-        keys = ('threshold', 'marker' if markers == 'border' else 'h', 'min_size')
+        keys = _search_keys(markers)
         min_scores = tuple(space.get('min_score', TUNE_MIN_SCORES))
         for values in itertools.product(*(space[k] for k in keys)):
             setting = dict(zip(keys, values), **({'markers': markers} if markers else {}))
