@@ -12,6 +12,8 @@ of the same maps::
     python benchmarks/dsb_val_analysis.py scale /tmp/gu13/v6               # rescaling to the training diameter
     python benchmarks/dsb_val_analysis.py thresholds /tmp/gu14/v6_maps.npz # a threshold per image, at best
     python benchmarks/dsb_val_analysis.py object-filter /tmp/gu14/v6_maps.npz  # a learned filter vs the min score
+    python benchmarks/dsb_val_analysis.py per-kind /tmp/gu14/v6_maps.npz   # a setting per image kind vs one for all
+    python benchmarks/dsb_val_analysis.py markers /tmp/gu14/v6_maps.npz    # other watershed markers vs the distance
 
 ``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
 nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
@@ -22,10 +24,16 @@ oracle: what a perfect ``--diameter`` could give) and by ``--diameter auto``;
 that any per-image choice of outline could give over one global threshold);
 ``object-filter`` asks, cross-validated over the images, whether a logistic regression on
 a few features of each object (mean / lowest probability, size, shape, neighbours) drops
-false objects better than the one min-score cut does.
+false objects better than the one min-score cut does; ``per-kind`` asks whether the search
+should choose a setting per image kind (fluorescence, brightfield, colour), ``markers``
+whether markers from the probability itself (its confident cores, or the distance
+weighted by it) split touching nuclei better than the distance watershed. Both score every
+image under every setting of the search's grid and choose leave-one-image-out: each
+image is scored with the setting chosen on the others, so no image picks its own.
 """
 import argparse
 import ast
+import functools
 import os
 import sys
 
@@ -287,6 +295,120 @@ def cmd_object_filter(args):
         print('%-14s DSB %.4f' % (name, np.mean(s)))
 
 
+def setting_scores(images, settings, label_fn, jobs=1):
+    """(images, settings x min scores) DSB scores: every image labelled by
+    ``label_fn(maps, setting)`` for each setting, then cut at each of the search's min
+    scores (``postprocess.TUNE_MIN_SCORES``)."""
+    items = [(m, t) for m, t, _ in images.values()]
+    work = functools.partial(_image_row, settings=settings, label_fn=label_fn)
+    if jobs > 1:
+        from multiprocessing import Pool
+        with Pool(jobs) as pool:
+            return np.array(pool.map(work, items))
+    return np.array([work(item) for item in items])
+
+
+def _image_row(item, settings, label_fn):
+    from gluon_unet.postprocess import TUNE_MIN_SCORES
+    m, t = item
+    row = []
+    for setting in settings:
+        labels = label_fn(m, setting)
+        iou = iou_matrix(labels, t)
+        mean = object_scores(labels, m[0])
+        row += [dsb_score_from_iou(iou[:, mean >= s]) for s in TUNE_MIN_SCORES]
+    return row
+
+
+def leave_one_out(scores, groups=None):
+    """Each image's score under the column chosen on the other images (of its own group
+    when ``groups`` are given; an image alone in its group gets the choice of all the
+    others)."""
+    n = len(scores)
+    out = np.empty(n)
+    for i in range(n):
+        others = np.arange(n) != i
+        if groups is not None and (others & (groups == groups[i])).any():
+            others &= groups == groups[i]
+        out[i] = scores[i, scores[others].mean(0).argmax()]
+    return out
+
+
+def _grid_settings():
+    import itertools
+
+    from gluon_unet.postprocess import TUNE_GRID
+    keys = ('threshold', 'h', 'min_size')
+    return [dict(zip(keys, v)) for v in itertools.product(*(TUNE_GRID[k] for k in keys))]
+
+
+def cmd_per_kind(args):
+    images, _ = load_maps(args.maps)
+    groups = np.array([g for _, _, g in images.values()])
+    per = setting_scores(images, _grid_settings(), lambda m, s: instances_from_maps(m, **s), args.jobs)
+    one, own = leave_one_out(per), leave_one_out(per, groups)
+    print('%d images; each scored with the setting chosen on the others (leave-one-image-out)' % len(per))
+    print('%-13s %3s %10s %10s' % ('kind', 'n', 'one for all', 'per kind'))
+    for kind in sorted(set(groups)) + ['all']:
+        sel = groups == kind if kind != 'all' else np.ones(len(groups), bool)
+        print('%-13s %3d %10.4f %10.4f' % (kind, sel.sum(), one[sel].mean(), own[sel].mean()))
+
+
+def _core_markers(prob, threshold, min_size, core):
+    """Markers: the components of ``prob > core``; flooding downhill in the probability."""
+    from skimage.measure import label
+    from skimage.segmentation import watershed
+    mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
+    return _keep_orphans(watershed(-prob, label((prob > core) & mask, connectivity=1), mask=mask), mask)
+
+
+def _distance_times_prob(prob, threshold, min_size, h):
+    """The distance watershed on the distance times the probability (smoothed like the
+    package's, sigma 1): a nucleus' dim rim and a dim neck between two count less."""
+    from scipy import ndimage as ndi
+    from skimage.segmentation import watershed
+
+    from gluon_unet.postprocess import _h_maxima_markers
+    mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
+    elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * prob, 1.0)
+    return _keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+
+
+def _keep_orphans(labels, mask):
+    """Blobs no marker reached kept as objects of their own (as the package does)."""
+    from skimage.measure import label
+    from skimage.segmentation import relabel_sequential
+    orphan = mask & (labels == 0)
+    if orphan.any():
+        labels[orphan] = label(orphan, connectivity=1)[orphan] + labels.max()
+    return relabel_sequential(labels)[0].astype(np.int32)
+
+
+def _variant_labels(m, setting):
+    kind, setting = setting['markers'], {k: v for k, v in setting.items() if k != 'markers'}
+    if kind == 'distance':
+        return instances_from_maps(m, **setting)
+    fn = _core_markers if kind == 'core' else _distance_times_prob
+    return fn(m[0], **setting)
+
+
+def cmd_markers(args):
+    images, _ = load_maps(args.maps)
+    base = [dict(s, markers='distance') for s in _grid_settings()]
+    sizes = (0, 16)
+    core = [{'markers': 'core', 'threshold': t, 'core': c, 'min_size': ms}
+            for t in (0.5, 0.6) for c in (0.8, 0.9, 0.95, 0.98) for ms in sizes]
+    weighted = [{'markers': 'distance x prob', 'threshold': t, 'h': h, 'min_size': ms}
+                for t in (0.5, 0.6) for h in (0.5, 1.0, 2.0) for ms in sizes]
+    arms = {'distance (the search)': base, 'probability cores': core, 'distance x prob': weighted}
+    per = {name: setting_scores(images, settings, _variant_labels, args.jobs) for name, settings in arms.items()}
+    print('%d images; best setting on all of them / each scored with the one chosen on the others' % len(images))
+    for name, scores in per.items():
+        print('%-24s %.4f / %.4f' % (name, scores.mean(0).max(), leave_one_out(scores).mean()))
+    everything = np.concatenate(list(per.values()), 1)
+    print('%-24s %.4f / %.4f' % ('all three together', everything.mean(0).max(), leave_one_out(everything).mean()))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = p.add_subparsers(dest='cmd', required=True)
@@ -310,9 +432,17 @@ def main(argv=None):
     a = sub.add_parser('object-filter', help='a learned object filter against the min score, cross-validated')
     a.add_argument('maps')
     a.add_argument('--folds', type=int, default=5)
+    for name, what in (('per-kind', 'a setting per image kind against one for all, leave-one-image-out'),
+                       ('markers', 'markers from the probability against the distance watershed')):
+        a = sub.add_parser(name, help=what)
+        a.add_argument('maps')
+        a.add_argument('--jobs', type=int, default=1, help='processes (each image is scored on its own)')
     args = p.parse_args(argv)
+    if getattr(args, 'jobs', 1) < 1:
+        raise SystemExit('error: --jobs must be >= 1 (got %d)' % args.jobs)
     {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
-     'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter}[args.cmd](args)
+     'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter,
+     'per-kind': cmd_per_kind, 'markers': cmd_markers}[args.cmd](args)
 
 
 if __name__ == '__main__':

@@ -201,3 +201,52 @@ def test_stress_loader_exit_refuses_bad_values(tmp_path, capsys):
         with pytest.raises(SystemExit) as stop:
             stress_loader_exit.main(argv)
         assert stop.value.code == 2 and says in capsys.readouterr().err
+
+
+def _save_kinds(path, images):
+    arrays = {'setting': np.array(repr({'threshold': 0.5, 'h': 0.5, 'min_size': 0}))}
+    for name, (prob, truth, kind) in images.items():
+        arrays.update({'maps_' + name: prob[None], 'truth_' + name: truth, 'group_' + name: np.array(kind)})
+    np.savez(path, **arrays)
+
+
+def test_val_analysis_per_kind_chooses_each_kinds_setting_on_its_other_images(tmp_path, capsys):
+    """dsb_val_analysis.py per-kind: one kind annotated with the faint halo, one without;
+    a setting per kind, chosen leave-one-image-out, gets both right, one for all neither."""
+    import dsb_val_analysis
+
+    images = {}
+    for i in range(2):
+        loose_truth, loose = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+        loose_truth[10:22, 10:22] = 1
+        loose[10:22, 10:22] = 0.45; loose[12:20, 12:20] = 0.95   # the halo is nucleus here
+        tight_truth, tight = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+        tight_truth[12:20, 12:20] = 1
+        tight[6:26, 6:26] = 0.45; tight[12:20, 12:20] = 0.95      # and not here
+        images['loose%d' % i] = (loose, loose_truth, 'colour')
+        images['tight%d' % i] = (tight, tight_truth, 'fluorescence')
+    path = str(tmp_path / 'maps.npz')
+    _save_kinds(path, images)
+    dsb_val_analysis.main(['per-kind', path])
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows['colour'] == ['2', '0.0000', '1.0000'] and rows['fluorescence'] == ['2', '0.0000', '1.0000']
+    assert rows['all'] == ['4', '0.0000', '1.0000'], rows
+
+
+def test_val_analysis_markers_from_probability_cores_split_what_the_distance_merges(tmp_path, capsys):
+    """dsb_val_analysis.py markers: two nuclei side by side make one rectangle, whose
+    distance has one ridge, but the probability dips where they touch."""
+    import dsb_val_analysis
+
+    truth, prob = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    truth[10:20, 5:15], truth[10:20, 15:25] = 1, 2
+    prob[10:20, 5:25] = 0.99
+    prob[10:20, 14:16] = 0.7
+    path = str(tmp_path / 'maps.npz')
+    _save_kinds(path, {'a': (prob, truth, 'fluorescence'), 'b': (prob.copy(), truth, 'fluorescence')})
+    with pytest.raises(SystemExit, match='--jobs must be >= 1'):
+        dsb_val_analysis.main(['markers', path, '--jobs', '0'])
+    dsb_val_analysis.main(['markers', path])
+    scores = {line[:24].strip(): line[24:].split(' / ') for line in capsys.readouterr().out.splitlines()[1:]}
+    assert float(scores['distance (the search)'][1]) == 0.0, scores  # one object for two nuclei
+    assert float(scores['probability cores'][1]) > 0.5, scores

@@ -34,6 +34,31 @@ def test_the_search_estimate_scales_the_probe_by_pixels_and_settings():
     assert search_estimate(2.0, 0, 400, 0.5, 28) == pytest.approx(28 * 0.5)
 
 
+@pytest.mark.parametrize('schedule', ['cosine', 'poly'])
+def test_a_resized_decay_ends_at_the_new_last_step_like_one_built_for_it(schedule):
+    sched = make_lr_scheduler(schedule, 0.1, 100, warmup_steps=10)
+    resize_lr_scheduler(sched, 50)
+    fresh = make_lr_scheduler(schedule, 0.1, 50, warmup_steps=10)
+    for t in (5, 10, 20, 35, 49):
+        assert sched(t) == pytest.approx(fresh(t)), t
+    assert sched(50) == pytest.approx(0.0) and sched(80) == pytest.approx(0.0)
+    resize_lr_scheduler(sched, 5)  # shorter than the warmup: the decay still has a step
+    assert sched.max_update == 11 and sched(11) == pytest.approx(0.0)
+
+
+def test_a_resized_step_schedule_keeps_the_drops_taken_and_moves_those_ahead():
+    sched = make_lr_scheduler('step', 1.0, 100, step_fractions=(0.6, 0.85))
+    assert sched.step == [60, 85]
+    assert sched(70) == pytest.approx(0.1)  # the first drop is taken
+    resize_lr_scheduler(sched, 80, (0.6, 0.85))
+    assert sched.step == [60, 68]
+    assert sched(69) == pytest.approx(0.01)
+    untouched = make_lr_scheduler('step', 1.0, 100, step_fractions=(0.6, 0.85))
+    resize_lr_scheduler(untouched, 50, (0.85, 0.6))
+    assert untouched.step == [30, 42]
+    resize_lr_scheduler(None, 50)  # a constant rate has no length
+
+
 @pytest.fixture
 def clock(monkeypatch):
     """Every reading of the budget's clock is 100 s after the one before: epochs of 100 s."""
@@ -69,6 +94,7 @@ def test_an_interrupted_budgeted_run_resumes_with_the_time_it_had_spent(tiny, tm
     resumed = fit(_budget_cfg(tiny, tmp_path / 'b', time_budget=7.0, resume='auto'), verbose=False)
     assert [r['epoch'] for r in unbroken] == [1, 2, 3]
     assert [r['epoch'] for r in resumed] == [1, 2]
+    assert resumed[0]['lr'] == pytest.approx(unbroken[0]['lr'])  # epoch 1 is the checkpoint's, unchanged
     assert resumed[-1]['lr'] == pytest.approx(0.0, abs=1e-12)
     meta = load_checkpoint(os.path.join(str(tmp_path / 'b' / 'run'), 'checkpoints', 'epoch0002.ckpt'))
     assert meta['train_seconds'] == pytest.approx(400.0)  # 2 loadings, 2 epochs
@@ -120,3 +146,18 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     readings = iter([0.0, 1.0, 2.0])
     assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, border=True,
                           clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + search_labelings(True))
+
+
+def test_without_a_budget_the_run_has_all_its_epochs(tiny, tmp_path, clock):
+    history = fit(_budget_cfg(tiny, tmp_path, epochs=3), verbose=False)
+    assert [r['epoch'] for r in history] == [1, 2, 3]
+    assert history[-1]['lr'] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_negative_budget_and_a_schedule_held_by_the_servers_are_refused():
+    with pytest.raises(UserError, match='--time-budget must be >= 0'):
+        TrainConfig(time_budget=-1.0).validate()
+    with pytest.raises(UserError, match='--time-budget with --kvstore dist_async'):
+        TrainConfig(time_budget=30.0, lr_schedule='cosine', kvstore='dist_async').validate()
+    TrainConfig(time_budget=30.0, lr_schedule='constant', kvstore='dist_async').validate()
+    TrainConfig(time_budget=30.0, lr_schedule='cosine', kvstore='dist_sync').validate()
