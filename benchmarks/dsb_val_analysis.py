@@ -342,10 +342,14 @@ def _grid_settings():
     return [dict(zip(keys, v)) for v in itertools.product(*(TUNE_GRID[k] for k in keys))]
 
 
+def _grid_labels(m, setting):  # at module level: --jobs sends it to other processes
+    return instances_from_maps(m, **setting)
+
+
 def cmd_per_kind(args):
     images, _ = load_maps(args.maps)
     groups = np.array([g for _, _, g in images.values()])
-    per = setting_scores(images, _grid_settings(), lambda m, s: instances_from_maps(m, **s), args.jobs)
+    per = setting_scores(images, _grid_settings(), _grid_labels, args.jobs)
     one, own = leave_one_out(per), leave_one_out(per, groups)
     print('%d images; each scored with the setting chosen on the others (leave-one-image-out)' % len(per))
     print('%-13s %3s %10s %10s' % ('kind', 'n', 'one for all', 'per kind'))

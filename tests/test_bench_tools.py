@@ -227,10 +227,11 @@ def test_val_analysis_per_kind_chooses_each_kinds_setting_on_its_other_images(tm
         images['tight%d' % i] = (tight, tight_truth, 'fluorescence')
     path = str(tmp_path / 'maps.npz')
     _save_kinds(path, images)
-    dsb_val_analysis.main(['per-kind', path])
-    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
-    assert rows['colour'] == ['2', '0.0000', '1.0000'] and rows['fluorescence'] == ['2', '0.0000', '1.0000']
-    assert rows['all'] == ['4', '0.0000', '1.0000'], rows
+    for jobs in ('1', '2'):  # in this process, and in two others
+        dsb_val_analysis.main(['per-kind', path, '--jobs', jobs])
+        rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:]}
+        assert rows['colour'] == ['2', '0.0000', '1.0000'] and rows['fluorescence'] == ['2', '0.0000', '1.0000']
+        assert rows['all'] == ['4', '0.0000', '1.0000'], rows
 
 
 def test_val_analysis_markers_from_probability_cores_split_what_the_distance_merges(tmp_path, capsys):
