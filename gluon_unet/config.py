@@ -108,9 +108,10 @@ class TrainConfig:
     # optimization
     epochs: int = _opt(50, 'maximum number of epochs')
     time_budget: float = _opt(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
-                                   'the post-processing search after the epochs is kept aside (timed on a few '
-                                   'validation images after the first epoch); after each epoch, the run is cut '
-                                   'to the epochs that fit and the LR schedule ends with the last of them')
+                                   'the post-processing search after the epochs is kept aside (estimated after '
+                                   'the first epoch from a probe of its validation images); after each epoch, '
+                                   'the run is cut to the epochs that fit and the LR schedule ends with the last '
+                                   'of them')
     batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
                                 'kvstore: per worker; the global batch is workers x this)')
     optimizer: str = _opt('adam', 'optimizer')
