@@ -9,8 +9,9 @@ stretched or shrunk to end with the last epoch that fits (``optim.resize_lr_sche
 
 The budget is the whole ``bin/train``: the data loading before the epochs is counted
 as spent, and the post-processing search after them is kept aside, estimated from a
-probe of a few of its validation images (:func:`search_estimate`), so a budget of 60
-means the run, search and export included, ends within about an hour.
+probe after the first epoch (a quarter of its validation pixels predicted, all its
+images labelled once; :func:`search_estimate`), so a budget of 60 means the run, search
+and export included, ends within about an hour.
 """
 
 #: The next epoch is predicted by the slowest of the last few: one quick epoch must not
