@@ -309,15 +309,9 @@ def setting_scores(images, settings, label_fn, jobs=1):
 
 
 def _image_row(item, settings, label_fn):
-    from gluon_unet.postprocess import TUNE_MIN_SCORES
+    from gluon_unet.postprocess import TUNE_MIN_SCORES, cut_scores
     m, t = item
-    row = []
-    for setting in settings:
-        labels = label_fn(m, setting)
-        iou = iou_matrix(labels, t)
-        mean = object_scores(labels, m[0])
-        row += [dsb_score_from_iou(iou[:, mean >= s]) for s in TUNE_MIN_SCORES]
-    return row
+    return [score for setting in settings for score in cut_scores(label_fn(m, setting), m[0], t, TUNE_MIN_SCORES)]
 
 
 def leave_one_out(scores, groups=None):
@@ -359,11 +353,11 @@ def cmd_per_kind(args):
 
 
 def _core_markers(prob, threshold, min_size, core):
-    """Markers: the components of ``prob > core``; flooding downhill in the probability."""
-    from skimage.measure import label
-    from skimage.segmentation import watershed
-    mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
-    return _keep_orphans(watershed(-prob, label((prob > core) & mask, connectivity=1), mask=mask), mask)
+    """Markers: the components of ``prob > core``; flooding downhill in the probability:
+    the package's border markers with a border map of zeros."""
+    from gluon_unet.postprocess import instances_from_prob
+    return instances_from_prob(prob, threshold=threshold, min_size=min_size, boundary=np.zeros_like(prob),
+                               marker=core)
 
 
 def _distance_times_prob(prob, threshold, min_size, h):
@@ -372,20 +366,10 @@ def _distance_times_prob(prob, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import _h_maxima_markers
+    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
     mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * prob, 1.0)
-    return _keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
-
-
-def _keep_orphans(labels, mask):
-    """Blobs no marker reached kept as objects of their own (as the package does)."""
-    from skimage.measure import label
-    from skimage.segmentation import relabel_sequential
-    orphan = mask & (labels == 0)
-    if orphan.any():
-        labels[orphan] = label(orphan, connectivity=1)[orphan] + labels.max()
-    return relabel_sequential(labels)[0].astype(np.int32)
+    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
 
 
 def _variant_labels(m, setting):

@@ -80,8 +80,7 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
 def _marker_watershed(prob, mask, boundary, h, marker):
     """The watershed of :func:`instances_from_prob` on the whole image at once: with a
     border map, or the distance watershed without smoothing."""
-    from skimage.measure import label
-    from skimage.segmentation import relabel_sequential, watershed
+    from skimage.segmentation import watershed
 
     if boundary is None:
         # Unsmoothed distances tie a lot and the watershed breaks ties by visiting order,
@@ -90,9 +89,17 @@ def _marker_watershed(prob, mask, boundary, h, marker):
         markers, elevation = _h_maxima_markers(dist, mask, h), -dist
     else:
         markers, elevation = _interior_markers(prob, boundary, mask, marker)
-    labels = watershed(elevation, markers, mask=mask)
-    # A blob without a marker (a boundary map that swallowed a whole small nucleus) is
-    # still a nucleus: keep it as its own object rather than dropping it.
+    return keep_orphans(watershed(elevation, markers, mask=mask), mask)
+
+
+def keep_orphans(labels, mask):
+    """A watershed's ``labels`` (changed in place) with every blob of ``mask`` that no
+    marker reached added as an object of its own, renumbered 1..K as int32: a blob
+    without a marker (a boundary map that swallowed a whole small nucleus) is still a
+    nucleus, not to be dropped."""
+    from skimage.measure import label
+    from skimage.segmentation import relabel_sequential
+
     orphan = mask & (labels == 0)
     if orphan.any():
         extra = label(orphan, connectivity=1)
@@ -106,6 +113,17 @@ def object_scores(labels, prob):
     if n == 0:
         return np.zeros(0)
     return ndi.mean(np.asarray(prob, np.float32), labels, index=np.arange(1, n + 1))
+
+
+def cut_scores(labels, prob, truth, min_scores):
+    """DSB scores of ``labels`` against the true instances ``truth``, one for each of
+    ``min_scores``, with the objects whose mean ``prob`` is below it dropped: one IoU
+    matrix, of which a min score only drops columns (what the post-processing search
+    scores a setting by)."""
+    from .metrics import dsb_score_from_iou, iou_matrix
+    iou = iou_matrix(labels, truth)
+    mean = object_scores(labels, prob)
+    return [dsb_score_from_iou(iou[:, mean >= s]) for s in min_scores]
 
 
 def drop_unsure(labels, prob, min_score):
@@ -547,7 +565,6 @@ def tune_postprocess(pairs, grid=None, base=None):
     """
     import itertools
 
-    from .metrics import dsb_score_from_iou, iou_matrix
     border = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
     searches = _searches(border, grid)
     if border:
@@ -561,10 +578,7 @@ def tune_postprocess(pairs, grid=None, base=None):
         total = np.zeros(len(min_scores))
         for m, t in pairs:
             m = np.asarray(m, np.float32)  # as bin/predict has them (a caller may keep float16)
-            labels = instances_from_maps(m, **setting)
-            iou = iou_matrix(labels, t)
-            mean = object_scores(labels, m if m.ndim == 2 else m[0])
-            total += [dsb_score_from_iou(iou[:, mean >= s]) for s in min_scores]
+            total += cut_scores(instances_from_maps(m, **setting), m if m.ndim == 2 else m[0], t, min_scores)
         return total / max(1, len(pairs))
 
     base = dict(base, min_score=base.get('min_score', 0.0))
