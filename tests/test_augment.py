@@ -41,6 +41,22 @@ def test_alignment_with_scale_and_elastic(sample, seed):
     assert set((np.unique(i[i > 0]) - 1) % step + 1) <= set(np.unique(inst[inst > 0]))
 
 
+@pytest.mark.parametrize('seed', range(3))
+def test_elastic_edges_follow_the_image(seed):
+    """Where the displacement reaches past the crop's edge, the image shows its mirror;
+    the labels must show the same, not background."""
+    mask = np.zeros((40, 40), np.uint8)
+    mask[:, :12] = 1  # a nucleus cut by the left edge
+    inst = mask.astype(np.int32)
+    t = Augment(flip=False, rot90=False, scale=None, intensity=False, elastic=True, elastic_alpha=6.0)
+    img, m, i = t(_as_image(mask), mask, inst, np.random.default_rng(seed))
+    edge = np.s_[:, :3]  # within alpha of the left edge: all mirrored foreground
+    assert (img[edge][..., 0] > 127).all()
+    np.testing.assert_array_equal(m[edge], 1)
+    np.testing.assert_array_equal(i[edge], 1)
+    assert ((img[..., 0] > 127) == (m > 0)).mean() > 0.97
+
+
 def test_transform_changes_something_and_is_reproducible(sample):
     image, mask, inst = sample
     t = make_transform(augment=True, elastic=True)

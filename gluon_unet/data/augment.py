@@ -169,12 +169,14 @@ class Augment:
         gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
         map_x, map_y = gx + dx * norm, gy + dy * norm
         c = image.shape[2]
-        img = cv2.remap(np.ascontiguousarray(image), map_x, map_y, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REFLECT_101)
-        image = img.reshape(h, w, c)
-        mask = cv2.remap(np.ascontiguousarray(mask), map_x, map_y, cv2.INTER_NEAREST,
-                         borderMode=cv2.BORDER_CONSTANT, borderValue=0)
-        inst = cv2.remap(np.ascontiguousarray(inst), map_x, map_y, cv2.INTER_NEAREST,
-                         borderMode=cv2.BORDER_CONSTANT, borderValue=0)
+        # One border rule for all three: where the field reaches past the edge the image
+        # shows its mirror, so the labels must too (a constant 0 there would call the
+        # mirrored nuclei background, up to elastic_alpha pixels in from every edge).
+        reflect = cv2.BORDER_REFLECT_101
+        image = cv2.remap(np.ascontiguousarray(image), map_x, map_y, cv2.INTER_LINEAR,
+                          borderMode=reflect).reshape(h, w, c)
+        mask = cv2.remap(np.ascontiguousarray(mask), map_x, map_y, cv2.INTER_NEAREST, borderMode=reflect)
+        inst = cv2.remap(np.ascontiguousarray(inst), map_x, map_y, cv2.INTER_NEAREST, borderMode=reflect)
         return image, mask, inst
 
     # -- intensity ----------------------------------------------------------------------
