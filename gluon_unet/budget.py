@@ -16,7 +16,10 @@ and export included, ends within about an hour.
 
 #: The next epoch is predicted by the slowest of the last few: one quick epoch must not
 #: promise time a loaded machine does not have, and the first epoch's one-off costs
-#: (building the graph) leave the window after a few epochs.
+#: (building the graph) leave the window after a few epochs. A slow epoch entering and
+#: leaving the window moves the plan by an epoch and back; no hysteresis holds it still,
+#: since on the DSB runs that moved the summed learning rate by under 2 %
+#: (``benchmarks/budget_lr_replay.py``), and holding a plan would leave time unused.
 WINDOW = 3
 
 

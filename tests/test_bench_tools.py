@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 
 import bench_train  # noqa: E402
+import budget_lr_replay  # noqa: E402
 import dsb_by_kind  # noqa: E402
 import dsb_val_curves  # noqa: E402
 
@@ -171,6 +172,32 @@ def test_val_curves_measure_the_swings_after_the_first_epochs():
     assert st['max_iou_drop'] == pytest.approx(0.1)  # 0.8 -> 0.7; the 0.9 -> 0.5 drop is skipped
     assert st['best_dsb'] == 0.5 and st['best_epoch'] == 4 and st['last_dsb'] == 0.45
     assert st['dsb_std'] == pytest.approx(np.std([0.5, 0.4, 0.45]))
+
+
+def _budget_run(folder, logged, log='08:00:00 training on 1 device(s), 10 steps per epoch\n'):
+    import json
+    folder.mkdir()
+    (folder / 'config.json').write_text(json.dumps({'lr': 1.0, 'lr_schedule': 'cosine', 'warmup_epochs': 1}))
+    (folder / 'metrics.csv').write_text('epoch,lr\n' + ''.join('%d,%r\n' % (e + 1, v) for e, v in enumerate(logged)))
+    (folder / 'train.log').write_text(log)
+    return str(folder)
+
+
+def test_budget_lr_replay_measures_the_rate_a_moving_plan_gave(tmp_path, capsys):
+    import math
+    ideal = budget_lr_replay.ideal_rates({'lr': 1.0, 'lr_schedule': 'cosine', 'warmup_epochs': 1}, 5, 10)
+    # a cosine fitted to 5 epochs, warmed up over the first: 1 at epoch 1, 0 at epoch 5
+    assert ideal == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2, 0.0])
+    steady = _budget_run(tmp_path / 'steady', ideal)
+    moved = _budget_run(tmp_path / 'moved', [ideal[0], ideal[1], 0.4, ideal[3], 0.0])  # epoch 3 ran 20 % low
+    budget_lr_replay.main([steady, moved])
+    out = capsys.readouterr().out.splitlines()
+    assert 'largest LR difference 0 %' in out[0] and 'summed |difference| 0.0 %' in out[0]
+    assert 'largest LR difference 20 %' in out[2]
+    assert 'summed |difference| %.1f %%' % (100 * 0.1 / sum(ideal)) in out[2]
+    assert out[3].split(': ')[1].split()[2] == '0.80'
+    with pytest.raises(SystemExit, match='nolog.*steps per epoch'):
+        budget_lr_replay.main([_budget_run(tmp_path / 'nolog', ideal, log='')])
 
 
 def _fake_package(root, make_loader_body):

@@ -1,0 +1,76 @@
+"""What ``--time-budget``'s re-planning did to a run's learning rate.
+
+The budget plans the run's length again after every epoch and stretches or shrinks the
+LR schedule to end with the last epoch that fits, so when the plan moves by an epoch the
+rate jumps a little (``gluon_unet/budget.py``). This compares the rate each epoch ended
+with (``metrics.csv``) with the rate the schedule would have given had the final epoch
+count been known from the start, and sums the difference over the run. No training, no
+hold-out: seconds.
+
+    python benchmarks/budget_lr_replay.py RUN [RUN ...]
+"""
+import argparse
+import csv
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+
+
+def ideal_rates(cfg, epochs, steps_per_epoch):
+    """The LR at the end of each of ``epochs`` epochs under a schedule fitted to them
+    from the start (the run's own ``make_lr_scheduler`` arguments)."""
+    from gluon_unet.optim import make_lr_scheduler
+    fractions = tuple(float(f) for f in str(cfg.get('lr_steps', '0.6,0.85')).split(','))
+    sched = make_lr_scheduler(cfg['lr_schedule'], cfg['lr'], epochs * steps_per_epoch,
+                              int(round(cfg.get('warmup_epochs', 0) * steps_per_epoch)), fractions)
+    return [sched(e * steps_per_epoch) if sched else cfg['lr'] for e in range(1, epochs + 1)]
+
+
+def compare(logged, ideal):
+    """Per-epoch ratios logged / ideal, the largest relative difference, and the summed
+    absolute difference as a share of the ideal schedule's sum (the 'area' of the LR
+    curve; the last epoch's ideal rate is 0, so ratios skip zeros)."""
+    ratios = [a / b for a, b in zip(logged, ideal) if b > 0]
+    area = sum(ideal)
+    return {'ratios': ratios, 'max_rel': max(abs(r - 1) for r in ratios) if ratios else 0.0,
+            'area_rel': sum(abs(a - b) for a, b in zip(logged, ideal)) / area if area else 0.0,
+            'sum_rel': (sum(logged) - area) / area if area else 0.0}
+
+
+def read_run(run):
+    """(config dict, logged per-epoch LRs, steps per epoch) of a run folder."""
+    with open(os.path.join(run, 'config.json')) as f:
+        cfg = json.load(f)
+    with open(os.path.join(run, 'metrics.csv'), newline='') as f:
+        logged = [float(r['lr']) for r in csv.DictReader(f)]
+    with open(os.path.join(run, 'train.log')) as f:
+        found = re.search(r'(\d+) steps per epoch', f.read())
+    if not found:
+        raise ValueError('train.log names no "steps per epoch"')
+    return cfg, logged, int(found.group(1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('runs', nargs='+', metavar='RUN', help='run folders (config.json, metrics.csv, train.log)')
+    args = parser.parse_args(argv)
+    for run in args.runs:
+        try:
+            cfg, logged, steps = read_run(run)
+        except FileNotFoundError as exc:
+            raise SystemExit('error: %s: no %s (a run folder holds config.json, metrics.csv and train.log)'
+                             % (run, os.path.basename(exc.filename)))
+        except (OSError, KeyError, ValueError) as exc:
+            raise SystemExit('error: %s: %s' % (run, exc))
+        st = compare(logged, ideal_rates(cfg, len(logged), steps))
+        print('%s: %d epochs; largest LR difference %.0f %%; summed |difference| %.1f %% of the schedule; '
+              'total rate %+.1f %%' % (run, len(logged), 100 * st['max_rel'], 100 * st['area_rel'],
+                                       100 * st['sum_rel']))
+        print('  logged / ideal per epoch: ' + ' '.join('%.2f' % r for r in st['ratios']))
+
+
+if __name__ == '__main__':
+    main()
