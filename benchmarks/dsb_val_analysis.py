@@ -14,6 +14,7 @@ of the same maps::
     python benchmarks/dsb_val_analysis.py object-filter /tmp/gu14/v6_maps.npz  # a learned filter vs the min score
     python benchmarks/dsb_val_analysis.py per-kind /tmp/gu14/v6_maps.npz   # a setting per image kind vs one for all
     python benchmarks/dsb_val_analysis.py markers /tmp/gu14/v6_maps.npz    # other watershed markers vs the distance
+    python benchmarks/dsb_val_analysis.py oracles /tmp/gu14/v6_maps.npz    # outline or separation: which loses more
 
 ``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
 nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
@@ -30,6 +31,10 @@ whether markers from the probability itself (its confident cores, or the distanc
 weighted by it) split touching nuclei better than the distance watershed. Both score every
 image under every setting of the search's grid and choose leave-one-image-out: each
 image is scored with the setting chosen on the others, so no image picks its own.
+``oracles`` splits the loss between the outline and the separation: the true
+foreground separated by the run's own distance watershed (a perfect outline), and the
+run's own foreground separated by the true nuclei (a perfect separation: the watershed of
+its mask seeded by the true nuclei inside it; blobs without one are kept as objects).
 """
 import argparse
 import ast
@@ -397,6 +402,38 @@ def cmd_markers(args):
     print('%-24s %.4f / %.4f' % ('all three together', everything.mean(0).max(), leave_one_out(everything).mean()))
 
 
+def oracle_labels(maps, truth, setting):
+    """The labellings ``oracles`` scores: the run's own, the true foreground's connected
+    components, the true foreground split by the run's distance watershed, and the run's
+    foreground split by the true nuclei."""
+    from scipy import ndimage as ndi
+    from skimage.measure import label
+    from skimage.segmentation import watershed
+
+    from gluon_unet.postprocess import keep_orphans
+    fg = truth > 0
+    perfect = fg.astype(np.float32)[None]
+    ours = instances_from_maps(maps, **setting)
+    mask = instances_from_maps(maps, **dict(setting, split='none')) > 0
+    seeds = np.where(mask, truth, 0).astype(np.int32)
+    split_by_truth = keep_orphans(watershed(-ndi.distance_transform_edt(mask), seeds, mask=mask), mask)
+    return {'ours': ours,
+            'true foreground, components': label(fg, connectivity=1),
+            'true foreground, our watershed': instances_from_maps(perfect, **dict(setting, min_size=0, min_score=0)),
+            'our foreground, true split': split_by_truth}
+
+
+def cmd_oracles(args):
+    images, setting = load_maps(args.maps)
+    table = {}
+    for m, t, _ in images.values():
+        for name, labels in oracle_labels(m, t, setting).items():
+            table.setdefault(name, []).append(dsb_image_score(labels, t))
+    print('%d images, setting %s' % (len(images), setting))
+    for name, scores in table.items():
+        print('%-31s DSB %.4f' % (name, np.mean(scores)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     sub = p.add_subparsers(dest='cmd', required=True)
@@ -425,12 +462,14 @@ def main(argv=None):
         a = sub.add_parser(name, help=what)
         a.add_argument('maps')
         a.add_argument('--jobs', type=int, default=1, help='processes (each image is scored on its own)')
+    a = sub.add_parser('oracles', help='a perfect outline or a perfect separation: which loses more')
+    a.add_argument('maps')
     args = p.parse_args(argv)
     if getattr(args, 'jobs', 1) < 1:
         raise SystemExit('error: --jobs must be >= 1 (got %d)' % args.jobs)
     {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
      'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter,
-     'per-kind': cmd_per_kind, 'markers': cmd_markers}[args.cmd](args)
+     'per-kind': cmd_per_kind, 'markers': cmd_markers, 'oracles': cmd_oracles}[args.cmd](args)
 
 
 if __name__ == '__main__':

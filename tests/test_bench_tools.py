@@ -278,3 +278,23 @@ def test_val_analysis_markers_from_probability_cores_split_what_the_distance_mer
     scores = {line[:24].strip(): line[24:].split(' / ') for line in capsys.readouterr().out.splitlines()[1:]}
     assert float(scores['distance (the search)'][1]) == 0.0, scores  # one object for two nuclei
     assert float(scores['probability cores'][1]) > 0.5, scores
+
+
+def test_val_analysis_oracles_split_the_loss_between_outline_and_separation(tmp_path, capsys):
+    """dsb_val_analysis.py oracles: two touching nuclei outlined exactly but merged lose
+    only to the separation; a single nucleus outlined with its halo only to the outline."""
+    import dsb_val_analysis
+
+    pair, merged = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    pair[10:20, 5:15], pair[10:20, 15:25] = 1, 2
+    merged[10:20, 5:25] = 0.99  # one rectangle: its distance has one ridge, no second centre
+    one, halo = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    one[16:22, 16:22] = 1
+    halo[10:28, 10:28] = 0.99  # 36 true pixels inside 324: IoU 0.11
+    path = str(tmp_path / 'maps.npz')
+    _save_kinds(path, {'pair': (merged, pair, 'fluorescence'), 'halo': (halo, one, 'fluorescence')})
+    dsb_val_analysis.main(['oracles', path])
+    rows = {line[:31].strip(): float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {'ours': 0.0, 'true foreground, components': 0.5,      # the pair merged, the one right
+                    'true foreground, our watershed': 0.5,                # one ridge: merged on the truth too
+                    'our foreground, true split': 0.5}, rows              # the pair right, the halo not
