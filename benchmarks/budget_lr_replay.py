@@ -11,22 +11,25 @@ hold-out: seconds.
 """
 import argparse
 import csv
-import json
 import os
 import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
+from gluon_unet.errors import UserError  # noqa: E402
+
 
 def ideal_rates(cfg, epochs, steps_per_epoch):
     """The LR at the end of each of ``epochs`` epochs under a schedule fitted to them
-    from the start (the run's own ``make_lr_scheduler`` arguments)."""
+    from the start: ``make_lr_scheduler`` with the arguments the engine gives it.
+
+    ``cfg`` is the run's ``TrainConfig`` (``TrainConfig.from_dict`` of its config.json)."""
     from gluon_unet.optim import make_lr_scheduler
-    fractions = tuple(float(f) for f in str(cfg.get('lr_steps', '0.6,0.85')).split(','))
-    sched = make_lr_scheduler(cfg['lr_schedule'], cfg['lr'], epochs * steps_per_epoch,
-                              int(round(cfg.get('warmup_epochs', 0) * steps_per_epoch)), fractions)
-    return [sched(e * steps_per_epoch) if sched else cfg['lr'] for e in range(1, epochs + 1)]
+    sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, epochs * steps_per_epoch,
+                              warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
+                              step_fractions=cfg.step_fractions())
+    return [sched(e * steps_per_epoch) if sched else cfg.lr for e in range(1, epochs + 1)]
 
 
 def compare(logged, ideal):
@@ -41,9 +44,10 @@ def compare(logged, ideal):
 
 
 def read_run(run):
-    """(config dict, logged per-epoch LRs, steps per epoch) of a run folder."""
+    """(``TrainConfig``, logged per-epoch LRs, steps per epoch) of a run folder."""
+    from gluon_unet.config import TrainConfig
     with open(os.path.join(run, 'config.json')) as f:
-        cfg = json.load(f)
+        cfg = TrainConfig.from_json(f.read())
     with open(os.path.join(run, 'metrics.csv'), newline='') as f:
         logged = [float(r['lr']) for r in csv.DictReader(f)]
     with open(os.path.join(run, 'train.log')) as f:
@@ -63,7 +67,7 @@ def main(argv=None):
         except FileNotFoundError as exc:
             raise SystemExit('error: %s: no %s (a run folder holds config.json, metrics.csv and train.log)'
                              % (run, os.path.basename(exc.filename)))
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, UserError) as exc:
             raise SystemExit('error: %s: %s' % (run, exc))
         st = compare(logged, ideal_rates(cfg, len(logged), steps))
         print('%s: %d epochs; largest LR difference %.0f %%; summed |difference| %.1f %% of the schedule; '

@@ -177,7 +177,7 @@ def test_val_curves_measure_the_swings_after_the_first_epochs():
 def _budget_run(folder, logged, log='08:00:00 training on 1 device(s), 10 steps per epoch\n'):
     import json
     folder.mkdir()
-    (folder / 'config.json').write_text(json.dumps({'lr': 1.0, 'lr_schedule': 'cosine', 'warmup_epochs': 1}))
+    (folder / 'config.json').write_text(json.dumps({'lr': 1.0, 'lr_schedule': 'cosine', 'warmup_epochs': 1.0}))
     (folder / 'metrics.csv').write_text('epoch,lr\n' + ''.join('%d,%r\n' % (e + 1, v) for e, v in enumerate(logged)))
     (folder / 'train.log').write_text(log)
     return str(folder)
@@ -185,7 +185,9 @@ def _budget_run(folder, logged, log='08:00:00 training on 1 device(s), 10 steps 
 
 def test_budget_lr_replay_measures_the_rate_a_moving_plan_gave(tmp_path, capsys):
     import math
-    ideal = budget_lr_replay.ideal_rates({'lr': 1.0, 'lr_schedule': 'cosine', 'warmup_epochs': 1}, 5, 10)
+    from gluon_unet.config import TrainConfig
+    cfg = TrainConfig(lr=1.0, lr_schedule='cosine', warmup_epochs=1.0)
+    ideal = budget_lr_replay.ideal_rates(cfg, 5, 10)
     # a cosine fitted to 5 epochs, warmed up over the first: 1 at epoch 1, 0 at epoch 5
     assert ideal == pytest.approx([1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2, 0.0])
     steady = _budget_run(tmp_path / 'steady', ideal)
