@@ -24,7 +24,7 @@ _CHOICES = {
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
-    'target': ('mask', 'mask-gap', 'mask+border'),
+    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre'),
     'memory': ('speed', 'balanced', 'low'),
     'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
 }
@@ -52,12 +52,16 @@ class ModelConfig:
     target: str = _opt('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
                                '1 px background line where nuclei touch, so the map keeps them apart); or '
                                'mask+border (foreground and the nuclei\'s borders, a second output channel: '
-                               'instances grow from the interiors, so touching nuclei come apart)')
+                               'instances grow from the interiors, so touching nuclei come apart); or '
+                               'mask+centre (foreground and each nucleus\' distance to its edge as a fraction of '
+                               'its largest, a second channel: instances grow from its hill tops and meet in the '
+                               'valleys between touching nuclei)')
 
     @property
     def outputs(self):
-        """Output channels of the network: ``classes``, plus one for ``mask+border``."""
-        return self.classes + (self.target == 'mask+border')
+        """Output channels of the network: ``classes``, plus one for ``mask+border`` and
+        ``mask+centre``."""
+        return self.classes + (self.target in ('mask+border', 'mask+centre'))
 
 
 @dataclass

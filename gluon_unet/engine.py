@@ -32,11 +32,12 @@ from .data import readers
 from .data.augment import make_transform
 from .data.dataset import default_workers, make_loader, set_loader_epoch, split_indices
 from .data.synthetic import synthetic_dataset
+from .data.targets import OUTPUTS
 from .data.weights import unet_weight_map
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import UserError
 from .export import geometry
-from .inference import predict_image
+from .inference import predict_image, second_map
 from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
@@ -268,7 +269,8 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
     if scaling:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
-    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight)
+    # A centre map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
+    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight, dice_channels=1 if cfg.model.target == 'mask+centre' else None)
     threaded = cfg.sync_bn and len(ctxs) > 1
     if cfg.hybridize and not threaded:
         # A graph keeps the scratch buffer it drew at its first call. Imperatively, each
@@ -383,19 +385,19 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
             'interrupted': stop.signum is not None}
 
 
-def _forward_eval(net, ctxs, arrays, loss_fn, border=False):
+def _forward_eval(net, ctxs, arrays, loss_fn, second=None):
     """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: probability maps
-    ``(N, K, H, W)`` (foreground, then the border of a ``mask+border`` model) and the
-    summed loss against ``arrays[1:]`` (target, weight), computed on the devices; also
-    whether the model is binary (a foreground and nothing else, or a border)."""
+    ``(N, K, H, W)`` (foreground, then the ``second`` map of a two-map model: 'border'
+    or 'centre') and the summed loss against ``arrays[1:]`` (target, weight), computed on
+    the devices; also whether the model is binary (a foreground, alone or with a second map)."""
     probs, losses = [], []
     with mx.autograd.predict_mode():
         for part in split_batch(arrays, ctxs):
             logits = net(part[0])
             losses.append(loss_fn(logits, *part[1:]).sum())
-            probs.append(probability_maps(logits, border))
+            probs.append(probability_maps(logits, second))
     maps = np.concatenate([p.asnumpy() for p in probs], axis=0)
-    return maps, sum(float(l.asscalar()) for l in losses), border or logits.shape[1] == 1
+    return maps, sum(float(l.asscalar()) for l in losses), bool(second) or logits.shape[1] == 1
 
 
 def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True, keep=None):
@@ -404,8 +406,8 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     Pixel metrics are summed over the whole set (not averaged per batch), so the
     numbers do not depend on the batch size or on how batches fall on devices; they
     score the foreground against the true nuclei (a ``mask-gap`` model's target gaps
-    count as foreground; a ``mask+border`` model's border channel enters the loss and,
-    through the instances, the DSB score). With a list ``keep``, the first few
+    count as foreground; a two-map model's second channel enters the loss and, through
+    the instances, the DSB score). With a list ``keep``, the first few
     ``(image, truth, probability)`` are appended to it (for TensorBoard's overlays).
     """
     pixel, dsb = M.PixelMetrics(), M.DSBMetric()
@@ -413,6 +415,7 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     t0 = time.time()
     binary = True
     gap_target = getattr(dataset, 'target', 'mask') == 'mask-gap'
+    second = _second(getattr(dataset, 'target', 'mask'))
     for batch, maps, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
         loss_total += loss_sum
         truth = batch[1].asnumpy()[:, 0]
@@ -427,7 +430,7 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
             del keep[KEEP_VAL_SAMPLES:]
         if binary and instance_metric:
             for k in range(len(prob)):
-                dsb.update(postprocess.instances_from_maps(maps[k], threshold), labels[k])
+                dsb.update(postprocess.instances_from_maps(maps[k], threshold, markers=second), labels[k])
         offset += len(prob)
     px = pixel.result()
     result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
@@ -481,7 +484,7 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=SEARCH_
     for image, labels in search_images(dataset, max_images, max_pixels):
         maps = predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
         pairs.append((maps.astype(np.float16), labels))
-    result = postprocess.tune_postprocess(pairs)
+    result = postprocess.tune_postprocess(pairs, second=second_map(meta))
     result['seconds'] = time.time() - t0
     if mode != 'auto' or tta:  # what bin/predict compares its own --mode / --tta with
         result.update(mode=mode, tta=tta)
@@ -505,13 +508,14 @@ def search_images(dataset, max_images=SEARCH_MAX_IMAGES, max_pixels=SEARCH_MAX_P
         yield image, labels
 
 
-def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False, border=False,
+def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False, second=None,
                    probe_fraction=SEARCH_PROBE_FRACTION, clock=None):
     """Estimated wall seconds of :func:`tune_postprocessing` on ``dataset``, for
     ``--time-budget`` to keep aside.
 
     The search predicts each of its images once, then labels them all once per setting
-    (:func:`postprocess.search_labelings`: 28 for a one-map model). So the probe predicts
+    (:func:`postprocess.search_labelings`: 28 for a one-map model, 55 for a two-map model
+    whose ``second`` map is 'border' or 'centre'). So the probe predicts
     its first images up to ``probe_fraction`` of the pixels, as the search predicts them,
     and labels and scores all of them once, on their true masks (a network after one
     epoch draws no nuclei like those the trained one will); :func:`budget.search_estimate`
@@ -539,11 +543,19 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     t1 = clock()
     for _, labels in images:  # what the search does for each setting: label, match, score
         fg = (labels > 0).astype(np.float32)
-        found = postprocess.instances_from_maps(np.stack([fg, np.zeros_like(fg)]) if border else fg)
+        # A second map that seeds one marker per blob: a watershed's work, as the search does
+        found = postprocess.instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
+                                                markers=second)
         postprocess.cut_scores(found, fg, labels, [0.5])
     t2 = clock()
-    estimate = search_estimate(t1 - t0, pixels, total, t2 - t1, postprocess.search_labelings(border))
+    estimate = search_estimate(t1 - t0, pixels, total, t2 - t1, postprocess.search_labelings(second))
     return estimate, len(probe), len(images)
+
+
+def _one_marker_map(fg, second):
+    """A stand-in second map for the search probe: no border (every blob's interior is its
+    marker), or a centre map high on the whole foreground."""
+    return np.zeros_like(fg) if second == 'border' else fg
 
 
 def _central_window(shape, max_pixels):
@@ -593,13 +605,19 @@ def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
     like its image (see :func:`val_instances`)."""
     loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
     seeds = loader.epoch_sampler.seeds()
-    border = getattr(dataset, 'target', 'mask') == 'mask+border'
+    second = _second(getattr(dataset, 'target', 'mask'))
     offset = 0
     for batch in loader:
-        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn, border)
+        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn, second)
         yield batch, prob, loss_sum, binary, \
             (lambda k, first=offset: val_instances(dataset, first + k, seeds[first + k]))
         offset += len(prob)
+
+
+def _second(target):
+    """The second output map a ``--target`` adds ('border', 'centre'), or None."""
+    outputs = OUTPUTS[target]
+    return outputs[1] if len(outputs) > 1 else None
 
 
 def val_instances(dataset, i, seed):
@@ -926,7 +944,7 @@ def _probe_search(run):
     started = time.monotonic()  # not _clock: tests fake that one to count epochs
     seconds, probed, images = search_seconds(run.net, run.ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
                                              mode=cfg.tune_mode, tta=cfg.tune_tta,
-                                             border=cfg.model.target == 'mask+border', clock=_clock)
+                                             second=_second(cfg.model.target), clock=_clock)
     run.recorder.log.info('time budget: the post-processing search after the epochs is estimated at %.1f min '
                           '(%d of its %d validation images probed); kept aside', seconds / 60.0, probed, images)
     run.probe_seconds += time.monotonic() - started

@@ -162,8 +162,9 @@ def model_card(cfg, meta):
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
-                        'instances': 'marker watershed from the interiors' if cfg.model.target == 'mask+border'
-                        else 'marker watershed on the distance transform'},
+                        'instances': {'mask+border': 'marker watershed from the interiors',
+                                      'mask+centre': 'marker watershed from the centres'}.get(
+                                          cfg.model.target, 'marker watershed on the distance transform')},
     }
 
 
@@ -316,9 +317,10 @@ def read_sidecar(path):
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
     tuned = meta.get('postprocess')
-    if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None, 'border', 'distance')):
-        raise bad("'postprocess' must be an object whose 'markers' is \"border\" or \"distance\" (got %s)"
-                  % json.dumps(tuned))
+    if tuned is not None and (not isinstance(tuned, dict)
+                              or tuned.get('markers') not in (None, 'border', 'centre', 'distance')):
+        raise bad("'postprocess' must be an object whose 'markers' is \"border\", \"centre\" or \"distance\" "
+                  "(got %s)" % json.dumps(tuned))
     min_score = (tuned or {}).get('min_score')
     if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
                                   or not 0 <= min_score < 1):
@@ -339,6 +341,12 @@ def read_sidecar(path):
     target = model.get('target') if isinstance(model, dict) else None
     if target is not None and target not in OUTPUTS:
         raise bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
+    markers = (tuned or {}).get('markers')
+    if markers in ('border', 'centre'):
+        second = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))[1:]
+        if second != [markers]:
+            raise bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
+                json.dumps(markers), json.dumps(['foreground'] + second)))
     denoise = meta.get('normalize_denoise')
     if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
         raise bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))

@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import UserError
 from .model import probability_maps
+from .postprocess import DEFAULT_MARKER
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -54,7 +55,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         the 4 that give (W, H).
     on_done : callable
         ``on_done(maps (K, H, W) float32, mode)`` once every job of the image has run: the
-        foreground probability, and for a ``mask+border`` model its border probability.
+        foreground probability, and for a two-map model its second map.
     buckets : bool
         ``whole`` mode: pad to :func:`~gluon_unet.tiling.bucket_side` sizes.
     """
@@ -96,8 +97,8 @@ class _Scheduler:
     order), the network inputs it was given and the forward calls that carried them.
     """
 
-    def __init__(self, net, ctxs, border=False):
-        self.net, self.ctxs, self.border = net, list(ctxs), border
+    def __init__(self, net, ctxs, second=None):
+        self.net, self.ctxs, self.second = net, list(ctxs), second
         self.next = 0  # index in ctxs of the device the next part goes to
         self.pending = deque()  # [jobs, device output, finishers] per part, in issue order
         self.jobs_per_device = [0] * len(self.ctxs)
@@ -115,7 +116,7 @@ class _Scheduler:
                 dev = (self.next + i) % n
                 # Made on the host, then copied by an engine operation: issuing never waits.
                 part = mx.nd.array(x[start:stop], ctx=mx.cpu()).as_in_context(self.ctxs[dev])
-                out = probability_maps(self.net(part), self.border)
+                out = probability_maps(self.net(part), self.second)
                 self.pending.append([jobs[start:stop], out, []])
                 self.jobs_per_device[dev] += stop - start
                 self.forwards_per_device[dev] += 1
@@ -145,11 +146,11 @@ class _Scheduler:
             fn()
 
 
-def run_jobs(net, ctxs, jobs, batch_size=8, border=False):
+def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
     """Run a stream of jobs in batches of equal-shape inputs over ``ctxs``.
 
     Each job's callback gets its (K, h, w) probability maps (:func:`~gluon_unet.model.
-    probability_maps`; ``border`` for a ``mask+border`` model).
+    probability_maps`; ``second`` for a two-map model: :func:`second_map`).
 
     Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
     spread over the devices round-robin with work in flight on each
@@ -161,7 +162,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8, border=False):
     _Scheduler
         Its ``jobs_per_device`` / ``forwards_per_device`` say how the work was spread.
     """
-    runner = _Scheduler(net, ctxs, border)
+    runner = _Scheduler(net, ctxs, second)
     batch, finishers = [], []
     for job in jobs:
         if isinstance(job, _Done):
@@ -213,23 +214,26 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
     -------
     (H, W) float32 in [0, 1]
         The foreground probability; with ``maps``, (K, H, W): the foreground, and for a
-        ``mask+border`` model (:func:`predicts_border`) its border probability.
+        two-map model (:func:`second_map`) its second map.
     """
     out = {}
     jobs = image_jobs(np.asarray(image), meta, mode, tta, overlap,
                       on_done=lambda prob, used: out.setdefault('prob', prob), buckets=buckets)
-    run_jobs(net, list(ctxs), jobs, batch_size, predicts_border(meta))
+    run_jobs(net, list(ctxs), jobs, batch_size, second_map(meta))
     return out['prob'] if maps else out['prob'][0]
 
 
-def predicts_border(meta):
-    """Whether an export (its sidecar ``meta``) is a ``mask+border`` model: sidecar
-    ``outputs``, else its training config; exports from before borders are not."""
+def second_map(meta):
+    """What an export's (its sidecar ``meta``) second output map is: 'border' for a
+    ``mask+border`` model, 'centre' for a ``mask+centre`` one, None for one map. From the
+    sidecar's ``outputs``, else its training config; exports from before borders have one map."""
+    from .data.targets import OUTPUTS
+
     outputs = meta.get('outputs')
     if outputs is None:
-        outputs = ('foreground', 'border') if ((meta.get('config') or {}).get('model') or {}).get('target') \
-            == 'mask+border' else ('foreground',)
-    return 'border' in outputs
+        target = ((meta.get('config') or {}).get('model') or {}).get('target')
+        outputs = OUTPUTS.get(target, ('foreground',))
+    return outputs[1] if len(outputs) > 1 else None
 
 
 def match_channels(image, channels, path='image'):
@@ -272,11 +276,11 @@ class LoadedModel:
     normalize: str
     min_size: int = 0  # chosen on validation after training (sidecar 'postprocess'), else 0
     h: float = 0.5
-    marker: float = 0.5  # mask+border models: the interior score of a marker
-    border: bool = False  # a mask+border model (its outputs: foreground, border)
+    marker: float = 0.5  # two-map models: the marker setting (postprocess.DEFAULT_MARKER)
+    second: Optional[str] = None  # a two-map model's second output: 'border' or 'centre' (:func:`second_map`)
     denoise: float = 0.0  # Gaussian sigma before the percentile stretch (0: exports from before it)
     diameter: Optional[float] = None  # median nucleus diameter in training (px); None: not recorded
-    markers: Optional[str] = None  # a border model's watershed markers, as tuned: 'border' or 'distance'
+    markers: Optional[str] = None  # a two-map model's watershed markers: its second map's kind or 'distance'
     min_score: float = 0.0  # objects with a lower mean probability are dropped (tuned; 0 before it existed)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
@@ -285,7 +289,7 @@ class LoadedModel:
 
     def run(self, jobs, batch_size=8):
         """:func:`run_jobs` on this model's devices; returns its :class:`_Scheduler`."""
-        return run_jobs(self.net, self.ctxs, jobs, batch_size, self.border)
+        return run_jobs(self.net, self.ctxs, jobs, batch_size, self.second)
 
 
 def load_model(model, ctxs):
@@ -305,9 +309,11 @@ def load_model(model, ctxs):
     normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
     # Settings tuned on the validation split after training win over the training threshold.
     tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
+    second = second_map(meta)
     return LoadedModel(net, meta, list(ctxs), model_channels(net, meta),
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
                        int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
-                       float(tuned.get('marker') or 0.5), predicts_border(meta),
-                       float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'), tuned.get('markers'),
+                       float(tuned.get('marker') or DEFAULT_MARKER.get(second, 0.5)), second,
+                       float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'),
+                       tuned.get('markers') or second,  # untuned: the model's own second map seeds the watershed
                        float(tuned.get('min_score') or 0.0))

@@ -14,10 +14,13 @@ class SegmentationLoss(gluon.HybridBlock):
     """Loss on logits ``(N, C, H, W)`` against ``target (N, 1, H, W)`` and, for ``wbce``
     and ``wbce_dice`` (optional for ``ce``), a pixel ``weight (N, 1, H, W)``.
 
-    The sigmoid losses also take several independent binary outputs (``--target
-    mask+border``: logits and target ``(N, 2, H, W)``): BCE is averaged over all of them,
-    Dice is computed per channel and averaged, so the thin border channel counts as much
-    as the foreground in the Dice term; the weight map applies to every channel's BCE.
+    The sigmoid losses also take several independent outputs (``--target mask+border``
+    and ``mask+centre``: logits and target ``(N, 2, H, W)``): BCE is averaged over all of
+    them, Dice is computed per channel and averaged, so the thin border channel counts as
+    much as the foreground in the Dice term; the weight map applies to every channel's BCE.
+    A channel whose target is a level rather than a class (``--target mask+centre``: the
+    distance to the edge, 0..1) takes the BCE only, which with a soft target is least
+    where the probability equals it; Dice would push it to 0 or 1 (``dice_channels``).
 
     Parameters
     ----------
@@ -30,11 +33,13 @@ class SegmentationLoss(gluon.HybridBlock):
         ``ce``: softmax cross-entropy for ``classes > 1`` (target holds class ids).
     dice_weight : float
         Weight of the Dice term in ``bce_dice`` and ``wbce_dice``.
+    dice_channels : int, optional
+        The Dice term covers the first this many channels (None = all).
     """
 
-    def __init__(self, kind='bce', dice_weight=1.0, **kwargs):
+    def __init__(self, kind='bce', dice_weight=1.0, dice_channels=None, **kwargs):
         super().__init__(**kwargs)
-        self.kind, self.dice_weight = kind, dice_weight
+        self.kind, self.dice_weight, self.dice_channels = kind, dice_weight, dice_channels
         self._bce = gluon.loss.SigmoidBinaryCrossEntropyLoss(from_sigmoid=False)
         self._ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=1, sparse_label=True)
 
@@ -53,7 +58,12 @@ class SegmentationLoss(gluon.HybridBlock):
             return self._bce(logits, target, weight)
         if self.kind == 'bce':
             return self._bce(logits, target)
-        dice = soft_dice_loss(F, F.sigmoid(logits), target)
+        prob = F.sigmoid(logits)
+        if self.dice_channels is not None:
+            prob = F.slice_axis(prob, axis=1, begin=0, end=self.dice_channels)
+            dice = soft_dice_loss(F, prob, F.slice_axis(target, axis=1, begin=0, end=self.dice_channels))
+        else:
+            dice = soft_dice_loss(F, prob, target)
         if self.kind == 'dice':
             return dice
         bce = self._bce(logits, target, weight) if self.kind == 'wbce_dice' else self._bce(logits, target)

@@ -206,11 +206,12 @@ def foreground_probability(logits):
     return 1 - mx.nd.softmax(logits, axis=1)[:, 0]
 
 
-def probability_maps(logits, border=False):
+def probability_maps(logits, second=None):
     """Probability maps ``(N, K, H, W)`` from U-Net logits ``(N, C, H, W)``: channel 0 is
-    the foreground (:func:`foreground_probability`); a ``mask+border`` model (``border``)
-    adds its border probability as channel 1 (both outputs are independent sigmoids)."""
-    if border:
+    the foreground (:func:`foreground_probability`); a two-map model (``second``:
+    'border' for ``mask+border``, 'centre' for ``mask+centre``) adds its second map as
+    channel 1 (both outputs are independent sigmoids)."""
+    if second:
         return mx.nd.sigmoid(logits)
     return foreground_probability(logits).expand_dims(axis=1)
 

@@ -4,18 +4,26 @@ A U-Net predicts a foreground probability per pixel; nuclei that touch form one 
 once thresholded. :func:`instances_from_prob` separates them with a marker-based
 watershed: on the distance transform (a convex nucleus has a single distance maximum,
 two touching ones have two separated by a saddle at the neck), or - when the network
-also predicts boundaries - from the cores left after removing the boundaries.
+also predicts boundaries - from the cores left after removing the boundaries, or - when
+it predicts each nucleus' distance to its edge (``mask+centre``) - from the tops of
+those hills.
 """
 import numpy as np
 from scipy import ndimage as ndi
 
 #: Instance separation choices (``bin/predict --split``): distance watershed, or plain components.
 SPLITS = ('watershed', 'none')
-MARKERS = ('border', 'distance')  # where a mask+border model's watershed seeds come from
+# Where a two-map model's watershed seeds come from: its second map (the interiors a
+# border map leaves, or the hill tops of a centre map), or the distance transform of its
+# foreground.
+MARKERS = ('border', 'centre', 'distance')
+#: The ``marker`` setting of each second map when none is given or chosen: an interior
+#: score a border model's marker exceeds, the depth of a centre model's hill top.
+DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1}
 
 
 def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boundary=None,
-                        h=0.5, smooth=1.0, marker=0.5, min_score=0.0):
+                        h=0.5, smooth=1.0, marker=None, min_score=0.0, centre=None):
     """Instance labels from a foreground probability map.
 
     Parameters
@@ -33,14 +41,25 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         confident interiors, the components of ``prob * (1 - boundary) > marker``, and
         they flood the foreground downhill in that interior score, so two touching
         nuclei meet on the border between them. ``h`` and ``smooth`` are not used.
+    centre : (H, W) float, optional
+        Predicted distance to the edge, as a fraction of the nucleus' largest (a
+        ``mask+centre`` model; not with ``boundary``). The markers are its hill tops in
+        the foreground that rise at least ``marker`` above the valley to a higher one
+        (h-maxima, as for the distance), and they flood it downhill in ``centre``, so two
+        touching nuclei meet in the valley between their hills. A depth, not a level:
+        a network after a short training draws the hills lower than the target's 1 (a
+        small nucleus' hill more so), but still with a valley between touching nuclei.
+        ``h`` and ``smooth`` are not used.
     h : float
         Distance watershed: a distance maximum becomes a marker only if it rises at least
         ``h`` pixels above the saddle to a higher one (h-maxima), so pixelation of a single
         round or elongated nucleus never creates a second marker.
     smooth : float
         Gaussian sigma applied to the distance transform before looking for maxima.
-    marker : float
-        With ``boundary``: the interior score a marker pixel must exceed.
+    marker : float, optional
+        With ``boundary``: the interior score a marker pixel must exceed; with ``centre``,
+        how far (in centre score) a hill top must rise above its valley (default:
+        :data:`DEFAULT_MARKER`).
     min_score : float
         Objects whose mean foreground probability is below this are dropped last, like a
         detector's confidence cut: debris and out-of-focus blobs pass the pixel threshold
@@ -70,25 +89,34 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     if split == 'none' or not mask.any():
         labels = np.empty(mask.shape, np.int32)
         ndi.label(mask, output=labels)
-    elif boundary is None and smooth > 0:
+    elif boundary is None and centre is None and smooth > 0:
         labels = _distance_watershed(mask, h, smooth)
     else:
-        labels = _marker_watershed(prob, mask, boundary, h, marker)
+        labels = _marker_watershed(prob, mask, boundary, h, marker, centre)
     return drop_unsure(labels, prob, min_score) if min_score > 0 else labels
 
 
-def _marker_watershed(prob, mask, boundary, h, marker):
+def _marker_watershed(prob, mask, boundary, h, marker, centre=None):
     """The watershed of :func:`instances_from_prob` on the whole image at once: with a
-    border map, or the distance watershed without smoothing."""
+    border or a centre map, or the distance watershed without smoothing."""
     from skimage.segmentation import watershed
 
-    if boundary is None:
+    if boundary is not None and centre is not None:
+        raise ValueError('give a boundary or a centre map, not both')
+    if boundary is not None:
+        boundary = _same_shape(boundary, prob, 'boundary')
+        marker = DEFAULT_MARKER['border'] if marker is None else marker
+        markers, elevation = _level_markers(prob * (1 - boundary), mask, marker)
+    elif centre is not None:
+        centre = _same_shape(centre, prob, 'centre')
+        marker = DEFAULT_MARKER['centre'] if marker is None else marker
+        # x 10: _h_maxima_markers works in 1/100 steps of its map, here 1/1000 of the score
+        markers, elevation = _h_maxima_markers(centre * 10, mask, marker * 10), -centre
+    else:
         # Unsmoothed distances tie a lot and the watershed breaks ties by visiting order,
         # which a crop changes: the whole image at once, as before.
         dist = ndi.distance_transform_edt(mask)
         markers, elevation = _h_maxima_markers(dist, mask, h), -dist
-    else:
-        markers, elevation = _interior_markers(prob, boundary, mask, marker)
     return keep_orphans(watershed(elevation, markers, mask=mask), mask)
 
 
@@ -136,35 +164,42 @@ def drop_unsure(labels, prob, min_score):
     return np.take(lut, labels, out=labels, mode='clip')
 
 
-def _interior_markers(prob, boundary, mask, marker):
-    """Markers (the components of ``prob * (1 - boundary) > marker`` in ``mask``) and the
-    elevation that floods from them: downhill in that interior score."""
+def _same_shape(level, prob, name):
+    level = np.asarray(level, dtype=np.float32)
+    if level.shape != prob.shape:
+        raise ValueError('%s shape %s differs from prob %s' % (name, level.shape, prob.shape))
+    return level
+
+
+def _level_markers(level, mask, marker):
+    """Markers (the components of ``level > marker`` in ``mask``: a border map's
+    interiors) and the elevation that floods from them: downhill in ``level``."""
     from skimage.measure import label
 
-    boundary = np.asarray(boundary, dtype=np.float32)
-    if boundary.shape != prob.shape:
-        raise ValueError('boundary shape %s differs from prob %s' % (boundary.shape, prob.shape))
-    interior = prob * (1 - boundary)
-    return label((interior > marker) & mask, connectivity=1), -interior
+    return label((level > marker) & mask, connectivity=1), -level
 
 
-def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=0.5, markers=None,
+def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.5, marker=None, markers=None,
                         min_score=0.0):
     """Instance labels from a model's probability maps.
 
     Parameters
     ----------
     maps : (H, W) or (K, H, W) float
-        The foreground probability, and for a ``mask+border`` model (K = 2) its border
-        probability as the second map.
+        The foreground probability, and for a two-map model (K = 2) its second map: the
+        border probability of a ``mask+border`` model, the centre map of a ``mask+centre``
+        one.
     threshold, min_size, split, h, marker, min_score
         See :func:`instances_from_prob` (``h`` is used by the distance watershed,
-        ``marker`` by the border markers; ``min_score`` applies to the foreground map).
-    markers : {None, 'border', 'distance'}
-        Where the watershed's markers come from: the interiors left by the border map
-        (the default with one), or the distance transform of the foreground (the default
-        without; for a border model, when its border map splits worse than the distance
-        on validation images - :func:`tune_postprocess` chooses).
+        ``marker`` by the border and centre markers; ``min_score`` applies to the
+        foreground map).
+    markers : {None, 'border', 'centre', 'distance'}
+        Where the watershed's markers come from, and so what a second map is: the
+        interiors left by a border map ('border'; the default with two maps, as before
+        centre maps existed), the hill tops of a centre map ('centre'), or the distance
+        transform of the foreground (the default with one map; for a two-map model, when
+        its second map splits worse than the distance on validation images -
+        :func:`tune_postprocess` chooses).
 
     Returns
     -------
@@ -177,9 +212,14 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
     if markers is not None and markers not in MARKERS:
         raise ValueError('markers must be one of %s (got %r)' % (', '.join(MARKERS), markers))
-    boundary = maps[1] if len(maps) == 2 and markers != 'distance' else None
+    if markers in ('border', 'centre') and len(maps) != 2:
+        raise ValueError('%s markers need a second map (a mask+%s model), got %d map(s)'
+                         % (markers, markers, len(maps)))
+    second = None if len(maps) == 1 or markers == 'distance' else maps[1]
+    centre = second if markers == 'centre' else None
+    boundary = None if centre is not None else second
     return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,
-                               h=h, marker=marker, min_score=min_score)
+                               h=h, marker=marker, min_score=min_score, centre=centre)
 
 
 def _gauss_radius(smooth):
@@ -494,22 +534,23 @@ def overlay(image, labels, color=(255, 255, 0)):
 
 # The grids searched on the validation split after training (27 settings each): the
 # foreground cut, the smallest object kept, and the markers' setting - the h of the
-# distance watershed's h-maxima, or for a mask+border model the interior score a marker
-# needs.
+# distance watershed's h-maxima, the interior score a border model's marker needs, or how
+# far a centre model's hill top rises above its valley.
 TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
 TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'min_size': (0, 16, 48)}
+TUNE_GRID_CENTRE = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.05, 0.1, 0.2), 'min_size': (0, 16, 48)}
 # Each of those settings is also scored with objects of a low mean probability dropped
 # (``min_score``): a column cut of the same IoU matrix, so nearly free.
 TUNE_MIN_SCORES = (0.0, 0.75, 0.8, 0.85, 0.9)
-# A border model's search also tries the distance watershed on its foreground (TUNE_GRID):
-# a border map learned in a short run can split nuclei worse than the distance does.
+# A two-map model's search also tries the distance watershed on its foreground (TUNE_GRID):
+# a second map learned in a short run can split nuclei worse than the distance does.
 
 
 def settings_text(tuned):
     """``'threshold 0.60, h 0.5, min size 0'``: a :func:`tune_postprocess` result (or the
-    sidecar's ``postprocess``) for a log line; border models name their markers."""
+    sidecar's ``postprocess``) for a log line; two-map models name their markers."""
     if 'marker' in tuned:
-        markers = 'border markers %.1f' % tuned['marker']
+        markers = '%s markers %.1f' % (tuned.get('markers') or 'border', tuned['marker'])
     else:
         markers = '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h'])
     text = 'threshold %.2f, %s, min size %d' % (tuned['threshold'], markers, tuned['min_size'])
@@ -519,26 +560,29 @@ def settings_text(tuned):
     return text + (' (chosen on maps predicted with %s)' % ' '.join(how) if how else '')
 
 
-def _searches(border, grid=None):
-    """The (markers, grid) pairs :func:`tune_postprocess` searches in turn."""
-    if border:
-        return [('border', grid or TUNE_GRID_BORDER), ('distance', TUNE_GRID)]
+def _searches(second, grid=None):
+    """The (markers, grid) pairs :func:`tune_postprocess` searches in turn, for maps whose
+    second map is ``second`` ('border', 'centre'; None = one map)."""
+    if second:
+        return [(second, grid or (TUNE_GRID_CENTRE if second == 'centre' else TUNE_GRID_BORDER)),
+                ('distance', TUNE_GRID)]
     return [(None, grid or TUNE_GRID)]
 
 
 def _search_keys(markers):
-    return ('threshold', 'marker' if markers == 'border' else 'h', 'min_size')
+    return ('threshold', 'marker' if markers in ('border', 'centre') else 'h', 'min_size')
 
 
-def search_labelings(border, grid=None):
+def search_labelings(second, grid=None):
     """How many times :func:`tune_postprocess` labels each image (the untuned default and
-    every setting of its grid; the min scores reuse a labelling): what ``--time-budget``
+    every setting of its grid; the min scores reuse a labelling) for maps whose second map
+    is ``second`` ('border', 'centre'; None or False = one map): what ``--time-budget``
     scales a probe's one labelling by."""
     return 1 + sum(int(np.prod([len(space[k]) for k in _search_keys(markers)]))
-                   for markers, space in _searches(border, grid))
+                   for markers, space in _searches(second, grid))
 
 
-def tune_postprocess(pairs, grid=None, base=None):
+def tune_postprocess(pairs, grid=None, base=None, second=None):
     """Choose the post-processing settings that score best on validation images.
 
     Parameters
@@ -548,27 +592,32 @@ def tune_postprocess(pairs, grid=None, base=None):
         one pair per image.
     grid : dict, optional
         Candidate values of ``threshold``, ``min_size`` and ``h`` (default
-        :data:`TUNE_GRID`), or ``marker`` instead of ``h`` for maps with a border
+        :data:`TUNE_GRID`), or ``marker`` instead of ``h`` for maps with a second map
         (default :data:`TUNE_GRID_BORDER`; their distance watershed is searched on
         :data:`TUNE_GRID` as well); each with every ``min_score`` of
         :data:`TUNE_MIN_SCORES` (or the grid's own ``min_score`` values).
     base : dict, optional
         The untuned settings, scored too and kept on ties (so tuning never reports a
         setting that does no better than the defaults).
+    second : {None, 'border', 'centre'}
+        What the second of two maps is (None: 'border', as before centre maps existed).
 
     Returns
     -------
     dict
         ``threshold``, ``min_size``, ``h`` or ``marker``, ``min_score``, ``score`` (mean
-        DSB score of the winner), ``base_score`` and ``images``; for maps with a border
-        also ``markers`` ('border' or 'distance', see :func:`instances_from_maps`).
+        DSB score of the winner), ``base_score`` and ``images``; for two maps also
+        ``markers`` (``second`` or 'distance', see :func:`instances_from_maps`).
     """
     import itertools
 
-    border = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
-    searches = _searches(border, grid)
-    if border:
-        base = base or {'markers': 'border', 'threshold': 0.5, 'marker': 0.5, 'min_size': 0}
+    if second not in (None, 'border', 'centre'):
+        raise ValueError("second must be 'border' or 'centre' (got %r)" % (second,))
+    two = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
+    second = (second or 'border') if two else None
+    searches = _searches(second, grid)
+    if second:
+        base = base or {'markers': second, 'threshold': 0.5, 'marker': DEFAULT_MARKER[second], 'min_size': 0}
     else:
         base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
 

@@ -63,9 +63,9 @@ class PredictConfig:
     min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
     min_score: Optional[float] = None  #: drop objects whose mean probability is lower; None = the model's (tuned)
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
-    marker: Optional[float] = None    #: mask+border models: interior score of a marker; None = the model's
+    marker: Optional[float] = None    #: two-map models: the second map's level a marker needs; None = the model's
     h: Optional[float] = None         #: distance watershed: h-maxima depth in pixels; None = the model's
-    markers: Optional[str] = None     #: mask+border models: 'border' or 'distance'; None = the model's
+    markers: Optional[str] = None     #: two-map models: 'border', 'centre' or 'distance'; None = the model's
     diameter: Optional[str] = None    #: nuclei's size in the images: 'auto' or pixels; None = no rescaling
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
@@ -280,9 +280,11 @@ class _Run:
         self.marker = model.marker if config.marker is None else float(config.marker)
         self.h = model.h if config.h is None else float(config.h)
         self.markers = model.markers if config.markers is None else config.markers
-        if self.markers == 'border' and not model.border:
-            raise UserError('--markers border needs a mask+border model; this one predicts the foreground only '
-                            '(use --markers distance or leave it out)')
+        if self.markers in ('border', 'centre') and model.second != self.markers:
+            raise UserError('--markers %s needs a mask+%s model; this one predicts %s (use --markers %s or leave '
+                            'it out)' % (self.markers, self.markers, 'the foreground only' if model.second is None
+                                         else 'the foreground and a %s map' % model.second,
+                                         'distance' if model.second is None else model.second + '|distance'))
         self.records, self.rows, self.failures = [], [], []
         self.inputs_per_device = [0] * len(model.ctxs)
         self.bar = _progress_bar(len(files), config.progress)
@@ -524,8 +526,8 @@ def build_parser():
                              "blobs (default: the model's, chosen on validation; else 0 = keep all)")
     parser.add_argument('--split', default='watershed', choices=SPLITS,
                         help='separate touching nuclei with a watershed (default: from the interiors of a '
-                             'mask+border model, else on the distance transform) or keep plain connected '
-                             'components (none)')
+                             'mask+border model, from the centres of a mask+centre model, else on the distance '
+                             'transform) or keep plain connected components (none)')
     parser.add_argument('--diameter', default=None, metavar='auto|PIXELS',
                         help="rescale each image so its nuclei reach the network at the size the model was "
                              "trained on (Cellpose-style): PIXELS = the typical nucleus diameter in your images, "
@@ -533,15 +535,18 @@ def build_parser():
                              "default: no rescaling")
     parser.add_argument('--marker', type=float, default=None,
                         help="mask+border models: the interior score (foreground x (1 - border)) a watershed "
-                             "marker needs (default: the model's, chosen on validation; else 0.5)")
+                             "marker needs (else 0.5); mask+centre models: how far a hill top of the centre map must "
+                             "rise above its valley to seed its own nucleus (else 0.1) (default: the model's, chosen "
+                             "on validation)")
     parser.add_argument('--h', type=float, default=None,
                         help="distance watershed: how much deeper than its surroundings (in pixels of distance "
                              "to the background) a nucleus centre must be to seed its own object (default: the "
                              "model's, chosen on validation; else 0.5)")
     parser.add_argument('--markers', default=None,
-                        help="mask+border models: seed the watershed from the interiors the border map leaves "
-                             "(border) or from the distance transform of the foreground (distance) (default: the "
-                             "model's, chosen on validation; else border)")
+                        help="two-map models: seed the watershed from the interiors a border map leaves "
+                             "(border), from the hill tops of a centre map (centre) or from the distance transform "
+                             "of the foreground (distance) (default: the model's, chosen on validation; else its "
+                             "second map)")
     parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')

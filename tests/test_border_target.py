@@ -141,15 +141,17 @@ def test_the_search_tunes_the_marker_for_border_maps():
     assert result['score'] > result['base_score'] and result['marker'] > 0.5
 
 
-def test_train_export_predict_a_border_model_and_a_mask_model(tiny, tmp_path):
+def test_train_export_predict_a_border_model_a_centre_model_and_a_mask_model(tiny, tmp_path):
     runs = {}
-    for target in ('mask', 'mask+border'):
+    for target in ('mask', 'mask+border', 'mask+centre'):
         runs[target] = fit(tiny(target=target, loss='bce_dice', val_split=0.25, crop=32, size=32,
                                 output=str(tmp_path / target.replace('+', '_'))), verbose=False)
     new = json.load(open(os.path.join(runs['mask+border'].output, 'export', 'model.json')))
     old = json.load(open(os.path.join(runs['mask'].output, 'export', 'model.json')))
     assert new['outputs'] == ['foreground', 'border'] and new['config']['model']['target'] == 'mask+border'
     assert 'marker' in new['postprocess'] and 'h' in old['postprocess']
+    centre = json.load(open(os.path.join(runs['mask+centre'].output, 'export', 'model.json')))
+    assert centre['outputs'] == ['foreground', 'centre'] and centre['postprocess']['markers'] == 'centre'
     # An export from before borders existed: no 'outputs', no target in its config.
     legacy = str(tmp_path / 'legacy')
     os.makedirs(legacy)
@@ -160,9 +162,11 @@ def test_train_export_predict_a_border_model_and_a_mask_model(tiny, tmp_path):
 
     from gluon_unet.data.synthetic import synthetic_nuclei
     image = synthetic_nuclei(1, size=80, channels=1, seed=3)[0][0]
-    for path, k in ((runs['mask+border'].output, 2), (runs['mask'].output, 1), (legacy, 1)):
+    for path, second in ((runs['mask+border'].output, 'border'), (runs['mask+centre'].output, 'centre'),
+                         (runs['mask'].output, None), (legacy, None)):
+        k = 1 + bool(second)
         model = load_model(path, [mx.cpu()])
-        assert model.border == (k == 2)
+        assert model.second == second and model.markers == second
         whole = predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole', maps=True)
         two = load_model(path, [mx.cpu(0), mx.cpu(1)])
         tiled = predict_image(two.net, two.meta, image, two.ctxs, mode='tile', tta=True, maps=True)
@@ -172,7 +176,7 @@ def test_train_export_predict_a_border_model_and_a_mask_model(tiny, tmp_path):
         assert np.array_equal(predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole'), whole[0])
     # bin/predict on both kinds, with TTA, tiles and the submission.
     cv2.imwrite(str(tmp_path / 'a.png'), image)
-    for path in (runs['mask+border'].output, legacy):
+    for path in (runs['mask+border'].output, runs['mask+centre'].output, legacy):
         out = str(tmp_path / ('pred_' + os.path.basename(path)))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', path, '--input',
                                str(tmp_path / 'a.png'), '--output', out, '--tta', '--mode', 'tile', '--marker', '0.4',

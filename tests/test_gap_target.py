@@ -125,6 +125,6 @@ def test_train_export_predict_a_gap_model(tiny, tmp_path):
     from gluon_unet.data.synthetic import synthetic_nuclei
     image = synthetic_nuclei(1, size=64, channels=1, seed=5)[0][0]
     model = load_model(run.output, [mx.cpu(0), mx.cpu(1)])
-    assert not model.border
+    assert model.second is None
     maps = predict_image(model.net, model.meta, image, model.ctxs, mode='tile', tta=True, maps=True)
     assert maps.shape == (1, 64, 64) and np.isfinite(maps).all()

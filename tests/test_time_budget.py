@@ -118,7 +118,7 @@ def test_the_search_is_kept_aside_and_probed_once(tiny, tmp_path, clock, monkeyp
     history = fit(_budget_cfg(tiny, tmp_path, time_budget=11.0, tune_postprocess=True, synthetic_count=24),
                   verbose=False)
     assert [r['epoch'] for r in history] == [1, 2, 3]
-    assert len(calls) == 1 and calls[0]['border'] is False
+    assert len(calls) == 1 and calls[0]['second'] is None
     with open(os.path.join(str(tmp_path / 'run'), 'train.log')) as f:
         log = f.read()
     assert 'search after the epochs is estimated at 4.2 min (1 of its 2 validation images probed)' in log
@@ -140,12 +140,12 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     seconds, probed, images = search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, probe_fraction=0.25,
                                              clock=lambda: next(readings))
     assert (probed, images) == (3, 10)  # equal sizes: 3 images reach a quarter of the pixels
-    assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + search_labelings(False) * 1.0)
+    assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + search_labelings(None) * 1.0)
     with pytest.raises(StopIteration):
         next(readings)  # three readings: before, between and after
     readings = iter([0.0, 1.0, 2.0])
-    assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, border=True,
-                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + search_labelings(True))
+    assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second='border',
+                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + search_labelings('border'))
 
 
 def test_without_a_budget_the_run_has_all_its_epochs(tiny, tmp_path, clock):

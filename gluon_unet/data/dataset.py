@@ -43,14 +43,14 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
-    target : {'mask', 'mask-gap', 'mask+border'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
-    target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for ``mask+border``), plus
-    ``weight (1,H,W) float32`` when ``weight_fn`` is set.
+    target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for ``mask+border``
+    and ``mask+centre``), plus ``weight (1,H,W) float32`` when ``weight_fn`` is set.
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,

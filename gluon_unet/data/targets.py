@@ -9,13 +9,21 @@ with the nuclei's borders, as the 2018 Data Science Bowl winners trained: a thre
 foreground map merges touching nuclei into one blob, while a border channel draws the
 line between them, and instances then grow from the confident interiors (nucleus minus
 border) by a marker-controlled watershed (:func:`gluon_unet.postprocess.instances_from_prob`).
+``mask+centre``: a second channel with each nucleus' distance to its own edge, as a
+fraction of its largest (1 at the centre, 0 on the edge and on the contact with a
+neighbour: StarDist's object probability, the "energy" of the deep watershed transform).
+Where the thin border is hard for a small network to draw exactly, this is a smooth map
+over the whole nucleus, and two touching nuclei show two hills with a valley down to 0
+between them even where their union has no neck: the hill tops are the watershed's
+markers and the nuclei meet in the valley.
 """
 import numpy as np
 from scipy import ndimage as ndi
 
 #: ``--target`` choices, and the output channel each one adds.
-TARGETS = ('mask', 'mask-gap', 'mask+border')
-OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': ('foreground', 'border')}
+TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre')
+OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': ('foreground', 'border'),
+           'mask+centre': ('foreground', 'centre')}
 
 _CROSS = ndi.generate_binary_structure(2, 1)
 
@@ -90,6 +98,45 @@ def separate_touching(instances):
     return labels
 
 
+def centre_map(instances):
+    """Each nucleus' distance to its own edge, divided by its largest: 1 at its centre,
+    falling to 0 on its edge.
+
+    The edge is where a pixel's 4-neighbourhood holds another label: background, or a
+    touching nucleus (both sides of a contact are edge, so the valley between two
+    nuclei reaches 0 however they touch). An edge pixel scores 0, a pixel next to it
+    1 / max. Dividing by each nucleus' own largest distance gives small and large nuclei
+    the same hill, so one marker level suits both. A nucleus cut by the image's (or a
+    crop's) edge rises towards it, as the nucleus goes on out there.
+
+    Parameters
+    ----------
+    instances : (H, W) int
+        0 = background, other values = nucleus ids.
+
+    Returns
+    -------
+    (H, W) float32 in [0, 1]
+        0 on the background.
+    """
+    labels = np.asarray(instances)
+    if labels.ndim != 2:
+        raise ValueError('instances must be (H, W), got shape %s' % (labels.shape,))
+    labels = labels.astype(np.int32, copy=False)
+    inner = labels > 0
+    inner &= ndi.maximum_filter(labels, footprint=_CROSS, mode='nearest') == \
+        ndi.minimum_filter(labels, footprint=_CROSS, mode='nearest')
+    out = np.zeros(labels.shape, np.float32)
+    if not inner.any():
+        return out
+    dist = ndi.distance_transform_edt(inner).astype(np.float32)
+    ids = np.unique(labels[inner])
+    top = np.zeros(int(labels.max()) + 1, np.float32)
+    top[ids] = ndi.maximum(dist, labels, index=ids)
+    np.divide(dist, top[labels], out=out, where=inner)
+    return out
+
+
 def make_target(mask, instances, target='mask'):
     """The training target of one sample.
 
@@ -98,20 +145,22 @@ def make_target(mask, instances, target='mask'):
     mask : (H, W) int
         Class per pixel (binary: 0/1).
     instances : (H, W) int
-        Instance labels (used by ``mask-gap`` and ``mask+border``).
-    target : {'mask', 'mask-gap', 'mask+border'}
+        Instance labels (used by ``mask-gap``, ``mask+border`` and ``mask+centre``).
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre'}
 
     Returns
     -------
     (C, H, W) float32
         ``mask``: the class mask (C = 1); ``mask-gap``: the foreground with the contacts
-        between touching nuclei cleared (C = 1); ``mask+border``: foreground and border (C = 2).
+        between touching nuclei cleared (C = 1); ``mask+border``: foreground and border (C = 2);
+        ``mask+centre``: foreground and :func:`centre_map` (C = 2).
     """
     if target == 'mask':
         return np.asarray(mask).astype(np.float32)[None]
     if target == 'mask-gap':
         return ((np.asarray(mask) > 0) & (separate_touching(instances) > 0)).astype(np.float32)[None]
-    if target != 'mask+border':
+    if target not in ('mask+border', 'mask+centre'):
         raise ValueError('target must be one of %s (got %r)' % (', '.join(TARGETS), target))
     fg = np.asarray(mask) > 0
-    return np.stack([fg, border_map(instances)]).astype(np.float32)
+    second = border_map(instances) if target == 'mask+border' else centre_map(instances)
+    return np.stack([fg, second]).astype(np.float32)
