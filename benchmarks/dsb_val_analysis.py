@@ -15,6 +15,7 @@ of the same maps::
     python benchmarks/dsb_val_analysis.py per-kind /tmp/gu14/v6_maps.npz   # a setting per image kind vs one for all
     python benchmarks/dsb_val_analysis.py markers /tmp/gu14/v6_maps.npz    # other watershed markers vs the distance
     python benchmarks/dsb_val_analysis.py oracles /tmp/gu14/v6_maps.npz    # outline or separation: which loses more
+    python benchmarks/dsb_val_analysis.py centre /tmp/gu24/val_v22.npz     # a mask+centre model's markers
 
 ``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
 nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
@@ -35,6 +36,9 @@ image is scored with the setting chosen on the others, so no image picks its own
 foreground separated by the run's own distance watershed (a perfect outline), and the
 run's own foreground separated by the true nuclei (a perfect separation: the watershed of
 its mask seeded by the true nuclei inside it; blobs without one are kept as objects).
+``centre`` asks, of a ``mask+centre`` model's maps, which markers split best: the distance
+watershed, the centre map's h-maxima (what the package does), its components above a
+level, or the h-maxima of the distance times the centre map (leave-one-image-out too).
 """
 import argparse
 import ast
@@ -402,6 +406,59 @@ def cmd_markers(args):
     print('%-24s %.4f / %.4f' % ('all three together', everything.mean(0).max(), leave_one_out(everything).mean()))
 
 
+def _centre_level(maps, threshold, min_size, level):
+    """Markers: the components of the centre map above ``level`` (not its h-maxima)."""
+    from gluon_unet.postprocess import _level_markers, keep_orphans
+    from skimage.segmentation import watershed
+    mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
+    markers, elevation = _level_markers(maps[1], mask, level)
+    return keep_orphans(watershed(elevation, markers, mask=mask), mask)
+
+
+def _distance_times_centre(maps, threshold, min_size, h):
+    """The distance watershed on the foreground's distance transform times the centre map
+    (smoothed like the package's, sigma 1): the learned valley between two touching nuclei
+    cuts the distance's single hill where their union has no neck."""
+    from scipy import ndimage as ndi
+    from skimage.segmentation import watershed
+
+    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
+    mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
+    elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * maps[1], 1.0)
+    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+
+
+def _centre_labels(m, setting):
+    kind, setting = setting['markers'], {k: v for k, v in setting.items() if k != 'markers'}
+    if kind in ('distance', 'centre'):
+        return instances_from_maps(m, markers=kind, **setting)
+    return (_centre_level if kind == 'centre level' else _distance_times_centre)(m, **setting)
+
+
+def cmd_centre(args):
+    images, _ = load_maps(args.maps)
+    if any(m.ndim != 3 or len(m) != 2 for m, _, _ in images.values()):
+        raise SystemExit('error: %s: not the maps of a two-map (mask+centre) model' % args.maps)
+    sizes, thresholds = (0, 16), (0.4, 0.5, 0.6)
+    arms = {
+        'distance (the search)': [dict(s, markers='distance') for s in _grid_settings()],
+        'centre h-maxima': [{'markers': 'centre', 'threshold': t, 'marker': d, 'min_size': ms}
+                            for t in thresholds for d in (0.02, 0.05, 0.1, 0.2) for ms in sizes],
+        'centre level': [{'markers': 'centre level', 'threshold': t, 'level': v, 'min_size': ms}
+                         for t in thresholds for v in (0.2, 0.3, 0.4, 0.5) for ms in sizes],
+        'distance x centre': [{'markers': 'distance x centre', 'threshold': t, 'h': h, 'min_size': ms}
+                              for t in thresholds for h in (0.25, 0.5, 1.0) for ms in sizes]}
+    per = {name: setting_scores(images, settings, _centre_labels, args.jobs) for name, settings in arms.items()}
+    print('%d images; best setting on all of them / each scored with the one chosen on the others' % len(images))
+    for name, scores in per.items():
+        from gluon_unet.postprocess import TUNE_MIN_SCORES
+        best = scores.mean(0).argmax()
+        setting = dict(arms[name][best // len(TUNE_MIN_SCORES)], min_score=TUNE_MIN_SCORES[best % len(TUNE_MIN_SCORES)])
+        print('%-24s %.4f / %.4f   best: %s' % (name, scores.mean(0).max(), leave_one_out(scores).mean(), setting))
+    everything = np.concatenate(list(per.values()), 1)
+    print('%-24s %.4f / %.4f' % ('all together', everything.mean(0).max(), leave_one_out(everything).mean()))
+
+
 def oracle_labels(maps, truth, setting):
     """The labellings ``oracles`` scores: the run's own, the true foreground's connected
     components, the true foreground split by the run's distance watershed, and the run's
@@ -413,6 +470,8 @@ def oracle_labels(maps, truth, setting):
     from gluon_unet.postprocess import keep_orphans
     fg = truth > 0
     perfect = fg.astype(np.float32)[None]
+    if maps.ndim == 3 and len(maps) == 2:  # a two-map model's own second map seeds its watershed
+        perfect = np.concatenate([perfect, maps[1:]])
     ours = instances_from_maps(maps, **setting)
     mask = instances_from_maps(maps, **dict(setting, split='none')) > 0
     seeds = np.where(mask, truth, 0).astype(np.int32)
@@ -464,12 +523,16 @@ def main(argv=None):
         a.add_argument('--jobs', type=int, default=1, help='processes (each image is scored on its own)')
     a = sub.add_parser('oracles', help='a perfect outline or a perfect separation: which loses more')
     a.add_argument('maps')
+    a = sub.add_parser('centre', help="a mask+centre model's markers: h-maxima, levels, distance x centre")
+    a.add_argument('maps')
+    a.add_argument('--jobs', type=int, default=1, help='processes (each image is scored on its own)')
     args = p.parse_args(argv)
     if getattr(args, 'jobs', 1) < 1:
         raise SystemExit('error: --jobs must be >= 1 (got %d)' % args.jobs)
     {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
      'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter,
-     'per-kind': cmd_per_kind, 'markers': cmd_markers, 'oracles': cmd_oracles}[args.cmd](args)
+     'per-kind': cmd_per_kind, 'markers': cmd_markers, 'oracles': cmd_oracles,
+     'centre': cmd_centre}[args.cmd](args)
 
 
 if __name__ == '__main__':

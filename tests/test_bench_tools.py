@@ -300,3 +300,26 @@ def test_val_analysis_oracles_split_the_loss_between_outline_and_separation(tmp_
     assert rows == {'ours': 0.0, 'true foreground, components': 0.5,      # the pair merged, the one right
                     'true foreground, our watershed': 0.5,                # one ridge: merged on the truth too
                     'our foreground, true split': 0.5}, rows              # the pair right, the halo not
+
+
+def test_val_analysis_centre_markers_split_what_the_distance_merges(tmp_path, capsys):
+    """dsb_val_analysis.py centre: two nuclei side by side make one rectangle, whose
+    distance has one ridge, but a centre map has a hill in each; one-map maps are refused."""
+    import dsb_val_analysis
+    from gluon_unet.data.targets import centre_map
+
+    truth, prob = np.zeros((40, 40), np.int32), np.zeros((40, 40), np.float32)
+    truth[10:20, 5:15], truth[10:20, 15:25] = 1, 2
+    prob[10:20, 5:25] = 0.99
+    maps = np.stack([prob, centre_map(truth)])
+    path = str(tmp_path / 'maps.npz')
+    np.savez(path, setting=np.array(repr({'threshold': 0.5, 'h': 0.5, 'min_size': 0})),
+             **{'%s_%s' % (key, name): value for name in 'ab'
+                for key, value in (('maps', maps), ('truth', truth), ('group', np.array('fluorescence')))})
+    dsb_val_analysis.main(['centre', path])
+    scores = {line[:24].strip(): line[24:].split(' / ') for line in capsys.readouterr().out.splitlines()[1:]}
+    assert float(scores['distance (the search)'][1].split()[0]) == 0.0, scores  # one object for two nuclei
+    assert float(scores['centre h-maxima'][1].split()[0]) == 1.0, scores
+    _save_kinds(path, {'a': (prob, truth, 'fluorescence')})
+    with pytest.raises(SystemExit, match='not the maps of a two-map'):
+        dsb_val_analysis.main(['centre', path])

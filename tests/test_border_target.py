@@ -14,7 +14,7 @@ from scipy import ndimage as ndi
 from gluon_unet.config import TrainConfig
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
-from gluon_unet.data.targets import border_map, make_target
+from gluon_unet.data.targets import border_map, centre_map, make_target
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model, predict_image
@@ -79,18 +79,20 @@ def test_make_target_channels():
         make_target(mask, labels, 'borders')
 
 
-def test_the_dataset_builds_borders_from_the_cropped_and_flipped_instances():
+@pytest.mark.parametrize('target, second', [('mask+border', lambda inst: border_map(inst).astype(np.float32)),
+                                            ('mask+centre', centre_map)])
+def test_the_dataset_builds_the_second_map_from_the_cropped_and_flipped_instances(target, second):
     labels = np.stack([_touching_pair(), _touching_pair()[::-1, ::-1].copy()])
     images = (labels > 0).astype(np.uint8)[..., None] * 200
     ds = SegmentationDataset(images, (labels > 0).astype(np.uint8), labels,
-                             transform=make_transform(augment=True, crop=32), target='mask+border')
+                             transform=make_transform(augment=True, crop=32), target=target)
     for seed in range(6):
-        image, target = ds[(0, seed)]
+        image, maps = ds[(0, seed)]
         _, _, inst = ds.sample(0, seed)
-        assert image.shape == (1, 32, 32) and target.shape == (2, 32, 32)
-        assert np.array_equal(target[1] > 0, border_map(inst))  # borders follow the crop
-        assert np.array_equal(target[0] > 0, inst > 0)
-    assert ds.subset([1]).target == 'mask+border'
+        assert image.shape == (1, 32, 32) and maps.shape == (2, 32, 32)
+        assert np.array_equal(maps[1], second(inst))  # borders and centres follow the crop
+        assert np.array_equal(maps[0] > 0, inst > 0)
+    assert ds.subset([1]).target == target
 
 
 def test_the_loss_has_one_dice_term_per_channel():

@@ -1,5 +1,6 @@
 """--target mask+centre: each nucleus' distance to its edge as a second map, its loss, the
-watershed from its hill tops, the search over its markers, and the checks on its export."""
+watershed from its hill tops, the search over its markers, and the checks on its export
+(the dataset's crops and a trained model's export and prediction: test_border_target.py)."""
 import os
 import subprocess
 import sys
@@ -8,8 +9,6 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet.data.augment import make_transform
-from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import centre_map, make_target
 from gluon_unet.errors import UserError
 from gluon_unet.losses import SegmentationLoss
@@ -60,18 +59,6 @@ def test_make_target_stacks_the_mask_and_the_centre_map():
     both = make_target(mask, labels, 'mask+centre')
     assert both.shape == (2,) + labels.shape and both.dtype == np.float32
     assert np.array_equal(both[0], mask) and np.array_equal(both[1], centre_map(labels))
-
-
-def test_the_dataset_builds_centres_from_the_cropped_and_flipped_instances():
-    labels = np.stack([_touching_pair(), _touching_pair()[::-1, ::-1].copy()])
-    images = (labels > 0).astype(np.uint8)[..., None] * 200
-    ds = SegmentationDataset(images, (labels > 0).astype(np.uint8), labels,
-                             transform=make_transform(augment=True, crop=32), target='mask+centre')
-    for seed in range(6):
-        image, target = ds[(0, seed)]
-        _, _, inst = ds.sample(0, seed)
-        assert image.shape == (1, 32, 32) and target.shape == (2, 32, 32)
-        assert np.array_equal(target[1], centre_map(inst))  # the centre map follows the crop
 
 
 def test_the_centre_channel_takes_the_bce_and_no_dice():

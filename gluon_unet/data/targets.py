@@ -28,6 +28,21 @@ OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': 
 _CROSS = ndi.generate_binary_structure(2, 1)
 
 
+def _labels(instances, copy=False):
+    """``instances`` as 2-D int32 labels (a copy with ``copy``), or a ValueError."""
+    labels = np.asarray(instances)
+    if labels.ndim != 2:
+        raise ValueError('instances must be (H, W), got shape %s' % (labels.shape,))
+    return labels.astype(np.int32, copy=copy)
+
+
+def _contour(labels):
+    """Pixels with a 4-neighbour of another label (background included): both sides of
+    every nucleus' outline and of every contact between two nuclei."""
+    return ndi.maximum_filter(labels, footprint=_CROSS, mode='nearest') != \
+        ndi.minimum_filter(labels, footprint=_CROSS, mode='nearest')
+
+
 def border_map(instances, gap=2):
     """Border pixels of instance labels: the contour of every nucleus and the gap between
     nuclei that (nearly) touch.
@@ -52,14 +67,8 @@ def border_map(instances, gap=2):
     -------
     (H, W) bool
     """
-    labels = np.asarray(instances)
-    if labels.ndim != 2:
-        raise ValueError('instances must be (H, W), got shape %s' % (labels.shape,))
-    labels = labels.astype(np.int32, copy=False)
-    # Contour: a 4-neighbour with another label (background included), on both sides.
-    hi = ndi.maximum_filter(labels, footprint=_CROSS, mode='nearest')
-    lo = ndi.minimum_filter(labels, footprint=_CROSS, mode='nearest')
-    border = hi != lo
+    labels = _labels(instances)
+    border = _contour(labels)
     if gap > 0:
         size = 2 * gap + 1
         big = np.iinfo(np.int32).max
@@ -88,10 +97,7 @@ def separate_touching(instances):
     (H, W) int32
         The labels, minus the cleared contact pixels.
     """
-    labels = np.asarray(instances)
-    if labels.ndim != 2:
-        raise ValueError('instances must be (H, W), got shape %s' % (labels.shape,))
-    labels = labels.astype(np.int32)  # a copy: the caller's labels stay as they are
+    labels = _labels(instances, copy=True)  # a copy: the caller's labels stay as they are
     # The highest id within the 3x3 window; background (0) never clears anything.
     higher = ndi.maximum_filter(labels, size=3, mode='constant', cval=0)
     labels[(labels > 0) & (higher > labels)] = 0
@@ -119,13 +125,8 @@ def centre_map(instances):
     (H, W) float32 in [0, 1]
         0 on the background.
     """
-    labels = np.asarray(instances)
-    if labels.ndim != 2:
-        raise ValueError('instances must be (H, W), got shape %s' % (labels.shape,))
-    labels = labels.astype(np.int32, copy=False)
-    inner = labels > 0
-    inner &= ndi.maximum_filter(labels, footprint=_CROSS, mode='nearest') == \
-        ndi.minimum_filter(labels, footprint=_CROSS, mode='nearest')
+    labels = _labels(instances)
+    inner = (labels > 0) & ~_contour(labels)
     out = np.zeros(labels.shape, np.float32)
     if not inner.any():
         return out
