@@ -24,7 +24,7 @@ _CHOICES = {
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
-    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre'),
+    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'),
     'memory': ('speed', 'balanced', 'low'),
     'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
 }
@@ -55,13 +55,15 @@ class ModelConfig:
                                'instances grow from the interiors, so touching nuclei come apart); or '
                                'mask+centre (foreground and each nucleus\' distance to its edge as a fraction of '
                                'its largest, a second channel: instances grow from its hill tops and meet in the '
-                               'valleys between touching nuclei)')
+                               'valleys between touching nuclei); or mask+contact (foreground and the lines where '
+                               'nuclei touch, a second channel: instances grow from the foreground less the '
+                               'contacts; with --loss wbce_dice the contacts weigh most)')
 
     @property
     def outputs(self):
-        """Output channels of the network: ``classes``, plus one for ``mask+border`` and
-        ``mask+centre``."""
-        return self.classes + (self.target in ('mask+border', 'mask+centre'))
+        """Output channels of the network: ``classes``, plus one for the targets with a
+        second map (``mask+border``, ``mask+centre``, ``mask+contact``)."""
+        return self.classes + self.target.startswith('mask+')
 
 
 @dataclass

@@ -387,8 +387,8 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
 
 def _forward_eval(net, ctxs, arrays, loss_fn, second=None):
     """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: probability maps
-    ``(N, K, H, W)`` (foreground, then the ``second`` map of a two-map model: 'border'
-    or 'centre') and the summed loss against ``arrays[1:]`` (target, weight), computed on
+    ``(N, K, H, W)`` (foreground, then the ``second`` map of a two-map model: 'border',
+    'centre' or 'contact') and the summed loss against ``arrays[1:]`` (target, weight), computed on
     the devices; also whether the model is binary (a foreground, alone or with a second map)."""
     probs, losses = [], []
     with mx.autograd.predict_mode():
@@ -515,7 +515,7 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
 
     The search predicts each of its images once, then labels them all once per setting
     (:func:`postprocess.search_labelings`: 28 for a one-map model, 55 for a two-map model
-    whose ``second`` map is 'border' or 'centre'). So the probe predicts
+    whose ``second`` map is 'border', 'centre' or 'contact'). So the probe predicts
     its first images up to ``probe_fraction`` of the pixels, as the search predicts them,
     and labels and scores all of them once, on their true masks (a network after one
     epoch draws no nuclei like those the trained one will); :func:`budget.search_estimate`
@@ -553,9 +553,9 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
 
 
 def _one_marker_map(fg, second):
-    """A stand-in second map for the search probe: no border (every blob's interior is its
-    marker), or a centre map high on the whole foreground."""
-    return np.zeros_like(fg) if second == 'border' else fg
+    """A stand-in second map for the search probe: no border or contact line (every blob's
+    interior is its marker), or a centre map high on the whole foreground."""
+    return fg if second == 'centre' else np.zeros_like(fg)
 
 
 def _central_window(shape, max_pixels):
@@ -615,7 +615,7 @@ def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
 
 
 def _second(target):
-    """The second output map a ``--target`` adds ('border', 'centre'), or None."""
+    """The second output map a ``--target`` adds ('border', 'centre', 'contact'), or None."""
     outputs = OUTPUTS[target]
     return outputs[1] if len(outputs) > 1 else None
 

@@ -24,7 +24,7 @@ from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
-from .postprocess import settings_text
+from .postprocess import MARKERS, SECOND_MAPS, settings_text
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
 from .utils import atomic_open, dir_mode
@@ -163,7 +163,8 @@ def model_card(cfg, meta):
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
                         'instances': {'mask+border': 'marker watershed from the interiors',
-                                      'mask+centre': 'marker watershed from the centres'}.get(
+                                      'mask+centre': 'marker watershed from the centres',
+                                      'mask+contact': 'marker watershed from the foreground less the contacts'}.get(
                                           cfg.model.target, 'marker watershed on the distance transform')},
     }
 
@@ -317,10 +318,9 @@ def read_sidecar(path):
     if config is not None and not isinstance(config, dict):
         raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
     tuned = meta.get('postprocess')
-    if tuned is not None and (not isinstance(tuned, dict)
-                              or tuned.get('markers') not in (None, 'border', 'centre', 'distance')):
-        raise bad("'postprocess' must be an object whose 'markers' is \"border\", \"centre\" or \"distance\" "
-                  "(got %s)" % json.dumps(tuned))
+    if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None,) + MARKERS):
+        raise bad("'postprocess' must be an object whose 'markers' is one of %s (got %s)"
+                  % (', '.join(json.dumps(m) for m in MARKERS), json.dumps(tuned)))
     min_score = (tuned or {}).get('min_score')
     if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
                                   or not 0 <= min_score < 1):
@@ -342,7 +342,7 @@ def read_sidecar(path):
     if target is not None and target not in OUTPUTS:
         raise bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
     markers = (tuned or {}).get('markers')
-    if markers in ('border', 'centre'):
+    if markers in SECOND_MAPS:
         second = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))[1:]
         if second != [markers]:
             raise bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (

@@ -225,7 +225,8 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
 
 def second_map(meta):
     """What an export's (its sidecar ``meta``) second output map is: 'border' for a
-    ``mask+border`` model, 'centre' for a ``mask+centre`` one, None for one map. From the
+    ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact``,
+    None for one map. From the
     sidecar's ``outputs``, else its training config; exports from before borders have one map."""
     from .data.targets import OUTPUTS
 
@@ -277,7 +278,7 @@ class LoadedModel:
     min_size: int = 0  # chosen on validation after training (sidecar 'postprocess'), else 0
     h: float = 0.5
     marker: float = 0.5  # two-map models: the marker setting (postprocess.DEFAULT_MARKER)
-    second: Optional[str] = None  # a two-map model's second output: 'border' or 'centre' (:func:`second_map`)
+    second: Optional[str] = None  # a two-map model's second output (:func:`second_map`)
     denoise: float = 0.0  # Gaussian sigma before the percentile stretch (0: exports from before it)
     diameter: Optional[float] = None  # median nucleus diameter in training (px); None: not recorded
     markers: Optional[str] = None  # a two-map model's watershed markers: its second map's kind or 'distance'

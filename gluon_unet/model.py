@@ -209,7 +209,7 @@ def foreground_probability(logits):
 def probability_maps(logits, second=None):
     """Probability maps ``(N, K, H, W)`` from U-Net logits ``(N, C, H, W)``: channel 0 is
     the foreground (:func:`foreground_probability`); a two-map model (``second``:
-    'border' for ``mask+border``, 'centre' for ``mask+centre``) adds its second map as
+    'border', 'centre' or 'contact', after its ``--target``) adds its second map as
     channel 1 (both outputs are independent sigmoids)."""
     if second:
         return mx.nd.sigmoid(logits)

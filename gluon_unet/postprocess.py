@@ -13,13 +13,16 @@ from scipy import ndimage as ndi
 
 #: Instance separation choices (``bin/predict --split``): distance watershed, or plain components.
 SPLITS = ('watershed', 'none')
-# Where a two-map model's watershed seeds come from: its second map (the interiors a
-# border map leaves, or the hill tops of a centre map), or the distance transform of its
-# foreground.
-MARKERS = ('border', 'centre', 'distance')
-#: The ``marker`` setting of each second map when none is given or chosen: an interior
-#: score a border model's marker exceeds, the depth of a centre model's hill top.
-DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1}
+#: What a two-map model's second map can be (``OUTPUTS`` of :mod:`gluon_unet.data.targets`).
+#: A border or a contact map is a line: the markers are what it leaves of the foreground.
+#: A centre map is a hill over each nucleus: the markers are its tops.
+SECOND_MAPS = ('border', 'centre', 'contact')
+#: Where a two-map model's watershed seeds come from: its second map, or the distance
+#: transform of its foreground.
+MARKERS = SECOND_MAPS + ('distance',)
+#: The ``marker`` setting of each second map when none is given or chosen: the interior
+#: score a marker of a border or contact model exceeds, the depth of a centre model's hill top.
+DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1, 'contact': 0.5}
 
 
 def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boundary=None,
@@ -37,10 +40,11 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
     split : {'watershed', 'none'}
         'none' = plain (4-connected) components; 'watershed' separates touching nuclei.
     boundary : (H, W) float, optional
-        Predicted border probability (a ``mask+border`` model). The markers are then the
-        confident interiors, the components of ``prob * (1 - boundary) > marker``, and
-        they flood the foreground downhill in that interior score, so two touching
-        nuclei meet on the border between them. ``h`` and ``smooth`` are not used.
+        Predicted border probability (a ``mask+border`` model), or contact probability (a
+        ``mask+contact`` model). The markers are then the confident interiors, the
+        components of ``prob * (1 - boundary) > marker``, and they flood the foreground
+        downhill in that interior score, so two touching nuclei meet on the line between
+        them. ``h`` and ``smooth`` are not used.
     centre : (H, W) float, optional
         Predicted distance to the edge, as a fraction of the nucleus' largest (a
         ``mask+centre`` model; not with ``boundary``). The markers are its hill tops in
@@ -188,15 +192,15 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
     maps : (H, W) or (K, H, W) float
         The foreground probability, and for a two-map model (K = 2) its second map: the
         border probability of a ``mask+border`` model, the centre map of a ``mask+centre``
-        one.
+        one, the contact probability of a ``mask+contact`` one.
     threshold, min_size, split, h, marker, min_score
         See :func:`instances_from_prob` (``h`` is used by the distance watershed,
-        ``marker`` by the border and centre markers; ``min_score`` applies to the
-        foreground map).
-    markers : {None, 'border', 'centre', 'distance'}
+        ``marker`` by the second map's markers; ``min_score`` applies to the foreground map).
+    markers : {None, 'border', 'centre', 'contact', 'distance'}
         Where the watershed's markers come from, and so what a second map is: the
         interiors left by a border map ('border'; the default with two maps, as before
-        centre maps existed), the hill tops of a centre map ('centre'), or the distance
+        other second maps existed) or a contact map ('contact'), the hill tops of a
+        centre map ('centre'), or the distance
         transform of the foreground (the default with one map; for a two-map model, when
         its second map splits worse than the distance on validation images -
         :func:`tune_postprocess` chooses).
@@ -212,7 +216,7 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
     if markers is not None and markers not in MARKERS:
         raise ValueError('markers must be one of %s (got %r)' % (', '.join(MARKERS), markers))
-    if markers in ('border', 'centre') and len(maps) != 2:
+    if markers in SECOND_MAPS and len(maps) != 2:
         raise ValueError('%s markers need a second map (a mask+%s model), got %d map(s)'
                          % (markers, markers, len(maps)))
     second = None if len(maps) == 1 or markers == 'distance' else maps[1]
@@ -562,7 +566,7 @@ def settings_text(tuned):
 
 def _searches(second, grid=None):
     """The (markers, grid) pairs :func:`tune_postprocess` searches in turn, for maps whose
-    second map is ``second`` ('border', 'centre'; None = one map)."""
+    second map is ``second`` (one of :data:`SECOND_MAPS`; None = one map)."""
     if second:
         return [(second, grid or (TUNE_GRID_CENTRE if second == 'centre' else TUNE_GRID_BORDER)),
                 ('distance', TUNE_GRID)]
@@ -570,13 +574,13 @@ def _searches(second, grid=None):
 
 
 def _search_keys(markers):
-    return ('threshold', 'marker' if markers in ('border', 'centre') else 'h', 'min_size')
+    return ('threshold', 'marker' if markers in SECOND_MAPS else 'h', 'min_size')
 
 
 def search_labelings(second, grid=None):
     """How many times :func:`tune_postprocess` labels each image (the untuned default and
     every setting of its grid; the min scores reuse a labelling) for maps whose second map
-    is ``second`` ('border', 'centre'; None or False = one map): what ``--time-budget``
+    is ``second`` (one of :data:`SECOND_MAPS`; None or False = one map): what ``--time-budget``
     scales a probe's one labelling by."""
     return 1 + sum(int(np.prod([len(space[k]) for k in _search_keys(markers)]))
                    for markers, space in _searches(second, grid))
@@ -599,8 +603,8 @@ def tune_postprocess(pairs, grid=None, base=None, second=None):
     base : dict, optional
         The untuned settings, scored too and kept on ties (so tuning never reports a
         setting that does no better than the defaults).
-    second : {None, 'border', 'centre'}
-        What the second of two maps is (None: 'border', as before centre maps existed).
+    second : {None, 'border', 'centre', 'contact'}
+        What the second of two maps is (None: 'border', as before other second maps existed).
 
     Returns
     -------
@@ -611,8 +615,8 @@ def tune_postprocess(pairs, grid=None, base=None, second=None):
     """
     import itertools
 
-    if second not in (None, 'border', 'centre'):
-        raise ValueError("second must be 'border' or 'centre' (got %r)" % (second,))
+    if second is not None and second not in SECOND_MAPS:
+        raise ValueError('second must be one of %s (got %r)' % (', '.join(SECOND_MAPS), second))
     two = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
     second = (second or 'border') if two else None
     searches = _searches(second, grid)

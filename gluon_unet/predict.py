@@ -34,7 +34,7 @@ from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
 from .export import card_summary
 from .inference import _Done, load_model, match_channels
-from .postprocess import MARKERS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
+from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
 from .utils import atomic_open
@@ -65,7 +65,7 @@ class PredictConfig:
     split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
     marker: Optional[float] = None    #: two-map models: the second map's level a marker needs; None = the model's
     h: Optional[float] = None         #: distance watershed: h-maxima depth in pixels; None = the model's
-    markers: Optional[str] = None     #: two-map models: 'border', 'centre' or 'distance'; None = the model's
+    markers: Optional[str] = None     #: two-map models: their second map or 'distance'; None = the model's
     diameter: Optional[str] = None    #: nuclei's size in the images: 'auto' or pixels; None = no rescaling
     overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
     rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
@@ -280,7 +280,7 @@ class _Run:
         self.marker = model.marker if config.marker is None else float(config.marker)
         self.h = model.h if config.h is None else float(config.h)
         self.markers = model.markers if config.markers is None else config.markers
-        if self.markers in ('border', 'centre') and model.second != self.markers:
+        if self.markers in SECOND_MAPS and model.second != self.markers:
             raise UserError('--markers %s needs a mask+%s model; this one predicts %s (use --markers %s or leave '
                             'it out)' % (self.markers, self.markers, 'the foreground only' if model.second is None
                                          else 'the foreground and a %s map' % model.second,
@@ -526,16 +526,17 @@ def build_parser():
                              "blobs (default: the model's, chosen on validation; else 0 = keep all)")
     parser.add_argument('--split', default='watershed', choices=SPLITS,
                         help='separate touching nuclei with a watershed (default: from the interiors of a '
-                             'mask+border model, from the centres of a mask+centre model, else on the distance '
-                             'transform) or keep plain connected components (none)')
+                             'mask+border model or those a mask+contact model leaves, from the centres of a '
+                             'mask+centre model, else on the distance transform) or keep plain connected components '
+                             '(none)')
     parser.add_argument('--diameter', default=None, metavar='auto|PIXELS',
                         help="rescale each image so its nuclei reach the network at the size the model was "
                              "trained on (Cellpose-style): PIXELS = the typical nucleus diameter in your images, "
                              "auto = measured from a first prediction of each image (twice the work); "
                              "default: no rescaling")
     parser.add_argument('--marker', type=float, default=None,
-                        help="mask+border models: the interior score (foreground x (1 - border)) a watershed "
-                             "marker needs (else 0.5); mask+centre models: how far a hill top of the centre map must "
+                        help="mask+border and mask+contact models: the interior score (foreground x (1 - border "
+                             "or contact)) a watershed marker needs (else 0.5); mask+centre models: how far a hill top of the centre map must "
                              "rise above its valley to seed its own nucleus (else 0.1) (default: the model's, chosen "
                              "on validation)")
     parser.add_argument('--h', type=float, default=None,
@@ -544,9 +545,9 @@ def build_parser():
                              "model's, chosen on validation; else 0.5)")
     parser.add_argument('--markers', default=None,
                         help="two-map models: seed the watershed from the interiors a border map leaves "
-                             "(border), from the hill tops of a centre map (centre) or from the distance transform "
-                             "of the foreground (distance) (default: the model's, chosen on validation; else its "
-                             "second map)")
+                             "(border) or a contact map (contact), from the hill tops of a centre map (centre) or "
+                             "from the distance transform of the foreground (distance) (default: the model's, "
+                             "chosen on validation; else its second map)")
     parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
     parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
     parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')

@@ -14,7 +14,7 @@ from scipy import ndimage as ndi
 from gluon_unet.config import TrainConfig
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
-from gluon_unet.data.targets import border_map, centre_map, make_target
+from gluon_unet.data.targets import border_map, centre_map, contact_map, make_target
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model, predict_image
@@ -80,7 +80,8 @@ def test_make_target_channels():
 
 
 @pytest.mark.parametrize('target, second', [('mask+border', lambda inst: border_map(inst).astype(np.float32)),
-                                            ('mask+centre', centre_map)])
+                                            ('mask+centre', centre_map),
+                                            ('mask+contact', lambda inst: contact_map(inst).astype(np.float32))])
 def test_the_dataset_builds_the_second_map_from_the_cropped_and_flipped_instances(target, second):
     labels = np.stack([_touching_pair(), _touching_pair()[::-1, ::-1].copy()])
     images = (labels > 0).astype(np.uint8)[..., None] * 200
@@ -143,9 +144,9 @@ def test_the_search_tunes_the_marker_for_border_maps():
     assert result['score'] > result['base_score'] and result['marker'] > 0.5
 
 
-def test_train_export_predict_a_border_model_a_centre_model_and_a_mask_model(tiny, tmp_path):
+def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
     runs = {}
-    for target in ('mask', 'mask+border', 'mask+centre'):
+    for target in ('mask', 'mask+border', 'mask+centre', 'mask+contact'):
         runs[target] = fit(tiny(target=target, loss='bce_dice', val_split=0.25, crop=32, size=32,
                                 output=str(tmp_path / target.replace('+', '_'))), verbose=False)
     new = json.load(open(os.path.join(runs['mask+border'].output, 'export', 'model.json')))
@@ -154,6 +155,8 @@ def test_train_export_predict_a_border_model_a_centre_model_and_a_mask_model(tin
     assert 'marker' in new['postprocess'] and 'h' in old['postprocess']
     centre = json.load(open(os.path.join(runs['mask+centre'].output, 'export', 'model.json')))
     assert centre['outputs'] == ['foreground', 'centre'] and centre['postprocess']['markers'] == 'centre'
+    contact = json.load(open(os.path.join(runs['mask+contact'].output, 'export', 'model.json')))
+    assert contact['outputs'] == ['foreground', 'contact'] and contact['postprocess']['markers'] == 'contact'
     # An export from before borders existed: no 'outputs', no target in its config.
     legacy = str(tmp_path / 'legacy')
     os.makedirs(legacy)
@@ -165,7 +168,7 @@ def test_train_export_predict_a_border_model_a_centre_model_and_a_mask_model(tin
     from gluon_unet.data.synthetic import synthetic_nuclei
     image = synthetic_nuclei(1, size=80, channels=1, seed=3)[0][0]
     for path, second in ((runs['mask+border'].output, 'border'), (runs['mask+centre'].output, 'centre'),
-                         (runs['mask'].output, None), (legacy, None)):
+                         (runs['mask+contact'].output, 'contact'), (runs['mask'].output, None), (legacy, None)):
         k = 1 + bool(second)
         model = load_model(path, [mx.cpu()])
         assert model.second == second and model.markers == second
@@ -178,7 +181,7 @@ def test_train_export_predict_a_border_model_a_centre_model_and_a_mask_model(tin
         assert np.array_equal(predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole'), whole[0])
     # bin/predict on both kinds, with TTA, tiles and the submission.
     cv2.imwrite(str(tmp_path / 'a.png'), image)
-    for path in (runs['mask+border'].output, runs['mask+centre'].output, legacy):
+    for path in (runs['mask+border'].output, runs['mask+centre'].output, runs['mask+contact'].output, legacy):
         out = str(tmp_path / ('pred_' + os.path.basename(path)))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', path, '--input',
                                str(tmp_path / 'a.png'), '--output', out, '--tta', '--mode', 'tile', '--marker', '0.4',

@@ -43,14 +43,14 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
-    target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for ``mask+border``
-    and ``mask+centre``), plus ``weight (1,H,W) float32`` when ``weight_fn`` is set.
+    target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for the targets with
+    a second map), plus ``weight (1,H,W) float32`` when ``weight_fn`` is set.
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
@@ -110,9 +110,10 @@ class SegmentationDataset(gluon.data.Dataset):
             # No all-ones weight map: it would be batched, copied to every device and
             # multiplied in for nothing.
             return image, target
-        if self.target == 'mask-gap':
+        if self.target in ('mask-gap', 'mask+contact'):
             # The weight map's border term lives on background pixels between nuclei:
-            # with the contacts cleared it lands on the gaps the target asks for.
+            # with the contacts cleared it lands on the gaps the target asks for (the
+            # cut line of mask-gap, the contact line of mask+contact).
             inst = separate_touching(inst)
         return image, target, self.weight_fn(inst).astype(np.float32)[None]
 

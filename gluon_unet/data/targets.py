@@ -15,15 +15,20 @@ neighbour: StarDist's object probability, the "energy" of the deep watershed tra
 Where the thin border is hard for a small network to draw exactly, this is a smooth map
 over the whole nucleus, and two touching nuclei show two hills with a valley down to 0
 between them even where their union has no neck: the hill tops are the watershed's
-markers and the nuclei meet in the valley.
+markers and the nuclei meet in the valley. ``mask+contact``: a second channel with only
+the lines where nuclei touch (both sides of every contact, and the narrow background gaps
+between nuclei), none of the outlines against the background: the border's one part the
+foreground cannot show, learnt with the U-Net paper's gap weights (``--loss wbce_dice``)
+on a sparse line the network need not draw around every nucleus; instances grow from the
+foreground minus the contacts, so the foreground stays whole (``mask-gap`` cuts it).
 """
 import numpy as np
 from scipy import ndimage as ndi
 
 #: ``--target`` choices, and the output channel each one adds.
-TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre')
+TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact')
 OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': ('foreground', 'border'),
-           'mask+centre': ('foreground', 'centre')}
+           'mask+centre': ('foreground', 'centre'), 'mask+contact': ('foreground', 'contact')}
 
 _CROSS = ndi.generate_binary_structure(2, 1)
 
@@ -70,12 +75,44 @@ def border_map(instances, gap=2):
     labels = _labels(instances)
     border = _contour(labels)
     if gap > 0:
-        size = 2 * gap + 1
-        big = np.iinfo(np.int32).max
-        nearest_hi = ndi.maximum_filter(labels, size=size, mode='constant', cval=0)
-        nearest_lo = ndi.minimum_filter(np.where(labels > 0, labels, big), size=size, mode='constant', cval=big)
-        border |= (labels == 0) & (nearest_lo < big) & (nearest_lo != nearest_hi)
+        border |= (labels == 0) & _two_nuclei_within(labels, gap)
     return border
+
+
+def _two_nuclei_within(labels, reach):
+    """Pixels with two different nuclei within ``reach`` pixels (chessboard distance)."""
+    size = 2 * reach + 1
+    big = np.iinfo(np.int32).max
+    nearest_hi = ndi.maximum_filter(labels, size=size, mode='constant', cval=0)
+    nearest_lo = ndi.minimum_filter(np.where(labels > 0, labels, big), size=size, mode='constant', cval=big)
+    return (nearest_lo < big) & (nearest_lo != nearest_hi)
+
+
+def contact_map(instances, gap=2):
+    """Where nuclei touch or nearly touch: the border of :func:`border_map` without the
+    outlines against the background.
+
+    A nucleus pixel is contact when its 3x3 neighbourhood holds another nucleus (so the
+    line is 2 px wide where two touch, one on each side); a background pixel, when two
+    different nuclei lie within ``gap`` pixels of it (the gap between them is filled).
+    A nucleus that touches nothing has no contact pixel.
+
+    Parameters
+    ----------
+    instances : (H, W) int
+        0 = background, other values = nucleus ids.
+    gap : int
+        As in :func:`border_map`.
+
+    Returns
+    -------
+    (H, W) bool
+    """
+    labels = _labels(instances)
+    contact = (labels > 0) & _two_nuclei_within(labels, 1)
+    if gap > 0:
+        contact |= (labels == 0) & _two_nuclei_within(labels, gap)
+    return contact
 
 
 def separate_touching(instances):
@@ -146,22 +183,23 @@ def make_target(mask, instances, target='mask'):
     mask : (H, W) int
         Class per pixel (binary: 0/1).
     instances : (H, W) int
-        Instance labels (used by ``mask-gap``, ``mask+border`` and ``mask+centre``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre'}
+        Instance labels (used by every target but ``mask``).
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'}
 
     Returns
     -------
     (C, H, W) float32
         ``mask``: the class mask (C = 1); ``mask-gap``: the foreground with the contacts
         between touching nuclei cleared (C = 1); ``mask+border``: foreground and border (C = 2);
-        ``mask+centre``: foreground and :func:`centre_map` (C = 2).
+        ``mask+centre``: foreground and :func:`centre_map` (C = 2); ``mask+contact``:
+        foreground and :func:`contact_map` (C = 2).
     """
     if target == 'mask':
         return np.asarray(mask).astype(np.float32)[None]
     if target == 'mask-gap':
         return ((np.asarray(mask) > 0) & (separate_touching(instances) > 0)).astype(np.float32)[None]
-    if target not in ('mask+border', 'mask+centre'):
+    if target not in OUTPUTS or len(OUTPUTS[target]) != 2:
         raise ValueError('target must be one of %s (got %r)' % (', '.join(TARGETS), target))
     fg = np.asarray(mask) > 0
-    second = border_map(instances) if target == 'mask+border' else centre_map(instances)
+    second = {'mask+border': border_map, 'mask+centre': centre_map, 'mask+contact': contact_map}[target](instances)
     return np.stack([fg, second]).astype(np.float32)
