@@ -270,7 +270,8 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
     # A centre map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
-    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight, dice_channels=1 if cfg.model.target == 'mask+centre' else None)
+    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight,
+                               dice_channels=1 if cfg.model.target == 'mask+centre' else None)
     threaded = cfg.sync_bn and len(ctxs) > 1
     if cfg.hybridize and not threaded:
         # A graph keeps the scratch buffer it drew at its first call. Imperatively, each

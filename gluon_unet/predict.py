@@ -535,10 +535,10 @@ def build_parser():
                              "auto = measured from a first prediction of each image (twice the work); "
                              "default: no rescaling")
     parser.add_argument('--marker', type=float, default=None,
-                        help="mask+border and mask+contact models: the interior score (foreground x (1 - border "
-                             "or contact)) a watershed marker needs (else 0.5); mask+centre models: how far a hill top of the centre map must "
-                             "rise above its valley to seed its own nucleus (else 0.1) (default: the model's, chosen "
-                             "on validation)")
+                        help="mask+border and mask+contact models: the interior score (foreground x (1 - "
+                             "border or contact)) a watershed marker needs (else 0.5); mask+centre models: how far "
+                             "a hill top of the centre map must rise above its valley to seed its own nucleus (else "
+                             "0.1) (default: the model's, chosen on validation)")
     parser.add_argument('--h', type=float, default=None,
                         help="distance watershed: how much deeper than its surroundings (in pixels of distance "
                              "to the background) a nucleus centre must be to seed its own object (default: the "
