@@ -45,7 +45,7 @@ FLAG_GROUPS = {
     'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
     'optimization': ('epochs', 'time_budget', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov',
                      'weight_decay', 'clip_grad', 'ema', 'lr_schedule', 'warmup_epochs', 'lr_steps', 'loss',
-                     'dice_weight', 'amp', 'amp_dtype', 'hybridize', 'memory'),
+                     'dice_weight', 'weight_on', 'amp', 'amp_dtype', 'hybridize', 'memory'),
     'devices': ('gpus', 'cpus', 'kvstore', 'update_on_kvstore', 'sync_bn'),
     'run': ('output', 'overwrite', 'resume', 'seed', 'monitor', 'patience', 'min_delta', 'keep_last',
             'threshold', 'tune_postprocess', 'tune_mode', 'tune_tta', 'benchmark', 'progress', 'tensorboard'),

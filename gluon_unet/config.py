@@ -26,6 +26,7 @@ _CHOICES = {
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
     'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'),
     'memory': ('speed', 'balanced', 'low'),
+    'weight_on': ('all', 'second'),
     'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
 }
 
@@ -136,6 +137,9 @@ class TrainConfig:
     loss: str = _opt('bce', 'loss: bce, dice, bce_dice, wbce (BCE weighted by the U-Net paper\'s map, heavy in '
                             'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
     dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice')
+    weight_on: str = _opt('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
+                                 'second map of a two-map --target only: the foreground keeps the plain BCE, so '
+                                 'its outlines are drawn as bce_dice draws them)')
     amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
     amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
     sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
@@ -255,6 +259,11 @@ class TrainConfig:
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
                             '(bce, dice, bce_dice, wbce, wbce_dice), not --loss ce' % m.target)
+        if self.weight_on == 'second' and (self.loss not in ('wbce', 'wbce_dice')
+                                           or not m.target.startswith('mask+')):
+            raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '
+                            '(mask+border, mask+centre, mask+contact) (got --loss %s, --target %s)'
+                            % (self.loss, m.target))
         if self.memory != 'speed' and (self.amp or self.sync_bn):
             # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
             # the memory settings train through a bound symbol (parallel.MirroredStep).

@@ -271,7 +271,8 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
         amp.init_trainer(trainer)
     # A centre map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight,
-                               dice_channels=1 if cfg.model.target == 'mask+centre' else None)
+                               dice_channels=1 if cfg.model.target == 'mask+centre' else None,
+                               weight_second_only=cfg.weight_on == 'second')
     threaded = cfg.sync_bn and len(ctxs) > 1
     if cfg.hybridize and not threaded:
         # A graph keeps the scratch buffer it drew at its first call. Imperatively, each
@@ -515,12 +516,13 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     ``--time-budget`` to keep aside.
 
     The search predicts each of its images once, then labels them all once per setting
-    (:func:`postprocess.search_labelings`: 28 for a one-map model, 55 for a two-map model
-    whose ``second`` map is 'border', 'centre' or 'contact'). So the probe predicts
-    its first images up to ``probe_fraction`` of the pixels, as the search predicts them,
-    and labels and scores all of them once, on their true masks (a network after one
-    epoch draws no nuclei like those the trained one will); :func:`budget.search_estimate`
-    scales that up. On DSB's 60 validation images the probe takes a twelfth of the search.
+    (:func:`postprocess.search_arms`: 28 for a one-map model; for a two-map model whose
+    ``second`` map is 'border', 'centre' or 'contact', 28 with its markers and 27 with the
+    distance watershed). So the probe predicts its first images up to ``probe_fraction``
+    of the pixels, as the search predicts them, and labels and scores all of them once
+    with each kind of markers, on their true masks (a network after one epoch draws no
+    nuclei like those the trained one will); :func:`budget.search_estimate` scales that
+    up. On DSB's 60 validation images the probe takes a twelfth of the search.
 
     Returns
     -------
@@ -542,14 +544,19 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     for image in probe:
         predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
     t1 = clock()
-    for _, labels in images:  # what the search does for each setting: label, match, score
-        fg = (labels > 0).astype(np.float32)
-        # A second map that seeds one marker per blob: a watershed's work, as the search does
-        found = postprocess.instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                                markers=second)
-        postprocess.cut_scores(found, fg, labels, [0.5])
-    t2 = clock()
-    estimate = search_estimate(t1 - t0, pixels, total, t2 - t1, postprocess.search_labelings(second))
+    arms, seconds = postprocess.search_arms(second), []
+    for markers, _ in arms:  # what the search does for each setting: label, match, score
+        for _, labels in images:
+            fg = (labels > 0).astype(np.float32)
+            # A second map that seeds one marker per blob: a watershed's work, as the search does
+            found = postprocess.instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
+                                                    markers=markers)
+            postprocess.cut_scores(found, fg, labels, [0.5])
+        seconds.append(clock())
+    spent = np.diff([t1] + seconds)
+    labelings = sum(n for _, n in arms)
+    per_labeling = float(sum(n * s for (_, n), s in zip(arms, spent))) / labelings
+    estimate = search_estimate(t1 - t0, pixels, total, per_labeling, labelings)
     return estimate, len(probe), len(images)
 
 

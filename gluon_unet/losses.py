@@ -35,11 +35,15 @@ class SegmentationLoss(gluon.HybridBlock):
         Weight of the Dice term in ``bce_dice`` and ``wbce_dice``.
     dice_channels : int, optional
         The Dice term covers the first this many channels (None = all).
+    weight_second_only : bool
+        Two outputs: the pixel weight applies to the second only, the first (the
+        foreground) takes the plain BCE (``--weight-on second``).
     """
 
-    def __init__(self, kind='bce', dice_weight=1.0, dice_channels=None, **kwargs):
+    def __init__(self, kind='bce', dice_weight=1.0, dice_channels=None, weight_second_only=False, **kwargs):
         super().__init__(**kwargs)
         self.kind, self.dice_weight, self.dice_channels = kind, dice_weight, dice_channels
+        self.weight_second_only = weight_second_only
         self._bce = gluon.loss.SigmoidBinaryCrossEntropyLoss(from_sigmoid=False)
         self._ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=1, sparse_label=True)
 
@@ -54,6 +58,9 @@ class SegmentationLoss(gluon.HybridBlock):
             # Gluon's BCE takes a missing weight as all ones: the loss would quietly
             # become bce / bce_dice.
             raise ValueError('--loss %s needs the per-pixel weight map as a third input' % self.kind)
+        if weight is not None and self.weight_second_only:
+            # (N, 1, H, W) -> (N, 2, H, W): ones on the foreground, the map on the second output
+            weight = F.concat(F.ones_like(weight), weight, dim=1)
         if self.kind == 'wbce':
             return self._bce(logits, target, weight)
         if self.kind == 'bce':

@@ -577,13 +577,22 @@ def _search_keys(markers):
     return ('threshold', 'marker' if markers in SECOND_MAPS else 'h', 'min_size')
 
 
+def search_arms(second, grid=None):
+    """``(markers, labellings)`` for each kind of markers :func:`tune_postprocess` tries on
+    maps whose second map is ``second`` (one of :data:`SECOND_MAPS`; None or False = one
+    map): how many times it labels each image with them (every setting of its grid, and
+    the untuned default with the first; the min scores reuse a labelling). The kinds cost
+    differently (a distance watershed about twice a border map's), so ``--time-budget``
+    probes each."""
+    arms = [[markers, int(np.prod([len(space[k]) for k in _search_keys(markers)]))]
+            for markers, space in _searches(second, grid)]
+    arms[0][1] += 1
+    return [tuple(arm) for arm in arms]
+
+
 def search_labelings(second, grid=None):
-    """How many times :func:`tune_postprocess` labels each image (the untuned default and
-    every setting of its grid; the min scores reuse a labelling) for maps whose second map
-    is ``second`` (one of :data:`SECOND_MAPS`; None or False = one map): what ``--time-budget``
-    scales a probe's one labelling by."""
-    return 1 + sum(int(np.prod([len(space[k]) for k in _search_keys(markers)]))
-                   for markers, space in _searches(second, grid))
+    """How many times :func:`tune_postprocess` labels each image (:func:`search_arms`, summed)."""
+    return sum(n for _, n in search_arms(second, grid))
 
 
 def tune_postprocess(pairs, grid=None, base=None, second=None):

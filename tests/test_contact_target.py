@@ -54,3 +54,38 @@ def test_the_weight_map_of_a_contact_model_is_heavy_on_the_contact_line():
     assert weight.shape == (1,) + labels.shape and line.any()
     # the contact between the two nuclei weighs several times a pixel far from it
     assert weight[0][line & (labels > 0)].mean() > 5 and weight[0][0, 0] == 1
+
+
+def test_weight_on_second_weighs_the_contact_output_only():
+    import mxnet as mx
+    from gluon_unet.losses import SegmentationLoss
+    rng = np.random.RandomState(0)
+    logits = mx.nd.array(rng.randn(2, 2, 16, 16))
+    target = mx.nd.array(rng.rand(2, 2, 16, 16) > 0.7)
+    weight = mx.nd.array(1 + 9 * (rng.rand(2, 1, 16, 16) > 0.9))
+    both = SegmentationLoss('wbce')(logits, target, weight).asnumpy()
+    second = SegmentationLoss('wbce', weight_second_only=True)(logits, target, weight).asnumpy()
+    plain = SegmentationLoss('bce')(logits[:, :1], target[:, :1]).asnumpy()
+    weighted = SegmentationLoss('wbce')(logits[:, 1:], target[:, 1:], weight).asnumpy()
+    assert np.allclose(second, (plain + weighted) / 2, atol=1e-6) and not np.allclose(second, both)
+
+
+def test_weight_on_second_needs_a_weighted_loss_and_a_second_map(tiny):
+    from gluon_unet.errors import UserError
+    with pytest.raises(UserError, match='--weight-on second needs --loss wbce or wbce_dice'):
+        tiny(target='mask+contact', loss='bce_dice', weight_on='second').validate()
+    with pytest.raises(UserError, match='--target mask\\)'):
+        tiny(loss='wbce_dice', weight_on='second').validate()
+    with pytest.raises(UserError, match='--weight-on must be one of all, second'):
+        tiny(weight_on='first').validate()
+    tiny(target='mask+contact', loss='wbce_dice', weight_on='second').validate()
+
+
+def test_a_contact_model_trains_with_its_weights_on_the_contacts(tiny):
+    from gluon_unet.engine import fit
+    history = fit(tiny(target='mask+contact', loss='wbce_dice', weight_on='second', val_split=0.25), verbose=False)
+    assert len(history) == 2 and all(np.isfinite(r['train_loss']) and np.isfinite(r['val_loss']) for r in history)
+    import json
+    import os
+    meta = json.load(open(os.path.join(history.output, 'export', 'model.json')))
+    assert meta['outputs'] == ['foreground', 'contact'] and meta['config']['weight_on'] == 'second'

@@ -143,9 +143,14 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + search_labelings(None) * 1.0)
     with pytest.raises(StopIteration):
         next(readings)  # three readings: before, between and after
-    readings = iter([0.0, 1.0, 2.0])
+    # A two-map model: each kind of markers is timed on its own and scaled by its own count.
+    from gluon_unet.postprocess import search_arms
+    assert search_arms('border') == [('border', 28), ('distance', 27)] and search_labelings('border') == 55
+    readings = iter([0.0, 1.0, 2.0, 4.0])  # border markers 1 s for all images, the distance 2 s
     assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second='border',
-                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + search_labelings('border'))
+                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + 28 * 1.0 + 27 * 2.0)
+    with pytest.raises(StopIteration):
+        next(readings)
 
 
 def test_without_a_budget_the_run_has_all_its_epochs(tiny, tmp_path, clock):
