@@ -143,6 +143,11 @@ def update_sidecar(out_dir, extra):
     with open(path) as f:
         sidecar = json.load(f)
     sidecar.update(extra)
+    card = sidecar.get('card')
+    if isinstance(extra.get('postprocess'), dict) and isinstance(card, dict):
+        # The card said what the training config would do; the search's winners are what
+        # bin/predict now does, so the card follows them.
+        card['postprocess'] = dict(card.get('postprocess') or {}, **_card_postprocess(extra['postprocess']))
     with atomic_open(path) as f:
         json.dump(sidecar, f, indent=2)
 
@@ -162,11 +167,23 @@ def model_card(cfg, meta):
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
-                        'instances': {'mask+border': 'marker watershed from the interiors',
-                                      'mask+centre': 'marker watershed from the centres',
-                                      'mask+contact': 'marker watershed from the foreground less the contacts'}.get(
-                                          cfg.model.target, 'marker watershed on the distance transform')},
+                        'instances': _INSTANCES[cfg.model.target.partition('+')[2] or 'distance'],
+                        'chosen': 'the training config (no search)'},
     }
+
+
+# How instances grow, by the markers (the second map's name, or the distance watershed).
+_INSTANCES = {'border': 'marker watershed from the interiors',
+              'centre': 'marker watershed from the centres',
+              'contact': 'marker watershed from the foreground less the contacts',
+              'distance': 'marker watershed on the distance transform'}
+
+
+def _card_postprocess(tuned):
+    """The card's account of searched post-processing settings (a sidecar ``postprocess``)."""
+    second = tuned.get('markers') or ('border' if 'marker' in tuned else 'distance')
+    return {'threshold': tuned['threshold'], 'instances': _INSTANCES.get(second, second),
+            'chosen': 'searched on %s validation images: %s' % (tuned.get('images', '?'), settings_text(tuned))}
 
 
 def card_summary(meta):

@@ -84,6 +84,7 @@ def test_the_export_carries_a_model_card_and_predict_prints_it(tiny, tmp_path):
     import mxnet as mx
     import gluon_unet
     from gluon_unet.predict import predict_paths
+    from gluon_unet.postprocess import settings_text
     from gluon_unet.data.synthetic import synthetic_nuclei
     import cv2
     history = fit(tiny(epochs=2, val_split=0.25), verbose=False)
@@ -95,7 +96,13 @@ def test_the_export_carries_a_model_card_and_predict_prints_it(tiny, tmp_path):
     assert len(card['data']['content_sha1']) == 40 and card['data']['path'].startswith('generated demo nuclei')
     best = max(history, key=lambda r: r['val_iou'])
     assert card['best_epoch'] == best['epoch'] and card['best_metrics']['val_iou'] == best['val_iou']
-    assert card['postprocess']['threshold'] == 0.5 and card['created'].endswith('Z')
+    assert card['created'].endswith('Z')
+    # The search ran after training (val_split): the card tells its winners, which
+    # bin/predict uses, not the config's threshold it replaced.
+    tuned = meta['postprocess']
+    assert card['postprocess']['threshold'] == tuned['threshold']
+    assert card['postprocess']['instances'] == 'marker watershed on the distance transform'
+    assert card['postprocess']['chosen'] == 'searched on 6 validation images: %s' % settings_text(tuned)
     images, _, _ = synthetic_nuclei(2, size=32, channels=1, seed=9)
     os.makedirs(str(tmp_path / 'in'))
     for i, im in enumerate(images):

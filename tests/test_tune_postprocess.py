@@ -136,11 +136,22 @@ def test_export_can_choose_the_post_processing_again_without_retraining(tiny):
     history = fit(tiny(epochs=1, val_split=0.25, tune_postprocess=False, target='mask+border', loss='bce_dice'),
                   verbose=False)
     sidecar = os.path.join(history.output, 'export', 'model.json')
-    assert 'postprocess' not in json.load(open(sidecar))
+    meta = json.load(open(sidecar))
+    assert 'postprocess' not in meta
+    assert meta['card']['postprocess'] == {'threshold': 0.5, 'normalize': 'none', 'target': 'mask+border',
+                                           'instances': 'marker watershed from the interiors',
+                                           'chosen': 'the training config (no search)'}
     assert export_main([history.output, '--tune-postprocess']) == 0
-    tuned = json.load(open(sidecar))['postprocess']
+    meta = json.load(open(sidecar))
+    tuned = meta['postprocess']
     assert tuned['images'] == 6 and tuned['markers'] in ('border', 'distance')
     assert tuned['score'] >= tuned['base_score']
+    # The card now tells what bin/predict will do: the searched markers and threshold.
+    card = meta['card']['postprocess']
+    assert card['threshold'] == tuned['threshold'] and card['target'] == 'mask+border'
+    assert card['instances'] == {'border': 'marker watershed from the interiors',
+                                 'distance': 'marker watershed on the distance transform'}[tuned['markers']]
+    assert card['chosen'].startswith('searched on 6 validation images: threshold %.2f' % tuned['threshold'])
 
 
 def test_a_config_saved_before_the_denoise_existed_reproduces_that_run():
