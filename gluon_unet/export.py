@@ -24,7 +24,7 @@ from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import OneLineParser, UserError, mxnet_message, reports_errors
 from .model import build_model
-from .postprocess import MARKERS, SECOND_MAPS, settings_text
+from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
 from .utils import atomic_open, dir_mode
@@ -181,8 +181,8 @@ _INSTANCES = {'border': 'marker watershed from the interiors',
 
 def _card_postprocess(tuned):
     """The card's account of searched post-processing settings (a sidecar ``postprocess``)."""
-    second = tuned.get('markers') or ('border' if 'marker' in tuned else 'distance')
-    return {'threshold': tuned['threshold'], 'instances': _INSTANCES.get(second, second),
+    markers = tuned_markers(tuned)
+    return {'threshold': tuned['threshold'], 'instances': _INSTANCES.get(markers, markers),
             'chosen': 'searched on %s validation images: %s' % (tuned.get('images', '?'), settings_text(tuned))}
 
 

@@ -550,11 +550,18 @@ TUNE_MIN_SCORES = (0.0, 0.75, 0.8, 0.85, 0.9)
 # a second map learned in a short run can split nuclei worse than the distance does.
 
 
+def tuned_markers(tuned):
+    """The markers a searched setting (the sidecar's ``postprocess``) grows instances from:
+    its ``markers``; settings from before that key had a ``marker`` only for border models,
+    and an ``h`` for the distance watershed."""
+    return tuned.get('markers') or ('border' if 'marker' in tuned else 'distance')
+
+
 def settings_text(tuned):
     """``'threshold 0.60, h 0.5, min size 0'``: a :func:`tune_postprocess` result (or the
     sidecar's ``postprocess``) for a log line; two-map models name their markers."""
     if 'marker' in tuned:
-        markers = '%s markers %.1f' % (tuned.get('markers') or 'border', tuned['marker'])
+        markers = '%s markers %.1f' % (tuned_markers(tuned), tuned['marker'])
     else:
         markers = '%sh %.1f' % ('distance watershed, ' if 'markers' in tuned else '', tuned['h'])
     text = 'threshold %.2f, %s, min size %d' % (tuned['threshold'], markers, tuned['min_size'])
