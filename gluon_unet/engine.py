@@ -554,9 +554,7 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
             postprocess.cut_scores(found, fg, labels, [0.5])
         seconds.append(clock())
     spent = np.diff([t1] + seconds)
-    labelings = sum(n for _, n in arms)
-    per_labeling = float(sum(n * s for (_, n), s in zip(arms, spent))) / labelings
-    estimate = search_estimate(t1 - t0, pixels, total, per_labeling, labelings)
+    estimate = search_estimate(t1 - t0, pixels, total, [(float(s), n) for (_, n), s in zip(arms, spent)])
     return estimate, len(probe), len(images)
 
 

@@ -30,8 +30,10 @@ def test_planned_epochs_fits_what_is_left_and_never_passes_epochs():
 
 def test_the_search_estimate_scales_the_probe_by_pixels_and_settings():
     # 2 s predicting a quarter of the pixels; 0.5 s labelling all of them once; 28 labellings.
-    assert search_estimate(2.0, 100, 400, 0.5, 28) == pytest.approx(2.0 * 4 + 28 * 0.5)
-    assert search_estimate(2.0, 0, 400, 0.5, 28) == pytest.approx(28 * 0.5)
+    assert search_estimate(2.0, 100, 400, [(0.5, 28)]) == pytest.approx(2.0 * 4 + 28 * 0.5)
+    assert search_estimate(2.0, 0, 400, [(0.5, 28)]) == pytest.approx(28 * 0.5)
+    # a two-map model: 28 labellings with its own markers, 27 with the (slower) distance watershed
+    assert search_estimate(2.0, 100, 400, [(0.5, 28), (0.8, 27)]) == pytest.approx(8 + 14 + 27 * 0.8)
 
 
 @pytest.mark.parametrize('schedule', ['cosine', 'poly'])
