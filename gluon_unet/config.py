@@ -17,7 +17,7 @@ _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
     'optimizer': ('sgd', 'adam', 'adamw'),
     'lr_schedule': ('constant', 'cosine', 'poly', 'step'),
-    'loss': ('bce', 'dice', 'bce_dice', 'wbce', 'wbce_dice', 'ce'),
+    'loss': ('bce', 'dice', 'bce_dice', 'lovasz', 'bce_lovasz', 'wbce', 'wbce_dice', 'ce'),
     'kvstore': ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'dist_async'),
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
@@ -134,9 +134,11 @@ class TrainConfig:
     lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
     warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
     lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
-    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, wbce (BCE weighted by the U-Net paper\'s map, heavy in '
+    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
+                            'bce_lovasz (bce + lovasz), wbce (BCE weighted by the U-Net paper\'s map, heavy in '
                             'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
-    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice')
+    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
+                                   'bce_lovasz')
     weight_on: str = _opt('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
                                  'second map of a two-map --target only: the foreground keeps the plain BCE, so '
                                  'its outlines are drawn as bce_dice draws them)')
@@ -258,7 +260,7 @@ class TrainConfig:
                 raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
-                            '(bce, dice, bce_dice, wbce, wbce_dice), not --loss ce' % m.target)
+                            '(bce, dice, bce_dice, lovasz, bce_lovasz, wbce, wbce_dice), not --loss ce' % m.target)
         if self.weight_on == 'second' and (self.loss not in ('wbce', 'wbce_dice')
                                            or not m.target.startswith('mask+')):
             raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '

@@ -24,17 +24,20 @@ class SegmentationLoss(gluon.HybridBlock):
 
     Parameters
     ----------
-    kind : {'bce', 'dice', 'bce_dice', 'wbce', 'wbce_dice', 'ce'}
+    kind : {'bce', 'dice', 'bce_dice', 'lovasz', 'bce_lovasz', 'wbce', 'wbce_dice', 'ce'}
         ``bce``: sigmoid binary cross-entropy from logits (log-sum-exp form, stable);
         ``dice``: soft Dice; ``bce_dice``: their sum (Dice scaled by ``dice_weight``);
+        ``lovasz``: the Lovasz hinge (:func:`lovasz_hinge_loss`), in place of Dice;
+        ``bce_lovasz``: BCE plus it (scaled by ``dice_weight``, as Dice in ``bce_dice``);
         ``wbce``: BCE weighted per pixel by ``weight`` (the U-Net paper's boundary map);
         ``wbce_dice``: that weighted BCE plus the (unweighted) soft Dice, as ``bce_dice``
         (training gives it the map without the class balancing: Dice does that);
         ``ce``: softmax cross-entropy for ``classes > 1`` (target holds class ids).
     dice_weight : float
-        Weight of the Dice term in ``bce_dice`` and ``wbce_dice``.
+        Weight of the Dice term in ``bce_dice`` and ``wbce_dice``, of the Lovasz term in
+        ``bce_lovasz``.
     dice_channels : int, optional
-        The Dice term covers the first this many channels (None = all).
+        The Dice (or Lovasz) term covers the first this many channels (None = all).
     weight_second_only : bool
         Two outputs: the pixel weight applies to the second only, the first (the
         foreground) takes the plain BCE (``--weight-on second``).
@@ -65,6 +68,12 @@ class SegmentationLoss(gluon.HybridBlock):
             return self._bce(logits, target, weight)
         if self.kind == 'bce':
             return self._bce(logits, target)
+        if self.kind in ('lovasz', 'bce_lovasz'):
+            first = logits if self.dice_channels is None else F.slice_axis(logits, axis=1, begin=0,
+                                                                          end=self.dice_channels)
+            lovasz = lovasz_hinge_loss(F, first, target if self.dice_channels is None else
+                                       F.slice_axis(target, axis=1, begin=0, end=self.dice_channels))
+            return lovasz if self.kind == 'lovasz' else self._bce(logits, target) + self.dice_weight * lovasz
         prob = F.sigmoid(logits)
         if self.dice_channels is not None:
             prob = F.slice_axis(prob, axis=1, begin=0, end=self.dice_channels)
@@ -83,3 +92,35 @@ def soft_dice_loss(F, prob, target, smooth=1.0):
     inter = F.sum(prob * target, axis=(2, 3))
     total = F.sum(prob, axis=(2, 3)) + F.sum(target, axis=(2, 3))
     return F.mean(1.0 - (2.0 * inter + smooth) / (total + smooth), axis=1)
+
+
+def lovasz_hinge_loss(F, logits, target):
+    """The Lovasz hinge (Berman et al., CVPR 2018) per sample and channel, averaged over
+    the channels: a convex surrogate of ``1 - IoU`` of the thresholded logits.
+
+    Soft Dice rewards overlap in proportion to the probability; the Lovasz hinge is the
+    tight convex extension of the IoU loss itself, so its gradient goes to the pixels
+    whose sign decides the IoU: the ones wrongly on the edge of an outline. The hinge
+    errors ``1 - logit * sign`` are sorted, largest first, and each is weighted by how much
+    the IoU loss grows when its pixel joins the ones before it; the weights depend only on
+    the order (no gradient through the sort or the cumulative sums). An empty target
+    gives all the weight to the largest error (the IoU loss is 1 from the first false
+    pixel on).
+    """
+    logits = F.reshape(logits, (0, 0, -1))                 # (N, C, P)
+    target = F.reshape(target, (0, 0, -1))
+    errors = 1.0 - logits * (2.0 * target - 1.0)
+    order = F.argsort(F.BlockGrad(errors), axis=2, is_ascend=False)
+    rows = F.broadcast_like(F.reshape(F.contrib.arange_like(errors, axis=0), (-1, 1, 1)), errors)
+    chans = F.broadcast_like(F.reshape(F.contrib.arange_like(errors, axis=1), (1, -1, 1)), errors)
+    index = F.stack(rows, chans, order)
+    sorted_target = F.gather_nd(target, index)
+    positives = F.sum(sorted_target, axis=2, keepdims=True)
+    inter = F.broadcast_sub(positives, F.cumsum(sorted_target, axis=2))
+    union = F.broadcast_add(positives, F.cumsum(1.0 - sorted_target, axis=2))
+    jaccard = 1.0 - inter / union                           # the IoU loss of the first k pixels, k = 1..P
+    previous = F.concat(F.zeros_like(F.slice_axis(jaccard, axis=2, begin=0, end=1)),
+                        F.slice_axis(jaccard, axis=2, begin=0, end=-1), dim=2)
+    # gather_nd carries the gradient back to each pixel's error (a scatter-add)
+    hinge = F.relu(F.gather_nd(errors, index))
+    return F.mean(F.sum(hinge * F.BlockGrad(jaccard - previous), axis=2), axis=1)

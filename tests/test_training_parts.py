@@ -53,6 +53,56 @@ def test_dice_bce_dice_and_weighted_bce():
             SegmentationLoss(kind)(mx.nd.array(wrong), mx.nd.array(target))
 
 
+def _lovasz_reference(logit, label):
+    """Berman et al.'s lovasz_hinge_flat, in numpy, for one image and channel."""
+    errors = 1.0 - logit * (2.0 * label - 1.0)
+    order = np.argsort(-errors, kind='stable')
+    gt = label[order]
+    inter, union = gt.sum() - np.cumsum(gt), gt.sum() + np.cumsum(1.0 - gt)
+    jaccard = 1.0 - inter / union
+    jaccard[1:] = jaccard[1:] - jaccard[:-1]
+    return float(np.dot(np.maximum(errors[order], 0), jaccard))
+
+
+def test_lovasz_hinge_matches_the_reference_and_its_gradient_the_finite_differences():
+    from mxnet import autograd
+    rng = np.random.RandomState(0)
+    logits = rng.randn(3, 2, 8, 8).astype(np.float32)
+    target = (rng.rand(3, 2, 8, 8) > 0.6).astype(np.float32)
+    target[1] = 0  # an empty image: all the weight on the largest error
+
+    def reference(z):
+        return np.array([np.mean([_lovasz_reference(z[n, c].ravel().astype(np.float64), target[n, c].ravel())
+                                  for c in range(2)]) for n in range(3)])
+
+    loss = SegmentationLoss('lovasz')
+    loss.initialize()
+    np.testing.assert_allclose(_loss('lovasz', logits, target), reference(logits), rtol=1e-5)
+    loss.hybridize(static_alloc=True, static_shape=True)  # as training runs it
+    np.testing.assert_allclose(loss(mx.nd.array(logits), mx.nd.array(target)).asnumpy(), reference(logits), rtol=1e-5)
+    np.testing.assert_allclose(_loss('bce_lovasz', logits, target, dice_weight=0.5),
+                               _loss('bce', logits, target) + 0.5 * reference(logits), rtol=1e-5)
+    x = mx.nd.array(logits)
+    x.attach_grad()
+    with autograd.record():
+        total = loss(x, mx.nd.array(target)).sum()
+    total.backward()
+    grad, eps = x.grad.asnumpy(), 1e-3
+    assert np.abs(grad).sum() > 0
+    for idx in [(0, 0, 1, 2), (2, 1, 5, 5), (1, 0, 3, 3), (0, 1, 7, 0)]:
+        up, down = logits.astype(np.float64), logits.astype(np.float64)
+        up[idx] += eps
+        down[idx] -= eps
+        numeric = (reference(up).sum() - reference(down).sum()) / (2 * eps)
+        assert grad[idx] == pytest.approx(numeric, rel=2e-2, abs=1e-5), idx
+    perfect = np.where(target > 0, 20.0, -20.0).astype(np.float32)
+    assert _loss('lovasz', perfect, target).max() == 0.0
+    # mask+centre: the level map (second channel) takes no Lovasz term, as it takes no Dice
+    np.testing.assert_allclose(_loss('lovasz', logits, target, dice_channels=1),
+                               [_lovasz_reference(logits[n, 0].ravel().astype(np.float64), target[n, 0].ravel())
+                                for n in range(3)], rtol=1e-5)
+
+
 def test_softmax_ce_for_several_classes():
     target = np.array([[[[0, 1], [2, 1]]]], np.float32)
     logits = np.zeros((1, 3, 2, 2), np.float32)
