@@ -56,7 +56,7 @@ def uneven_batches():
     return [(x[:8], y[:8]), (x[8:18], y[8:18]), (x[18:21], y[18:21])]
 
 
-def train_params(cfg, ctxs, batches, kvstore='device', clip=0.0, update_on_kvstore=None, tol=0.0):
+def train_params(cfg, ctxs, batches, kvstore='device', clip=0.0, update_on_kvstore=None, tol=0.0, loss='bce_dice'):
     """Train ``cfg``'s network on ``ctxs`` over ``batches`` (SGD, momentum 0.9) and return
     the parameters of the first replica, after checking that all replicas agree (within
     ``tol``: exactly on CPU) and that every sample was computed once."""
@@ -65,7 +65,7 @@ def train_params(cfg, ctxs, batches, kvstore='device', clip=0.0, update_on_kvsto
         update_on_kvstore = False  # clipping needs the summed gradients before the update
     trainer = make_trainer(net.collect_params(), 'sgd', 0.1, ctxs, kvstore=kvstore, momentum=0.9,
                            update_on_kvstore=update_on_kvstore)
-    step = DataParallelStep(net, SegmentationLoss('bce_dice'), trainer, ctxs, clip_grad=clip)
+    step = DataParallelStep(net, SegmentationLoss(loss), trainer, ctxs, clip_grad=clip)
     for image, target in batches:
         out = step(mx.nd.array(image), mx.nd.array(target), mx.nd.ones_like(mx.nd.array(target)))
         assert out['samples'] == image.shape[0]
@@ -85,17 +85,18 @@ def max_diff(a, b):
     return max(np.abs(a[k] - b[k]).max() for k in a)
 
 
-def check_devices_equivalent(make_ctxs, ndevs, kvstore, cfg, batches=None, tol=CPU_TOL):
+def check_devices_equivalent(make_ctxs, ndevs, kvstore, cfg, batches=None, tol=CPU_TOL, loss='bce_dice'):
     """Training on 1 device and on each of ``ndevs`` devices (``make_ctxs(n)``) with the
     ``kvstore`` gives the same parameters, over uneven batches. Returns the differences."""
     batches = batches if batches is not None else uneven_batches()
-    reference = train_params(cfg, make_ctxs(1), batches)
-    untrained = train_params(cfg, make_ctxs(1), batches[:0])
+    reference = train_params(cfg, make_ctxs(1), batches, loss=loss)
+    untrained = train_params(cfg, make_ctxs(1), batches[:0], loss=loss)
     assert max_diff(reference, untrained) > 1e-3, \
         'training must change the parameters for this test to mean anything'
     diffs = {}
     for ndev in ndevs:
-        got = train_params(cfg, make_ctxs(ndev), batches, kvstore=kvstore, tol=0.0 if tol <= CPU_TOL else tol)
+        got = train_params(cfg, make_ctxs(ndev), batches, kvstore=kvstore, tol=0.0 if tol <= CPU_TOL else tol,
+                           loss=loss)
         diffs[ndev] = max_diff(got, reference)
         print('kvstore %s: max |params(%d devices) - params(1 device)| = %.2e' % (kvstore, ndev, diffs[ndev]))
         assert diffs[ndev] <= tol, (ndev, diffs[ndev])

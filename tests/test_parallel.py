@@ -36,6 +36,12 @@ def test_same_parameters_on_1_2_3_4_devices(tiny, batches, kvstore):
     check_devices_equivalent(cpus, (2, 3, 4), kvstore, tiny(), batches, tol=CPU_TOL)
 
 
+def test_the_lovasz_hinge_trains_the_same_on_1_and_3_devices(tiny, batches):
+    # A per-sample loss built on a sort: each device sorts its own samples, so the summed
+    # gradients, and the parameters, do not depend on the split.
+    check_devices_equivalent(cpus, (3,), 'device', tiny(), batches, tol=CPU_TOL, loss='bce_lovasz')
+
+
 @pytest.mark.parametrize('ndev', [1, 2, 3])
 def test_batchnorm_running_statistics_match_the_imperative_step(tiny, ndev):
     check_running_stats_match_imperative(cpus, ndev, tiny, tol=CPU_TOL)
