@@ -261,6 +261,11 @@ class TrainConfig:
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
                             '(bce, dice, bce_dice, lovasz, bce_lovasz, wbce, wbce_dice), not --loss ce' % m.target)
+        if m.target == 'mask+centre' and self.loss in ('dice', 'lovasz'):
+            # The centre map is a level (0..1), trained by the BCE alone: with Dice or
+            # the Lovasz hinge only on the foreground, it would get no loss at all.
+            raise UserError('--target mask+centre needs a loss with a BCE term for its centre map '
+                            '(bce, bce_dice, bce_lovasz, wbce, wbce_dice), not --loss %s' % self.loss)
         if self.weight_on == 'second' and (self.loss not in ('wbce', 'wbce_dice')
                                            or not m.target.startswith('mask+')):
             raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '

@@ -83,6 +83,14 @@ def test_the_centre_channel_takes_the_bce_and_no_dice():
     assert make_step(cfg, net, [mx.cpu()]).loss_fn.dice_channels == 1
 
 
+@pytest.mark.parametrize('loss', ['dice', 'lovasz'])
+def test_a_centre_target_without_a_bce_term_is_refused(tiny, loss):
+    # Dice and the Lovasz hinge cover the foreground only: the centre map would learn nothing.
+    with pytest.raises(UserError, match='--target mask\\+centre needs a loss with a BCE term'):
+        tiny(target='mask+centre', loss=loss).validate()
+    tiny(target='mask+centre', loss='bce_lovasz').validate()
+
+
 def test_centre_markers_separate_nuclei_the_distance_watershed_merges():
     labels = _touching_pair(r=12, dist=6)
     prob = np.where(labels > 0, 0.95, 0.02).astype(np.float32)
