@@ -68,22 +68,19 @@ class SegmentationLoss(gluon.HybridBlock):
             return self._bce(logits, target, weight)
         if self.kind == 'bce':
             return self._bce(logits, target)
-        if self.kind in ('lovasz', 'bce_lovasz'):
-            first = logits if self.dice_channels is None else F.slice_axis(logits, axis=1, begin=0,
-                                                                          end=self.dice_channels)
-            lovasz = lovasz_hinge_loss(F, first, target if self.dice_channels is None else
-                                       F.slice_axis(target, axis=1, begin=0, end=self.dice_channels))
-            return lovasz if self.kind == 'lovasz' else self._bce(logits, target) + self.dice_weight * lovasz
-        prob = F.sigmoid(logits)
+        # The overlap term (Dice or the Lovasz hinge) covers the first dice_channels outputs.
+        head, head_target = logits, target
         if self.dice_channels is not None:
-            prob = F.slice_axis(prob, axis=1, begin=0, end=self.dice_channels)
-            dice = soft_dice_loss(F, prob, F.slice_axis(target, axis=1, begin=0, end=self.dice_channels))
+            head = F.slice_axis(logits, axis=1, begin=0, end=self.dice_channels)
+            head_target = F.slice_axis(target, axis=1, begin=0, end=self.dice_channels)
+        if self.kind in ('lovasz', 'bce_lovasz'):
+            overlap = lovasz_hinge_loss(F, head, head_target)
         else:
-            dice = soft_dice_loss(F, prob, target)
-        if self.kind == 'dice':
-            return dice
+            overlap = soft_dice_loss(F, F.sigmoid(head), head_target)
+        if self.kind in ('dice', 'lovasz'):
+            return overlap
         bce = self._bce(logits, target, weight) if self.kind == 'wbce_dice' else self._bce(logits, target)
-        return bce + self.dice_weight * dice
+        return bce + self.dice_weight * overlap
 
 
 def soft_dice_loss(F, prob, target, smooth=1.0):
