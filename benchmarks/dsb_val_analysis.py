@@ -5,7 +5,7 @@ post-processing search used), each image predicted whole as ``bin/predict --mode
 predicts it, and the probability maps kept in a file so every question below is asked
 of the same maps::
 
-    python benchmarks/dsb_val_analysis.py maps /tmp/gu13/v6 /tmp/gu14/v6_maps.npz [--tta]
+    python benchmarks/dsb_val_analysis.py maps /tmp/gu13/v6 /tmp/gu14/v6_maps.npz [--tta] [--batch-stats]
     python benchmarks/dsb_val_analysis.py errors /tmp/gu14/v6_maps.npz     # what kind of error
     python benchmarks/dsb_val_analysis.py min-score /tmp/gu14/v6_maps.npz  # the min score's effect
     python benchmarks/dsb_val_analysis.py ensemble A.npz B.npz             # averaging two runs' maps
@@ -17,6 +17,8 @@ of the same maps::
     python benchmarks/dsb_val_analysis.py oracles /tmp/gu14/v6_maps.npz    # outline or separation: which loses more
     python benchmarks/dsb_val_analysis.py centre /tmp/gu24/val_v22.npz     # a mask+centre model's markers
 
+``maps --batch-stats`` normalizes with each image's own BatchNorm statistics instead of
+the running ones (AdaBN: does a per-image normalization help images unlike the batch?).
 ``errors`` prints the score at each IoU threshold (boundary precision) and sorts the true
 nuclei that found no match: merged with a neighbour, split, missed; ``min-score`` compares
 the mean probability of matched and false objects and scores a few cuts; ``scale``
@@ -42,6 +44,7 @@ level, or the h-maxima of the distance times the centre map (leave-one-image-out
 """
 import argparse
 import ast
+import contextlib
 import functools
 import os
 import sys
@@ -98,16 +101,34 @@ def tuned_setting(export_dir):
 
 
 def cmd_maps(args):
+    import mxnet as mx
     net, cfg, val_ds, meta, export_dir = validation_set(args.run)
     arrays = {}
-    for i in range(len(val_ds)):
-        image, _, labels = val_ds.raw(i)
-        arrays['maps_%s' % val_ds.names[i]] = predict_maps(net, meta, image, args.tta).astype(np.float16)
-        arrays['truth_%s' % val_ds.names[i]] = labels.astype(np.int32)
-        arrays['group_%s' % val_ds.names[i]] = np.array(val_ds.groups[i] if val_ds.groups else '?')
+    # --batch-stats: the predictor enters predict_mode itself, so for this one question its
+    # predict_mode is train_mode and BatchNorm normalizes with the statistics of each
+    # image's own tiles instead of the running ones (AdaBN-like; the recipes have no dropout).
+    swap = (_swapped(mx.autograd, 'predict_mode', mx.autograd.train_mode) if args.batch_stats
+            else contextlib.nullcontext())
+    with swap:
+        for i in range(len(val_ds)):
+            image, _, labels = val_ds.raw(i)
+            arrays['maps_%s' % val_ds.names[i]] = predict_maps(net, meta, image, args.tta).astype(np.float16)
+            arrays['truth_%s' % val_ds.names[i]] = labels.astype(np.int32)
+            arrays['group_%s' % val_ds.names[i]] = np.array(val_ds.groups[i] if val_ds.groups else '?')
     arrays['setting'] = np.array(repr(tuned_setting(export_dir)))
     np.savez_compressed(args.out, **arrays)
     print('%d validation images of %s -> %s' % (len(val_ds), args.run, args.out))
+
+
+@contextlib.contextmanager
+def _swapped(owner, name, value):
+    """``owner.name`` is ``value`` within the block."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
 
 
 def load_maps(path):
@@ -500,6 +521,8 @@ def main(argv=None):
     a.add_argument('run')
     a.add_argument('out')
     a.add_argument('--tta', action='store_true')
+    a.add_argument('--batch-stats', action='store_true',
+                   help="BatchNorm on each image's own statistics instead of the running ones")
     a = sub.add_parser('errors', help='score per IoU threshold and the kinds of error')
     a.add_argument('maps')
     a.add_argument('--min-score', type=float, default=None, help="override the run's min score")

@@ -323,3 +323,27 @@ def test_val_analysis_centre_markers_split_what_the_distance_merges(tmp_path, ca
     _save_kinds(path, {'a': (prob, truth, 'fluorescence')})
     with pytest.raises(SystemExit, match='not the maps of a two-map'):
         dsb_val_analysis.main(['centre', path])
+
+
+def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny, tmp_path, capsys):
+    """dsb_val_analysis.py maps --batch-stats: BatchNorm uses each image's own statistics
+    (the maps change), and predict_mode is the real one again afterwards."""
+    import mxnet as mx
+    import dsb_val_analysis
+    from gluon_unet.engine import fit
+
+    cfg = tiny(batch_norm=True, epochs=1, val_split=0.25, tune_postprocess=False)
+    fit(cfg, verbose=False)
+    predict_mode = mx.autograd.predict_mode
+    out = {}
+    for name, flags in (('running', []), ('own', ['--batch-stats'])):
+        out[name] = str(tmp_path / (name + '.npz'))
+        dsb_val_analysis.main(['maps', cfg.output, out[name]] + flags)
+    assert mx.autograd.predict_mode is predict_mode
+    running, own = np.load(out['running']), np.load(out['own'])
+    keys = [k for k in running.files if k.startswith('maps_')]
+    assert len(keys) == 6 and sorted(keys) == sorted(k for k in own.files if k.startswith('maps_'))
+    for k in keys:
+        a, b = running[k].astype(np.float32), own[k].astype(np.float32)
+        assert a.shape == b.shape and np.isfinite(b).all()
+        assert np.abs(a - b).max() > 1e-3, k
