@@ -54,6 +54,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
+from gluon_unet.errors import UserError  # noqa: E402
 from gluon_unet.metrics import THRESHOLDS, dsb_image_score, dsb_score_from_iou, iou_matrix  # noqa: E402
 from gluon_unet.postprocess import instances_from_maps, object_scores  # noqa: E402
 
@@ -552,10 +553,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if getattr(args, 'jobs', 1) < 1:
         raise SystemExit('error: --jobs must be >= 1 (got %d)' % args.jobs)
-    {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
-     'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter,
-     'per-kind': cmd_per_kind, 'markers': cmd_markers, 'oracles': cmd_oracles,
-     'centre': cmd_centre}[args.cmd](args)
+    try:
+        {'maps': cmd_maps, 'errors': cmd_errors, 'min-score': cmd_min_score, 'ensemble': cmd_ensemble,
+         'scale': cmd_scale, 'thresholds': cmd_thresholds, 'object-filter': cmd_object_filter,
+         'per-kind': cmd_per_kind, 'markers': cmd_markers, 'oracles': cmd_oracles,
+         'centre': cmd_centre}[args.cmd](args)
+    except UserError as e:  # a run folder that is not one: one line, not a traceback
+        raise SystemExit('error: %s' % e)
 
 
 if __name__ == '__main__':
