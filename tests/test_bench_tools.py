@@ -325,7 +325,7 @@ def test_val_analysis_centre_markers_split_what_the_distance_merges(tmp_path, ca
         dsb_val_analysis.main(['centre', path])
 
 
-def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny, tmp_path, capsys):
+def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny, tmp_path):
     """dsb_val_analysis.py maps --batch-stats: BatchNorm uses each image's own statistics
     (the maps change), and predict_mode is the real one again afterwards."""
     import mxnet as mx
