@@ -48,6 +48,7 @@ import contextlib
 import functools
 import os
 import sys
+from unittest import mock
 
 import cv2
 import numpy as np
@@ -108,7 +109,7 @@ def cmd_maps(args):
     # --batch-stats: the predictor enters predict_mode itself, so for this one question its
     # predict_mode is train_mode and BatchNorm normalizes with the statistics of each
     # image's own tiles instead of the running ones (AdaBN-like; the recipes have no dropout).
-    swap = (_swapped(mx.autograd, 'predict_mode', mx.autograd.train_mode) if args.batch_stats
+    swap = (mock.patch.object(mx.autograd, 'predict_mode', mx.autograd.train_mode) if args.batch_stats
             else contextlib.nullcontext())
     with swap:
         for i in range(len(val_ds)):
@@ -119,17 +120,6 @@ def cmd_maps(args):
     arrays['setting'] = np.array(repr(tuned_setting(export_dir)))
     np.savez_compressed(args.out, **arrays)
     print('%d validation images of %s -> %s' % (len(val_ds), args.run, args.out))
-
-
-@contextlib.contextmanager
-def _swapped(owner, name, value):
-    """``owner.name`` is ``value`` within the block."""
-    old = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, old)
 
 
 def load_maps(path):
