@@ -2,21 +2,26 @@
 
 nnU-Net normalizes each image by itself (InstanceNorm), which suits a data set whose
 images look unlike each other (DSB: fluorescence, brightfield, H&E). This asks what it
-would cost here before any recipe uses it: the same U-Net (width 16, depth 4, 1 input
-channel, random weights), hybridized, one Adam step (forward, BCE, backward, update) on a
-batch of ``--batch`` x ``--size`` px random images on one CPU context, with the norm layer
-after each convolution swapped for each kind. Kinds are timed in turn, ``--rounds``
-times, so a load change hits all; the best step of each round after ``--warmup`` is kept.
+would cost here before any recipe uses it. The step timed is the trainer's own
+(``gluon_unet.benchmark.make_training_step``: the network of ``engine.build_network``,
+hybridized, the recipe's loss and optimizer, ``parallel.DataParallelStep``) for the
+training config ``--config`` (default: the DSB recipe v18) on one CPU context, on a
+synthetic batch of ``--batch`` x ``--size`` px, with the norm layer after each
+convolution swapped for each kind. Kinds are timed in turn, ``--rounds`` times, so a
+load change hits all; each round reports the median images/s of ``--repeats`` timed
+repetitions after ``--warmup`` steps (``gluon_unet.benchmark.measure``), and the ratio
+to BatchNorm is the median of the rounds' ratios.
 
     python benchmarks/bench_norm.py [--kinds batch,instance,group4] [--size 256] [--batch 16]
 """
 import argparse
 import os
+import statistics
 import sys
-import time
 from unittest import mock
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
 
 # As bin/train: all the physical cores for OpenMP (set before mxnet loads), unless the
 # environment says otherwise; MXNet's own default would use half of them.
@@ -24,11 +29,13 @@ from gluon_unet.runtime import apply_runtime_defaults  # noqa: E402
 
 apply_runtime_defaults()
 
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, gluon  # noqa: E402
 from mxnet.gluon import nn  # noqa: E402
 
 from gluon_unet import model  # noqa: E402
+from gluon_unet.benchmark import make_training_step, measure, synthetic_batch  # noqa: E402
+from gluon_unet.config import TrainConfig  # noqa: E402
+from gluon_unet.devices import make_contexts  # noqa: E402
+from gluon_unet.errors import UserError  # noqa: E402
 
 
 def norm_factory(kind):
@@ -42,52 +49,64 @@ def norm_factory(kind):
     raise SystemExit('error: --kinds: %r is not batch, instance or groupN (e.g. group4)' % kind)
 
 
-def images_per_second(kind, size, batch, warmup, steps):
-    """Best images/s over ``steps`` training steps, after ``warmup`` untimed ones, with
-    the norm layer ``kind``."""
-    # UNet builds its norm layers from nn.BatchNorm; swap the name while it is built.
+def load_config(path, size, batch):
+    """The training config of ``path`` on one CPU context, at ``batch`` x ``size`` px."""
+    try:
+        with open(path) as f:
+            cfg = TrainConfig.from_json(f.read())
+    except (OSError, ValueError, UserError, TypeError) as e:
+        raise SystemExit('error: --config %s: %s' % (path, e))
+    cfg.gpus, cfg.cpus, cfg.batch_size = '', 1, batch
+    cfg.crop, cfg.size = size, size
+    cfg.model.in_channels = cfg.model.in_channels or 1
+    if not cfg.model.batch_norm:
+        raise SystemExit('error: --config %s: the model has no norm layers to swap' % path)
+    return cfg
+
+
+def training_step(cfg, kind):
+    """The trainer's step for ``cfg`` on one CPU context, with the norm layer ``kind``."""
+    # UNet builds its norm layers from nn.BatchNorm (one context: no SyncBatchNorm);
+    # swap the name while the trainer's step builds it.
     with mock.patch.object(model.nn, 'BatchNorm', norm_factory(kind)):
-        net = model.UNet(in_channels=1, classes=1, width=16, depth=4, batch_norm=True)
-    net.initialize(mx.init.Xavier(), ctx=mx.cpu())
-    net.hybridize(static_alloc=True, static_shape=True)
-    trainer = gluon.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
-    loss_fn = gluon.loss.SigmoidBCELoss()
-    x = mx.nd.random.uniform(shape=(batch, 1, size, size))
-    y = mx.nd.random.uniform(shape=(batch, 1, size, size)) > 0.5
-    best = float('inf')
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        with autograd.record():
-            loss = loss_fn(net(x), y)
-        loss.backward()
-        trainer.step(batch)
-        mx.nd.waitall()
-        if i >= warmup:
-            best = min(best, time.perf_counter() - t)
-    return batch / best
+        return make_training_step(cfg, make_contexts('', 1))
+
+
+def images_per_second(cfg, kind, warmup, repeats):
+    """Median images/s of the trainer's step for ``cfg`` with the norm layer ``kind``."""
+    step = training_step(cfg, kind)
+    return measure(step, synthetic_batch(cfg), warmup=warmup, repeats=repeats)['images_per_s']
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--config', default=os.path.join(HERE, 'dsb_recipe_v18.json'),
+                   help='training config whose model, loss and optimizer are timed')
     p.add_argument('--kinds', default='batch,instance,group4')
     p.add_argument('--size', type=int, default=256)
     p.add_argument('--batch', type=int, default=16)
-    p.add_argument('--rounds', type=int, default=2)
-    p.add_argument('--steps', type=int, default=4, help='timed steps per kind and round, after --warmup')
-    p.add_argument('--warmup', type=int, default=2)
+    p.add_argument('--rounds', type=int, default=3)
+    p.add_argument('--repeats', type=int, default=3, help='timed repetitions per kind and round; the median is kept')
+    p.add_argument('--warmup', type=int, default=2, help='untimed steps before them')
     args = p.parse_args(argv)
     kinds = args.kinds.split(',')
     for k in kinds:
         norm_factory(k)  # a bad name fails before anything is timed
-    if min(args.size, args.batch, args.rounds, args.steps) < 1 or args.warmup < 0 or args.size % 16:
-        raise SystemExit('error: --size must be a positive multiple of 16; --batch, --rounds, --steps >= 1; --warmup >= 0')
+    if min(args.size, args.batch, args.rounds, args.repeats) < 1 or args.warmup < 0 or args.size % 16:
+        raise SystemExit('error: --size must be a positive multiple of 16; --batch, --rounds, --repeats >= 1; --warmup >= 0')
+    cfg = load_config(args.config, args.size, args.batch)
+    print('width %d, depth %d, loss %s, %s, %d x %d px, one CPU context'
+          % (cfg.model.width, cfg.model.depth, cfg.loss, cfg.optimizer, args.batch, args.size))
     rates = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for k in kinds:
-            rates[k].append(images_per_second(k, args.size, args.batch, args.warmup, args.steps))
+            rates[k].append(images_per_second(cfg, k, args.warmup, args.repeats))
     print('%-10s %s' % ('norm', ' '.join('round %d' % (i + 1) for i in range(args.rounds))) + '  vs batch')
     for k in kinds:
-        ratio = ('%.2fx' % (sum(rates[k]) / sum(rates['batch']))) if 'batch' in rates else '-'
+        # Each round times the kinds back to back, so its ratio pairs them under the same
+        # load; the median over rounds drops a round that a load change hit.
+        ratio = ('%.2fx' % statistics.median(r / b for r, b in zip(rates[k], rates['batch']))
+                 if 'batch' in rates else '-')
         print('%-10s %s  %s' % (k, ' '.join('%5.2f img/s' % r for r in rates[k]), ratio))
 
 

@@ -347,3 +347,21 @@ def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny,
         a, b = running[k].astype(np.float32), own[k].astype(np.float32)
         assert a.shape == b.shape and np.isfinite(b).all()
         assert np.abs(a - b).max() > 1e-3, k
+
+
+def test_bench_norm_times_the_trainers_step_with_the_norm_swapped():
+    import bench_norm
+    from mxnet.gluon import nn
+    cfg = bench_norm.load_config(os.path.join(ROOT, 'benchmarks', 'dsb_recipe_v18.json'), size=32, batch=2)
+    assert (cfg.cpus, cfg.batch_size, cfg.crop, cfg.loss) == (1, 2, 32, 'bce_dice')
+
+    def norms(step):
+        found = []
+        step.net.apply(lambda b: found.append(type(b)) if isinstance(b, (nn.BatchNorm, nn.InstanceNorm, nn.GroupNorm)) else None)
+        return set(found)
+    assert norms(bench_norm.training_step(cfg, 'batch')) == {nn.BatchNorm}
+    assert norms(bench_norm.training_step(cfg, 'group2')) == {nn.GroupNorm}
+    rate = bench_norm.images_per_second(cfg, 'instance', warmup=0, repeats=1)
+    assert np.isfinite(rate) and rate > 0
+    with pytest.raises(SystemExit, match='--kinds'):
+        bench_norm.norm_factory('instanse')
