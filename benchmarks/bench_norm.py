@@ -10,14 +10,18 @@ synthetic batch of ``--batch`` x ``--size`` px, with the norm layer after each
 convolution swapped for each kind. Kinds are timed in turn, ``--rounds`` times, so a
 load change hits all; each round reports the median images/s of ``--repeats`` timed
 repetitions after ``--warmup`` steps (``gluon_unet.benchmark.measure``), and the ratio
-to BatchNorm is the median of the rounds' ratios.
+to BatchNorm is the median of the rounds' ratios. Each measurement runs in a fresh
+process: MXNet keeps the memory of a network it has built after the network is gone, and
+nine networks in one process grew to 19.6 GB at width 16 (one of them needs a fraction).
 
     python benchmarks/bench_norm.py [--kinds batch,instance,group4] [--size 256] [--batch 16]
 """
 import argparse
+import multiprocessing
 import os
 import statistics
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -78,6 +82,13 @@ def images_per_second(cfg, kind, warmup, repeats):
     return measure(step, synthetic_batch(cfg), warmup=warmup, repeats=repeats)['images_per_s']
 
 
+def images_per_second_in_child(cfg, kind, warmup, repeats):
+    """:func:`images_per_second` in a fresh process, whose memory goes when it ends."""
+    # spawn, not fork: MXNet's engine threads and OpenMP pool do not carry into a fork.
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context('spawn')) as pool:
+        return pool.submit(images_per_second, cfg, kind, warmup, repeats).result()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--config', default=os.path.join(HERE, 'dsb_recipe_v18.json'),
@@ -100,7 +111,7 @@ def main(argv=None):
     rates = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for k in kinds:
-            rates[k].append(images_per_second(cfg, k, args.warmup, args.repeats))
+            rates[k].append(images_per_second_in_child(cfg, k, args.warmup, args.repeats))
     print('%-10s %s' % ('norm', ' '.join('round %d' % (i + 1) for i in range(args.rounds))) + '  vs batch')
     for k in kinds:
         # Each round times the kinds back to back, so its ratio pairs them under the same
