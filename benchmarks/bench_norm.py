@@ -103,9 +103,12 @@ def main(argv=None):
     kinds = args.kinds.split(',')
     for k in kinds:
         norm_factory(k)  # a bad name fails before anything is timed
-    if min(args.size, args.batch, args.rounds, args.repeats) < 1 or args.warmup < 0 or args.size % 16:
-        raise SystemExit('error: --size must be a positive multiple of 16; --batch, --rounds, --repeats >= 1; --warmup >= 0')
+    if min(args.size, args.batch, args.rounds, args.repeats) < 1 or args.warmup < 0:
+        raise SystemExit('error: --size, --batch, --rounds, --repeats must be >= 1; --warmup >= 0')
     cfg = load_config(args.config, args.size, args.batch)
+    if args.size % 2 ** cfg.model.depth:
+        raise SystemExit('error: --size %d is not a multiple of %d (2**depth of --config %s)'
+                         % (args.size, 2 ** cfg.model.depth, args.config))
     print('width %d, depth %d, loss %s, %s, %d x %d px, one CPU context'
           % (cfg.model.width, cfg.model.depth, cfg.loss, cfg.optimizer, args.batch, args.size))
     rates = {k: [] for k in kinds}
