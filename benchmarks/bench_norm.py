@@ -11,8 +11,8 @@ convolution swapped for each kind. Kinds are timed in turn, ``--rounds`` times, 
 load change hits all; each round reports the median images/s of ``--repeats`` timed
 repetitions after ``--warmup`` steps (``gluon_unet.benchmark.measure``), and the ratio
 to BatchNorm is the median of the rounds' ratios. Each measurement runs in a fresh
-process: MXNet keeps the memory of a network it has built after the network is gone, and
-nine networks in one process grew to 19.6 GB at width 16 (one of them needs a fraction).
+process: nine networks built in turn in one process held 19.6 GB at width 16 (the memory
+of the finished ones was not given back), one per process 4.4 GB.
 
     python benchmarks/bench_norm.py [--kinds batch,instance,group4] [--size 256] [--batch 16]
 """
