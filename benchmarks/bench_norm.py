@@ -63,6 +63,10 @@ def load_config(path, size, batch):
     cfg.gpus, cfg.cpus, cfg.batch_size = '', 1, batch
     cfg.crop, cfg.size = size, size
     cfg.model.in_channels = cfg.model.in_channels or 1
+    try:
+        cfg.validate()  # the trainer's own checks, e.g. the crop against 2**depth
+    except UserError as e:
+        raise SystemExit('error: --config %s at --size %d --batch %d: %s' % (path, size, batch, e))
     if not cfg.model.batch_norm:
         raise SystemExit('error: --config %s: the model has no norm layers to swap' % path)
     return cfg
@@ -106,9 +110,6 @@ def main(argv=None):
     if min(args.size, args.batch, args.rounds, args.repeats) < 1 or args.warmup < 0:
         raise SystemExit('error: --size, --batch, --rounds, --repeats must be >= 1; --warmup >= 0')
     cfg = load_config(args.config, args.size, args.batch)
-    if args.size % 2 ** cfg.model.depth:
-        raise SystemExit('error: --size %d is not a multiple of %d (2**depth of --config %s)'
-                         % (args.size, 2 ** cfg.model.depth, args.config))
     print('width %d, depth %d, loss %s, %s, %d x %d px, one CPU context'
           % (cfg.model.width, cfg.model.depth, cfg.loss, cfg.optimizer, args.batch, args.size))
     rates = {k: [] for k in kinds}

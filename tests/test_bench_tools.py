@@ -354,6 +354,8 @@ def test_bench_norm_times_the_trainers_step_with_the_norm_swapped():
     from mxnet.gluon import nn
     cfg = bench_norm.load_config(os.path.join(ROOT, 'benchmarks', 'dsb_recipe_v18.json'), size=32, batch=2)
     assert (cfg.cpus, cfg.batch_size, cfg.crop, cfg.loss) == (1, 2, 32, 'bce_dice')
+    with pytest.raises(SystemExit, match=r'--size 48 .*not divisible by 2\*\*depth = 32'):
+        bench_norm.load_config(os.path.join(ROOT, 'benchmarks', 'dsb_recipe_v29.json'), size=48, batch=2)
 
     def norms(step):
         found = []
@@ -368,7 +370,7 @@ def test_bench_norm_times_the_trainers_step_with_the_norm_swapped():
 
 
 def test_bench_norm_measures_each_kind_in_a_child_process_and_pairs_the_ratio(capsys):
-    # In one process MXNet kept the memory of every network built (19.6 GB at width 16):
+    # Nine networks built in turn in one process held 19.6 GB at width 16:
     # each measurement runs in a child, whose rate comes back to the table.
     import bench_norm
     bench_norm.main(['--size', '32', '--batch', '2', '--rounds', '1', '--repeats', '1',
