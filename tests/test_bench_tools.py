@@ -165,6 +165,38 @@ def test_dsb_by_kind_averages_per_kind_and_refuses_what_is_not_a_score_file(tmp_
     assert capsys.readouterr().out == ''   # a bad file stops before any table is printed
 
 
+def test_dsb_by_kind_bootstrap_keeps_each_kinds_count_and_pairs_the_files(tmp_path, capsys):
+    # Stratified: the lone H&E image is in every resampling, once, so with fluorescence
+    # scoring 0 every resampled mean is exactly 1/3.
+    means = dsb_by_kind.bootstrap_means([[0.0, 0.0, 1.0]], ['fluorescence', 'fluorescence', 'he'], 500)
+    assert means.shape == (1, 500) and np.allclose(means, 1 / 3)
+    # Unstratified spread shows: two fluorescence images scoring 0 and 1 resample to 0, 0.5 or 1.
+    means = dsb_by_kind.bootstrap_means([[0.0, 1.0]], ['fluorescence'] * 2, 2000)
+    assert set(np.round(means[0], 6)) == {0.0, 0.5, 1.0}
+    assert dsb_by_kind.interval(means[0]) == (0.0, 1.0)
+    kinds = tmp_path / 'kinds.tsv'
+    kinds.write_text('a\tfluorescence\nb\tfluorescence\nc\the\nd\the\n')
+    first, second, other = tmp_path / 'one.csv', tmp_path / 'two.csv', tmp_path / 'other.csv'
+    first.write_text('image_id,dsb,iou\na,0.2,0.5\nb,0.6,0.7\nc,0.1,0.3\nd,0.5,0.3\n')
+    # The second file scores every image 0.1 higher, listed in another order: the paired
+    # difference is 0.1 in every resampling, though each mean alone varies.
+    second.write_text('image_id,dsb,iou\nd,0.6,0.3\nc,0.2,0.3\nb,0.7,0.7\na,0.3,0.5\n')
+    dsb_by_kind.main([str(first), str(second), '--kinds', str(kinds), '--bootstrap', '1000'])
+    out = capsys.readouterr().out
+    assert '1000 stratified resamplings of the 4 images' in out
+    assert '| two.csv | 0.450 | ' in out and '| +0.100 | +0.100 - +0.100 | 1.00 |' in out
+    line = [x for x in out.splitlines() if x.startswith('| one.csv | 0.350 | ')][0]
+    lo, hi = (float(v) for v in line.split('|')[3].split(' - '))
+    assert lo < 0.35 < hi
+    other.write_text('image_id,dsb,iou\na,0.2,0.5\nb,0.6,0.7\n')
+    for argv, message in (([str(first), str(other), '--bootstrap', '1000'], 'one.csv and .*other.csv score '
+                                                                             'different images'),
+                          ([str(first), '--bootstrap', '5'], '--bootstrap must be 0 .off. or at least 100')):
+        with pytest.raises(SystemExit, match=message):
+            dsb_by_kind.main(argv + ['--kinds', str(kinds)])
+    assert capsys.readouterr().out == ''
+
+
 def test_val_curves_measure_the_swings_after_the_first_epochs():
     rows = [{'val_iou': v, 'val_dsb': d} for v, d in
             [(0.1, 0.0), (0.9, 0.1), (0.5, 0.2), (0.8, 0.5), (0.7, 0.4), (0.75, 0.45)]]
