@@ -81,9 +81,9 @@ def _bootstrap_table(tables, kind, n):
     lines = ['', '%d stratified resamplings of the %d images (95 %% intervals):' % (n, len(ids)), '',
              '| scores | all DSB | 95 %% interval | minus %s | 95 %% interval | share above 0 |'
              % os.path.basename(first_path), '|---|---|---|---|---|---|']
-    for (path, _), row, m in zip(tables, scores, means):
+    for i, ((path, _), row, m) in enumerate(zip(tables, scores, means)):
         cells = ['%.3f' % np.mean(row), '%.3f - %.3f' % interval(m)]
-        if path == first_path:
+        if i == 0:
             cells += ['', '', '']
         else:
             diff = m - means[0]
