@@ -188,6 +188,11 @@ def test_dsb_by_kind_bootstrap_keeps_each_kinds_count_and_pairs_the_files(tmp_pa
     line = [x for x in out.splitlines() if x.startswith('| one.csv | 0.350 | ')][0]
     lo, hi = (float(v) for v in line.split('|')[3].split(' - '))
     assert lo < 0.35 < hi
+    # A file given twice is paired with itself (by position, not name): a difference of 0.
+    dsb_by_kind.main([str(first), str(first), '--kinds', str(kinds), '--bootstrap', '1000'])
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith('| one.csv | 0.350 | ')]
+    assert len(rows) == 2 and rows[0].endswith('|  |  |  |'), rows
+    assert rows[1].endswith('| +0.000 | +0.000 - +0.000 | 0.00 |'), rows
     other.write_text('image_id,dsb,iou\na,0.2,0.5\nb,0.6,0.7\n')
     for argv, message in (([str(first), str(other), '--bootstrap', '1000'], 'one.csv and .*other.csv score '
                                                                              'different images'),
