@@ -242,6 +242,43 @@ def test_the_search_falls_back_to_the_distance_watershed_when_the_border_map_spl
         instances_from_maps(maps, markers='centres')
 
 
+class _BlankSecondMap(mx.gluon.HybridBlock):
+    """A two-map model that draws the true foreground (+20 where the input is bright) and
+    a second map of zeros: no border, contact or hill, so its markers grow one object per
+    blob and touching nuclei stay merged."""
+
+    def hybrid_forward(self, F, x):
+        return F.concat((x > 0.5) * 40 - 20, x * 0 - 20, dim=1)
+
+
+@pytest.mark.parametrize('second', ['border', 'centre', 'contact'])
+def test_validation_picks_epochs_by_the_better_markers_of_a_two_map_model(second):
+    """A two-map model's val_dsb (what picks its best epoch) is the better of its second
+    map's markers and the distance watershed - the two the search chooses between
+    afterwards - and both are reported; a one-map model's is as before."""
+    from gluon_unet.engine import validate
+
+    labels = np.stack([_touching_pair(r=10, dist=18), _touching_pair(r=10, dist=18)[::-1].copy()])
+    fg = (labels > 0).astype(np.uint8)
+    ds = SegmentationDataset(fg[..., None] * 255, fg, labels, target='mask+' + second)
+    row = validate(_BlankSecondMap(), [mx.cpu()], ds, 2, SegmentationLoss('bce'))
+    split = dsb_image_score(instances_from_maps(np.stack([fg[0], fg[0] * 0]).astype(np.float32),
+                                                markers='distance'), labels[0])
+    assert split > 0.9  # the distance watershed separates this pair...
+    assert row['val_dsb_%s' % second] < 0.5 < row['val_dsb_distance']  # ... a blank second map cannot
+    assert row['val_dsb'] == row['val_dsb_distance']
+    one = validate(_Foreground(), [mx.cpu()], SegmentationDataset(fg[..., None] * 255, fg, labels, target='mask'),
+                   2, SegmentationLoss('bce'))
+    assert one['val_dsb'] == row['val_dsb_distance'] and not any(k.startswith('val_dsb_') for k in one)
+
+
+class _Foreground(mx.gluon.HybridBlock):
+    """The one-map model of the same foreground."""
+
+    def hybrid_forward(self, F, x):
+        return (x > 0.5) * 40 - 20
+
+
 def test_predict_uses_the_markers_the_search_chose(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
     folder = export_brightness_model(str(tmp_path / 'm'), dict(BRIGHTNESS_SIDECAR, postprocess={
