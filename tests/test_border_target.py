@@ -15,7 +15,7 @@ from gluon_unet.config import TrainConfig
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import border_map, centre_map, contact_map, make_target
-from gluon_unet.engine import fit
+from gluon_unet.engine import fit, validate
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model, predict_image
 from gluon_unet.losses import SegmentationLoss
@@ -251,13 +251,18 @@ class _BlankSecondMap(mx.gluon.HybridBlock):
         return F.concat((x > 0.5) * 40 - 20, x * 0 - 20, dim=1)
 
 
+class _Foreground(mx.gluon.HybridBlock):
+    """The one-map model of the same foreground."""
+
+    def hybrid_forward(self, F, x):
+        return (x > 0.5) * 40 - 20
+
+
 @pytest.mark.parametrize('second', ['border', 'centre', 'contact'])
 def test_validation_picks_epochs_by_the_better_markers_of_a_two_map_model(second):
     """A two-map model's val_dsb (what picks its best epoch) is the better of its second
     map's markers and the distance watershed - the two the search chooses between
     afterwards - and both are reported; a one-map model's is as before."""
-    from gluon_unet.engine import validate
-
     labels = np.stack([_touching_pair(r=10, dist=18), _touching_pair(r=10, dist=18)[::-1].copy()])
     fg = (labels > 0).astype(np.uint8)
     ds = SegmentationDataset(fg[..., None] * 255, fg, labels, target='mask+' + second)
@@ -270,13 +275,6 @@ def test_validation_picks_epochs_by_the_better_markers_of_a_two_map_model(second
     one = validate(_Foreground(), [mx.cpu()], SegmentationDataset(fg[..., None] * 255, fg, labels, target='mask'),
                    2, SegmentationLoss('bce'))
     assert one['val_dsb'] == row['val_dsb_distance'] and not any(k.startswith('val_dsb_') for k in one)
-
-
-class _Foreground(mx.gluon.HybridBlock):
-    """The one-map model of the same foreground."""
-
-    def hybrid_forward(self, F, x):
-        return (x > 0.5) * 40 - 20
 
 
 def test_predict_uses_the_markers_the_search_chose(tmp_path):
