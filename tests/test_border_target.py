@@ -242,20 +242,21 @@ def test_the_search_falls_back_to_the_distance_watershed_when_the_border_map_spl
         instances_from_maps(maps, markers='centres')
 
 
-class _BlankSecondMap(mx.gluon.HybridBlock):
-    """A two-map model that draws the true foreground (+20 where the input is bright) and
-    a second map of zeros: no border, contact or hill, so its markers grow one object per
-    blob and touching nuclei stay merged."""
-
-    def hybrid_forward(self, F, x):
-        return F.concat((x > 0.5) * 40 - 20, x * 0 - 20, dim=1)
-
-
 class _Foreground(mx.gluon.HybridBlock):
-    """The one-map model of the same foreground."""
+    """Logits that reproduce the input image: +20 where it is bright, -20 elsewhere (a
+    one-map model that draws the true foreground of a bright-on-dark mask image)."""
 
     def hybrid_forward(self, F, x):
         return (x > 0.5) * 40 - 20
+
+
+class _BlankSecondMap(_Foreground):
+    """The same foreground and a second map of zeros: no border, contact or hill, so its
+    markers grow one object per blob and touching nuclei stay merged."""
+
+    def hybrid_forward(self, F, x):
+        fg = super().hybrid_forward(F, x)
+        return F.concat(fg, fg * 0 - 20, dim=1)
 
 
 @pytest.mark.parametrize('second', ['border', 'centre', 'contact'])
