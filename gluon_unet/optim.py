@@ -69,10 +69,18 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     update_on_kvstore : bool or None
         ``False`` is needed for gradient clipping and AMP (they touch the gradients
         between reduction and update).
+    weight_decay : float
+        Applied to the convolution kernels only, not to biases or BatchNorm's gamma/beta.
     """
     if kvstore == 'nccl' and not any(c.device_type == 'gpu' for c in ctxs):
         raise UserError('--kvstore nccl needs GPUs (NCCL is a GPU library); use --kvstore device '
                         'or local on CPU')
+    # The Trainer would sort a dict's names itself; the list keeps that order (and so the
+    # indices of saved optimizer states) and tells us each parameter's index.
+    params = [params[name] for name in sorted(params.keys())] if hasattr(params, 'keys') else list(params)
+    no_decay = {i: 0.0 for i, p in enumerate(params) if _exempt_from_decay(p)}
+    for i in no_decay:
+        params[i].wd_mult = 0.0
     opt_params = {'learning_rate': lr, 'wd': weight_decay}
     if lr_scheduler is not None:
         opt_params['lr_scheduler'] = lr_scheduler
@@ -84,11 +92,22 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     else:
         raise UserError('--optimizer must be one of sgd, adam, adamw (got %r)' % optimizer)
     try:
-        return gluon.Trainer(params, name, opt_params, kvstore=kvstore,
-                             update_on_kvstore=update_on_kvstore)
+        trainer = gluon.Trainer(params, name, opt_params, kvstore=kvstore,
+                                update_on_kvstore=update_on_kvstore)
     except mx.MXNetError as exc:
         raise UserError('--kvstore %s: MXNet could not create it: %s'
                         % (kvstore, mxnet_message(exc))) from None
+    # Here the optimizer reads wd_mult from the Parameters; a dist kvstore's servers get a
+    # pickled copy without them (Optimizer.__getstate__ drops param_dict) and read this.
+    trainer.optimizer.wd_mult.update(no_decay)
+    return trainer
+
+
+def _exempt_from_decay(param):
+    """Biases and BatchNorm's gamma/beta (every parameter of at most one dimension) are not
+    decayed: pulling them to zero regularizes nothing and, for gamma, shrinks a layer's
+    output scale (the rule of timm's ``param_groups_weight_decay``)."""
+    return len(param.shape or ()) <= 1 or param.name.endswith(('_bias', '_gamma', '_beta'))
 
 
 def resize_lr_scheduler(scheduler, total_steps, step_fractions=(0.6, 0.85)):

@@ -1,5 +1,6 @@
 """Losses, schedules, optimizers, checkpoints and early stopping, one piece at a time."""
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -128,9 +129,33 @@ def test_adamw_decay_is_decoupled_from_the_gradient():
         if p.grad_req != 'null':
             p.grad()[:] = 0  # no gradient: Adam moves nothing, only the decay acts
             p.data()._fresh_grad = True
+    before = {p.name: p.data().asnumpy() for p in net.collect_params().values()}
     trainer.step(1)
     w = net.head.weight.data().asnumpy()
     np.testing.assert_allclose(w, 1.0 * (1 - 0.1 * 0.5), rtol=1e-5)
+    # Biases and BatchNorm's gamma/beta are not decayed (timm's rule: at most 1-D).
+    spared = [p for p in net.collect_params().values() if p.grad_req != 'null' and len(p.shape) <= 1]
+    assert len(spared) > 3
+    for p in spared:
+        np.testing.assert_array_equal(p.data().asnumpy(), before[p.name], err_msg=p.name)
+
+
+@pytest.mark.parametrize('optimizer', ['sgd', 'adamw'])
+def test_weight_decay_spares_biases_and_batchnorm_here_and_on_a_server(optimizer):
+    net = build_model(ModelConfig(in_channels=1, width=2, depth=1))
+    net.initialize()
+    net(mx.nd.zeros((1, 1, 4, 4)))
+    trainer = make_trainer(net.collect_params(), optimizer, 0.1, [mx.cpu()], weight_decay=0.5)
+    # A dist kvstore's servers update with a pickled copy that has no Parameters.
+    server = pickle.loads(pickle.dumps(trainer.optimizer))
+    assert server.param_dict == {}
+    params = list(trainer.optimizer.param_dict.values())
+    kinds = [p.name.rsplit('_', 1)[1] for p in params]
+    assert {'weight', 'bias', 'gamma', 'beta'} <= set(kinds)
+    for opt in (trainer.optimizer, server):
+        wds = opt._get_wds(range(len(params)))
+        assert all(wd == (0.5 if kind == 'weight' else 0.0) for kind, wd in zip(kinds, wds)), \
+            list(zip(kinds, wds))
 
 
 def test_nccl_and_float16_need_gpus(tiny):
