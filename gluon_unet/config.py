@@ -125,7 +125,8 @@ class TrainConfig:
     lr: float = _opt(1e-3, 'peak learning rate')
     momentum: float = _opt(0.9, 'SGD momentum')
     nesterov: bool = _opt(True, 'Nesterov momentum for SGD')
-    weight_decay: float = _opt(0.0, 'weight decay (decoupled for adamw)')
+    weight_decay: float = _opt(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
+                                 'biases and BatchNorm gamma/beta are not decayed)')
     clip_grad: float = _opt(0.0, 'clip the global gradient norm (0 = off)')
     ema: float = _opt(0.0, 'keep an exponential moving average of the weights with this decay per step '
                            '(e.g. 0.99: about the last 100 steps; warmed up as (1+t)/(10+t)); validation, '
