@@ -7,6 +7,7 @@ so a model can be rebuilt without the command line that trained it.
 """
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
@@ -231,13 +232,15 @@ class TrainConfig:
         for name in ('workers', 'crop', 'patience', 'keep_last'):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        # Written so that nan fails too (every comparison with nan is False); argparse's
+        # float() accepts 'nan' and 'inf', and a nan decay or rate only shows as a nan loss.
         for name in ('lr', 'threshold'):
-            if not getattr(self, name) > 0:
+            if not 0 < getattr(self, name) < math.inf:
                 raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
         for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum',
                      'dice_weight', 'denoise'):
-            if getattr(self, name) < 0:
-                raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+            if not 0 <= getattr(self, name) < math.inf:
+                raise UserError('%s must be a finite number >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
         if self.time_budget and self.lr_schedule != 'constant' and self.kvstore.startswith('dist') \
                 and (self.kvstore == 'dist_async' or self.update_on_kvstore):
             # The servers run the optimizer on a copy of the schedule sent at the start.

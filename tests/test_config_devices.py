@@ -52,7 +52,10 @@ def test_config_round_trips_through_json():
     (['--depth', '9'], '--depth'), (['--size', '100'], '--size'), (['--optimizer', 'adagrad'], '--optimizer'),
     (['--loss', 'ce'], '--loss'), (['--val-split', '1.5'], '--val-split'), (['--lr', '0'], '--lr'),
     (['--channels', '2'], '--channels'), (['--data', '/no/such/dir'], '--data'),
-    (['--lr-schedule', 'step', '--lr-steps', 'a,b'], '--lr-steps'), (['--kvstore', 'foo'], '--kvstore')])
+    (['--lr-schedule', 'step', '--lr-steps', 'a,b'], '--lr-steps'), (['--kvstore', 'foo'], '--kvstore'),
+    # argparse's float() takes these; a nan decay or rate would only show as a nan loss
+    (['--weight-decay', 'nan'], '--weight-decay'), (['--lr', 'inf'], '--lr'), (['--lr', 'nan'], '--lr'),
+    (['--clip-grad', 'inf'], '--clip-grad'), (['--weight-decay', '-1'], '--weight-decay')])
 def test_bad_values_name_their_flag(argv, flag):
     args = vars(train_parser().parse_args(argv))
     args.pop('config')

@@ -162,7 +162,7 @@ def test_without_a_budget_the_run_has_all_its_epochs(tiny, tmp_path, clock):
 
 
 def test_a_negative_budget_and_a_schedule_held_by_the_servers_are_refused():
-    with pytest.raises(UserError, match='--time-budget must be >= 0'):
+    with pytest.raises(UserError, match='--time-budget must be a finite number >= 0'):
         TrainConfig(time_budget=-1.0).validate()
     with pytest.raises(UserError, match='--time-budget with --kvstore dist_async'):
         TrainConfig(time_budget=30.0, lr_schedule='cosine', kvstore='dist_async').validate()
