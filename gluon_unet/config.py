@@ -236,7 +236,7 @@ class TrainConfig:
         # float() accepts 'nan' and 'inf', and a nan decay or rate only shows as a nan loss.
         for name in ('lr', 'threshold'):
             if not 0 < getattr(self, name) < math.inf:
-                raise UserError('%s must be > 0 (got %r)' % (flag_name(name), getattr(self, name)))
+                raise UserError('%s must be a finite number > 0 (got %r)' % (flag_name(name), getattr(self, name)))
         for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum',
                      'dice_weight', 'denoise'):
             if not 0 <= getattr(self, name) < math.inf:
