@@ -75,12 +75,6 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     if kvstore == 'nccl' and not any(c.device_type == 'gpu' for c in ctxs):
         raise UserError('--kvstore nccl needs GPUs (NCCL is a GPU library); use --kvstore device '
                         'or local on CPU')
-    # The Trainer would sort a dict's names itself; the list keeps that order (and so the
-    # indices of saved optimizer states) and tells us each parameter's index.
-    params = [params[name] for name in sorted(params.keys())] if hasattr(params, 'keys') else list(params)
-    no_decay = {i: 0.0 for i, p in enumerate(params) if _exempt_from_decay(p)}
-    for i in no_decay:
-        params[i].wd_mult = 0.0
     opt_params = {'learning_rate': lr, 'wd': weight_decay}
     if lr_scheduler is not None:
         opt_params['lr_scheduler'] = lr_scheduler
@@ -97,9 +91,14 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     except mx.MXNetError as exc:
         raise UserError('--kvstore %s: MXNet could not create it: %s'
                         % (kvstore, mxnet_message(exc))) from None
-    # Here the optimizer reads wd_mult from the Parameters; a dist kvstore's servers get a
-    # pickled copy without them (Optimizer.__getstate__ drops param_dict) and read this.
-    trainer.optimizer.wd_mult.update(no_decay)
+    # The optimizer's param_dict maps the Trainer's own indices to its Parameters. Here it
+    # reads wd_mult from the Parameters; a dist kvstore's servers get a pickled copy without
+    # them (Optimizer.__getstate__ drops param_dict) and read the index-keyed wd_mult.
+    opt = trainer.optimizer
+    for index, param in opt.param_dict.items():
+        if _exempt_from_decay(param):
+            param.wd_mult = 0.0
+            opt.wd_mult[index] = 0.0
     return trainer
 
 
