@@ -7,6 +7,7 @@ the config and the checkpoint, not from the live training block.
 """
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -342,14 +343,23 @@ def read_sidecar(path):
     if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
                                   or not 0 <= min_score < 1):
         raise bad("'postprocess' 'min_score' must be a number in [0, 1) (got %s)" % json.dumps(min_score))
+    # The searched settings feed float()/int() and the watershed directly: a hand-edited
+    # "threshold": "high" would be a traceback, an "h": Infinity an empty result for every image.
+    for key, ok, rule in (('threshold', lambda v: 0 < v < 1, 'a number in (0, 1)'),
+                          ('marker', lambda v: 0 < v < 1, 'a number in (0, 1)'),
+                          ('h', lambda v: math.isfinite(v) and v > 0, 'a finite number > 0'),
+                          ('min_size', lambda v: v >= 0 and float(v).is_integer(), 'a whole number >= 0')):
+        value = (tuned or {}).get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
+            raise bad("'postprocess' '%s' must be %s (got %s)" % (key, rule, json.dumps(value)))
     if 'tta' in (tuned or {}) and not isinstance(tuned['tta'], bool):
         raise bad("'postprocess' 'tta' must be true or false (got %s)" % json.dumps(tuned['tta']))
     if (tuned or {}).get('mode', 'auto') not in MODES:
         raise bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), json.dumps(tuned['mode'])))
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
-                                 or not diameter > 0):
-        raise bad("'diameter' must be a positive number of pixels or null (got %s)" % json.dumps(diameter))
+                                 or not (math.isfinite(diameter) and diameter > 0)):
+        raise bad("'diameter' must be a finite positive number of pixels or null (got %s)" % json.dumps(diameter))
     outputs = meta.get('outputs')
     if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
         raise bad("'outputs' must be one of %s (got %s)" % (

@@ -20,6 +20,7 @@ channel conversion, by the function training uses (:func:`~gluon_unet.data.io.in
 import argparse
 import csv
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -87,15 +88,18 @@ class PredictConfig:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
         if self.diameter is not None and self.diameter != 'auto':
             try:
-                ok = float(self.diameter) > 0
+                ok = math.isfinite(float(self.diameter)) and float(self.diameter) > 0
             except (TypeError, ValueError):
                 ok = False
             if not ok:
-                raise UserError("--diameter must be 'auto' or a positive number of pixels (got %r)" % self.diameter)
+                raise UserError("--diameter must be 'auto' or a finite positive number of pixels (got %r)"
+                                % self.diameter)
         if self.marker is not None and not 0 < self.marker < 1:
             raise UserError('--marker must be in (0, 1) (got %r)' % self.marker)
-        if self.h is not None and not self.h > 0:
-            raise UserError('--h must be > 0 pixels (got %r)' % self.h)
+        # inf passes '> 0' but h-maxima of infinite depth finds no markers: every image would
+        # come out empty without a word. nan fails any comparison, so it is refused either way.
+        if self.h is not None and not (math.isfinite(self.h) and self.h > 0):
+            raise UserError('--h must be a finite number > 0 pixels (got %r)' % self.h)
         if self.markers is not None and self.markers not in MARKERS:
             raise UserError('--markers must be one of %s (got %r)' % (', '.join(MARKERS), self.markers))
         if self.min_size is not None and self.min_size < 0:

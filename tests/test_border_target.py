@@ -210,7 +210,11 @@ def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
                        ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
                        ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'"),
-                       ({'postprocess': {'min_score': 1.5}}, "'postprocess' 'min_score' must be a number in")):
+                       ({'postprocess': {'min_score': 1.5}}, "'postprocess' 'min_score' must be a number in"),
+                       ({'postprocess': {'threshold': 'high'}}, "'postprocess' 'threshold' must be a number in"),
+                       ({'postprocess': {'marker': 1.0}}, "'postprocess' 'marker' must be a number in"),
+                       ({'postprocess': {'h': float('inf')}}, "'postprocess' 'h' must be a finite number > 0"),
+                       ({'postprocess': {'min_size': 16.5}}, "'postprocess' 'min_size' must be a whole number")):
         folder = export_brightness_model(str(tmp_path / str(len(words))), dict(BRIGHTNESS_SIDECAR, **bad))
         with pytest.raises(UserError, match=words.replace('(', r'\(')):
             read_sidecar(os.path.join(folder, 'model.json'))

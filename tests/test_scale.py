@@ -89,11 +89,13 @@ def test_predict_rescales_to_the_model_diameter_and_maps_back(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize('sidecar, argv, words', [
-    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', '0'], "--diameter must be 'auto' or a positive"),
-    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'big'], "--diameter must be 'auto' or a positive"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', '0'], "--diameter must be 'auto' or a finite positive"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'big'], "--diameter must be 'auto' or a finite positive"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'inf'], "--diameter must be 'auto' or a finite positive"),
     ({'resize_mode': 'crop'}, ['--diameter', 'auto'], '--diameter: the model does not record'),
     ({'resize_mode': 'resize', 'diameter': 10.0}, ['--diameter', '20'], '--diameter: this model was trained on images'),
-    ({'resize_mode': 'crop', 'diameter': -3}, [], "'diameter' must be a positive number"),
+    ({'resize_mode': 'crop', 'diameter': -3}, [], "'diameter' must be a finite positive number"),
+    ({'resize_mode': 'crop', 'diameter': float('inf')}, [], "'diameter' must be a finite positive number"),
 ])
 def test_bad_diameter_use_is_one_line(tmp_path, sidecar, argv, words):
     model = export_brightness_model(str(tmp_path / 'model'), dict(BRIGHTNESS_SIDECAR, **sidecar))
