@@ -339,13 +339,10 @@ def read_sidecar(path):
     if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None,) + MARKERS):
         raise bad("'postprocess' must be an object whose 'markers' is one of %s (got %s)"
                   % (', '.join(json.dumps(m) for m in MARKERS), json.dumps(tuned)))
-    min_score = (tuned or {}).get('min_score')
-    if min_score is not None and (isinstance(min_score, bool) or not isinstance(min_score, (int, float))
-                                  or not 0 <= min_score < 1):
-        raise bad("'postprocess' 'min_score' must be a number in [0, 1) (got %s)" % json.dumps(min_score))
     # The searched settings feed float()/int() and the watershed directly: a hand-edited
     # "threshold": "high" would be a traceback, an "h": Infinity an empty result for every image.
-    for key, ok, rule in (('threshold', lambda v: 0 < v < 1, 'a number in (0, 1)'),
+    for key, ok, rule in (('min_score', lambda v: 0 <= v < 1, 'a number in [0, 1)'),
+                          ('threshold', lambda v: 0 < v < 1, 'a number in (0, 1)'),
                           ('marker', lambda v: 0 < v < 1, 'a number in (0, 1)'),
                           ('h', lambda v: math.isfinite(v) and v > 0, 'a finite number > 0'),
                           ('min_size', lambda v: v >= 0 and float(v).is_integer(), 'a whole number >= 0')):

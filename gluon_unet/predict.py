@@ -88,7 +88,8 @@ class PredictConfig:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
         if self.diameter is not None and self.diameter != 'auto':
             try:
-                ok = math.isfinite(float(self.diameter)) and float(self.diameter) > 0
+                pixels = float(self.diameter)
+                ok = math.isfinite(pixels) and pixels > 0
             except (TypeError, ValueError):
                 ok = False
             if not ok:

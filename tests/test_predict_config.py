@@ -48,8 +48,8 @@ def test_window_plans_align_to_the_pooling_grid_and_cover_the_image():
 @pytest.mark.parametrize('field, value, flag', [
     ('mode', 'x', '--mode'), ('batch_size', 0, '--batch-size'), ('overlap', 1.0, '--overlap'),
     ('threshold', 1.5, '--threshold'), ('min_size', -1, '--min-size'), ('split', 'kmeans', '--split'),
-    ('h', 0.0, '--h'), ('h', float('inf'), '--h'), ('h', float('nan'), '--h'), ('markers', 'centres', '--markers'), ('min_score', 1.0, '--min-score'),
-    ('min_score', -0.1, '--min-score')])
+    ('h', 0.0, '--h'), ('h', float('inf'), '--h'), ('h', float('nan'), '--h'),
+    ('markers', 'centres', '--markers'), ('min_score', 1.0, '--min-score'), ('min_score', -0.1, '--min-score')])
 def test_predict_config_names_the_flag(tmp_path, field, value, flag):
     with pytest.raises(UserError, match='^%s ' % flag):
         PredictConfig(**{field: value}).validate()
