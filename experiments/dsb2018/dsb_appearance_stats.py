@@ -10,7 +10,7 @@ components, or specks off the nuclei, are what a stretch that amplifies noise pr
 * ``--kind colour``: every colour (H&E) image, ``auto`` (inverted grey) vs ``stain``
   (hematoxylin): the threshold's mean IoU with the truth and the nuclei it touches.
 
-    python benchmarks/dsb_appearance_stats.py [--data ../shared/data/dsb2018/stage1_train] [--kind fluorescence]
+    python experiments/dsb2018/dsb_appearance_stats.py [--data ../shared/data/dsb2018/stage1_train] [--kind fluorescence]
 """
 import argparse
 import glob
@@ -20,11 +20,12 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository
+sys.path.insert(0, ROOT)
 # noqa: E402 below: the repository root is on the path now
 from gluon_unet.data.io import DENOISE_SIGMA, image_kind, input_image, merge_object_masks, read_image  # noqa: E402
 
-DEFAULT_DATA = os.path.join(HERE, '..', '..', 'shared', 'data', 'dsb2018', 'stage1_train')
+DEFAULT_DATA = os.path.join(ROOT, '..', 'shared', 'data', 'dsb2018', 'stage1_train')
 
 
 def images_of_kind(data, kind):

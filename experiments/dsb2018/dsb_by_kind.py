@@ -1,9 +1,9 @@
 """Mean hold-out scores per image kind, from ``bin/evaluate --csv`` files.
 
-    python benchmarks/dsb_by_kind.py /tmp/gu7/otsu.csv /tmp/gu7/seed.csv /tmp/gu7/best.csv
-    python benchmarks/dsb_by_kind.py /tmp/gu7/seed.csv /tmp/gu7/best.csv --bootstrap 10000
+    python experiments/dsb2018/dsb_by_kind.py /tmp/gu7/otsu.csv /tmp/gu7/seed.csv /tmp/gu7/best.csv
+    python experiments/dsb2018/dsb_by_kind.py /tmp/gu7/seed.csv /tmp/gu7/best.csv --bootstrap 10000
 
-Kinds come from the ``kinds.tsv`` written by ``benchmarks/dsb_split.py``.
+Kinds come from the ``kinds.tsv`` written by ``experiments/dsb2018/dsb_split.py``.
 
 ``--bootstrap N`` also says how far the 67 hold-out images can be trusted: the mean DSB
 score of each file over N resamplings of its images with replacement, each kind keeping
@@ -104,13 +104,13 @@ def main(argv=None):
     if args.bootstrap < 0 or 0 < args.bootstrap < 100:
         raise SystemExit('error: --bootstrap must be 0 (off) or at least 100 resamplings (got %d)' % args.bootstrap)
     if not os.path.isfile(args.kinds):
-        raise SystemExit('error: --kinds %s: no such file (benchmarks/dsb_split.py writes it)' % args.kinds)
+        raise SystemExit('error: --kinds %s: no such file (experiments/dsb2018/dsb_split.py writes it)' % args.kinds)
     with open(args.kinds) as f:
         fields = [(n, line.split()) for n, line in enumerate(f, 1) if line.strip()]
     short = [n for n, cols in fields if len(cols) < 2]
     if short:
         raise SystemExit('error: --kinds %s: line %d has no kind (want "<image id> <kind>" per line, '
-                         'as benchmarks/dsb_split.py writes)' % (args.kinds, short[0]))
+                         'as experiments/dsb2018/dsb_split.py writes)' % (args.kinds, short[0]))
     kind = {cols[0]: cols[1] for _, cols in fields}
     # Read every file before printing, so a bad one stops the table instead of cutting it short.
     tables = [(path, _read_scores(path, kind)) for path in args.csv]

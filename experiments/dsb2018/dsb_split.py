@@ -10,13 +10,13 @@ Every image is given a *kind* from its pixels (no labels needed), by the package
 
 Within each kind the ids are sorted, shuffled with ``numpy.random.RandomState(seed)`` and
 the first ``round(fraction * n)`` (at least 1) go to the hold-out. The result is written
-to ``benchmarks/dsb_holdout_ids.txt`` (one id per line; ids only, no data) and
+to ``experiments/dsb2018/dsb_holdout_ids.txt`` (one id per line; ids only, no data) and
 materialized as two symlink trees, so training never sees the hold-out::
 
     <out>/train/<id>   -> <data>/<id>     (bin/train --data <out>/train)
     <out>/holdout/<id> -> <data>/<id>     (bin/predict --input / bin/evaluate --truth)
 
-    python benchmarks/dsb_split.py [--data ../shared/data/dsb2018/stage1_train] [--out /tmp/dsb]
+    python experiments/dsb2018/dsb_split.py [--data ../shared/data/dsb2018/stage1_train] [--out /tmp/dsb]
                                    [--fraction 0.1] [--seed 2018] [--check]
 
 ``--check`` recomputes the split and fails unless it equals the committed id list.
@@ -29,12 +29,13 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository
+sys.path.insert(0, ROOT)
 # noqa: E402 below: the repository root is on the path now
 from gluon_unet.data import io  # noqa: E402
 from gluon_unet.errors import UserError  # noqa: E402
 from gluon_unet.utils import atomic_open  # noqa: E402
-DEFAULT_DATA = os.path.join(HERE, '..', '..', 'shared', 'data', 'dsb2018', 'stage1_train')
+DEFAULT_DATA = os.path.join(ROOT, '..', 'shared', 'data', 'dsb2018', 'stage1_train')
 IDS_FILE = os.path.join(HERE, 'dsb_holdout_ids.txt')
 KINDS = ('fluorescence', 'brightfield', 'he')
 #: The package's kind names -> the names in this protocol's files (kinds.tsv).
@@ -102,6 +103,8 @@ def main(argv=None):
     p.add_argument('--ids', default=IDS_FILE, help='hold-out id list to write (or compare with --check)')
     p.add_argument('--check', action='store_true', help='fail unless the split equals --ids')
     args = p.parse_args(argv)
+    if not os.path.isdir(args.data):
+        raise SystemExit('error: --data %s: no such folder (the DSB 2018 stage1_train root)' % args.data)
     kinds = kinds_of(args.data)
     hold = split(kinds, args.fraction, args.seed)
     if args.check:

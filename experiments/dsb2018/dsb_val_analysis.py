@@ -5,17 +5,17 @@ post-processing search used), each image predicted whole as ``bin/predict --mode
 predicts it, and the probability maps kept in a file so every question below is asked
 of the same maps::
 
-    python benchmarks/dsb_val_analysis.py maps /tmp/gu13/v6 /tmp/gu14/v6_maps.npz [--tta] [--batch-stats]
-    python benchmarks/dsb_val_analysis.py errors /tmp/gu14/v6_maps.npz     # what kind of error
-    python benchmarks/dsb_val_analysis.py min-score /tmp/gu14/v6_maps.npz  # the min score's effect
-    python benchmarks/dsb_val_analysis.py ensemble A.npz B.npz             # averaging two runs' maps
-    python benchmarks/dsb_val_analysis.py scale /tmp/gu13/v6               # rescaling to the training diameter
-    python benchmarks/dsb_val_analysis.py thresholds /tmp/gu14/v6_maps.npz # a threshold per image, at best
-    python benchmarks/dsb_val_analysis.py object-filter /tmp/gu14/v6_maps.npz  # a learned filter vs the min score
-    python benchmarks/dsb_val_analysis.py per-kind /tmp/gu14/v6_maps.npz   # a setting per image kind vs one for all
-    python benchmarks/dsb_val_analysis.py markers /tmp/gu14/v6_maps.npz    # other watershed markers vs the distance
-    python benchmarks/dsb_val_analysis.py oracles /tmp/gu14/v6_maps.npz    # outline or separation: which loses more
-    python benchmarks/dsb_val_analysis.py centre /tmp/gu24/val_v22.npz     # a mask+centre model's markers
+    python experiments/dsb2018/dsb_val_analysis.py maps /tmp/gu13/v6 /tmp/gu14/v6_maps.npz [--tta] [--batch-stats]
+    python experiments/dsb2018/dsb_val_analysis.py errors /tmp/gu14/v6_maps.npz     # what kind of error
+    python experiments/dsb2018/dsb_val_analysis.py min-score /tmp/gu14/v6_maps.npz  # the min score's effect
+    python experiments/dsb2018/dsb_val_analysis.py ensemble A.npz B.npz             # averaging two runs' maps
+    python experiments/dsb2018/dsb_val_analysis.py scale /tmp/gu13/v6               # rescaling to the training diameter
+    python experiments/dsb2018/dsb_val_analysis.py thresholds /tmp/gu14/v6_maps.npz # a threshold per image, at best
+    python experiments/dsb2018/dsb_val_analysis.py object-filter /tmp/gu14/v6_maps.npz  # a learned filter vs the min score
+    python experiments/dsb2018/dsb_val_analysis.py per-kind /tmp/gu14/v6_maps.npz   # a setting per image kind vs one for all
+    python experiments/dsb2018/dsb_val_analysis.py markers /tmp/gu14/v6_maps.npz    # other watershed markers vs the distance
+    python experiments/dsb2018/dsb_val_analysis.py oracles /tmp/gu14/v6_maps.npz    # outline or separation: which loses more
+    python experiments/dsb2018/dsb_val_analysis.py centre /tmp/gu24/val_v22.npz     # a mask+centre model's markers
 
 ``maps --batch-stats`` normalizes with each image's own BatchNorm statistics instead of
 the running ones (AdaBN: does a per-image normalization help images unlike the batch?).
@@ -53,7 +53,7 @@ from unittest import mock
 import cv2
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 
 from gluon_unet.errors import UserError  # noqa: E402
 from gluon_unet.metrics import THRESHOLDS, dsb_image_score, dsb_score_from_iou, iou_matrix  # noqa: E402

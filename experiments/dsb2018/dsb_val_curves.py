@@ -5,7 +5,7 @@ Reads each run folder's ``metrics.csv`` and prints, per run: the largest drop of
 deviation of ``val_iou`` and ``val_dsb`` over the last ``--last`` epochs, and the best
 ``val_dsb`` (its epoch) against the last one. No training, no hold-out: seconds.
 
-    python benchmarks/dsb_val_curves.py RUN [RUN ...]
+    python experiments/dsb2018/dsb_val_curves.py RUN [RUN ...]
 """
 import argparse
 import csv

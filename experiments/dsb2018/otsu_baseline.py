@@ -6,7 +6,7 @@ so nuclei are the bright class; ``skimage.filters.threshold_otsu`` splits it and
 4-connected components are the nuclei. Writes ``<id>_labels.png`` (16-bit ids) like
 ``bin/predict``, so ``bin/evaluate`` scores it the same way::
 
-    python benchmarks/otsu_baseline.py --input /tmp/dsb/holdout --output /tmp/gu7/otsu
+    python experiments/dsb2018/otsu_baseline.py --input /tmp/dsb/holdout --output /tmp/gu7/otsu
     python bin/evaluate --pred /tmp/gu7/otsu --truth /tmp/dsb/holdout --csv /tmp/gu7/otsu.csv
 """
 import argparse
@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 
 from gluon_unet.data.io import BRIGHT_BACKGROUND, read_image  # noqa: E402
 from gluon_unet.predict import find_inputs, write_png  # noqa: E402

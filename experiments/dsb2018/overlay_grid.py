@@ -1,10 +1,10 @@
 """A small picture of predictions: a grid of ``bin/predict --overlay`` images.
 
 Picks the first ``--per-kind`` hold-out ids of every image kind (sorted, from the
-``kinds.tsv`` that ``benchmarks/dsb_split.py`` writes), takes the central square of each
+``kinds.tsv`` that ``experiments/dsb2018/dsb_split.py`` writes), takes the central square of each
 ``<id>_overlay.png``, scales it to ``--cell`` pixels and writes one PNG::
 
-    python benchmarks/overlay_grid.py --pred /tmp/gu7/best_pred --out docs/dsb_holdout_overlays.png
+    python experiments/dsb2018/overlay_grid.py --pred /tmp/gu7/best_pred --out experiments/dsb2018/dsb_holdout_overlays.png
 
 With ``--touching TRUTH`` (the DSB hold-out root) it picks instead, per kind, the images
 whose true nuclei touch most often, and shows the square around where they touch,
@@ -17,7 +17,7 @@ import sys
 import cv2
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from gluon_unet.utils import atomic_path  # noqa: E402  (the repository root is on the path now)
 
 
@@ -53,7 +53,7 @@ def touching_square(img, touch, side):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--pred', required=True, help='bin/predict output folder (with --overlay)')
-    p.add_argument('--kinds', default='/tmp/dsb/kinds.tsv', help='written by benchmarks/dsb_split.py')
+    p.add_argument('--kinds', default='/tmp/dsb/kinds.tsv', help='written by experiments/dsb2018/dsb_split.py')
     p.add_argument('--out', required=True, help='PNG to write')
     p.add_argument('--per-kind', type=int, default=2)
     p.add_argument('--cell', type=int, default=256)
