@@ -206,7 +206,7 @@ def train_main(argv=None):
     # Only now are the devices known, and mxnet, which reads these settings once when it
     # loads, is not loaded yet: N CPU contexts need cores / N OpenMP threads each and more
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
-    # (4 contexts: +44 % time per step; docs/performance.md, finding 6); --gpus 4-7 sets
+    # (docs/explanation/multi-device.md, "Several CPU contexts"); --gpus 4-7 sets
     # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
     prepare_training_process(cfg.gpus, cfg.cpus, cfg.memory)
     if cfg.benchmark:
