@@ -59,15 +59,21 @@ def _cell(text):
     return ' '.join(str(text).split()).replace('|', '\\|')
 
 
+_BOOL_DEFAULT = ' (default: %(default)s)'
+
+
 def _help(action, prog):
     """The action's help with argparse's %(...)s placeholders filled in, as --help shows it."""
     if not action.help:
         return ''
+    text = action.help
+    if isinstance(action, argparse.BooleanOptionalAction) and text.endswith(_BOOL_DEFAULT):
+        text = text[:-len(_BOOL_DEFAULT)]  # Python 3.9-3.10 add it, 3.11 does not: one reference for all
     params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
     params['prog'] = prog
     if params.get('choices') is not None:
         params['choices'] = ', '.join(str(c) for c in params['choices'])
-    return action.help % params
+    return text % params
 
 
 def _value(action):
@@ -94,6 +100,14 @@ def render_command(command, text):
         same.insert(0, '`bin/%s`' % command)
     lines = ['## %s' % command, '',
              '`gluon-unet %s`: %s. (%s: the same flags.)' % (command, _cell(text), ' and '.join(same)), '']
+    return lines + render_parser(parser)
+
+
+def render_parser(parser):
+    """Markdown of one parser: usage (when it sets one), description, a table of flags per
+    group, the examples. The optionals group is 'options' whatever the Python version
+    calls it."""
+    lines = []
     usage = (parser.usage % {'prog': parser.prog}) if parser.usage else None
     if usage:
         lines += ['```text', 'gluon-unet ' + usage, '```', '']
