@@ -5,7 +5,7 @@ images look unlike each other (DSB: fluorescence, brightfield, H&E). This asks w
 would cost here before any recipe uses it. The step timed is the trainer's own
 (``gluon_unet.benchmark.make_training_step``: the network of ``engine.build_network``,
 hybridized, the recipe's loss and optimizer, ``parallel.DataParallelStep``) for the
-training config ``--config`` (default: the DSB recipe v18) on one CPU context, on a
+training config ``--config`` (default: the ``dsb2018`` recipe) on one CPU context, on a
 synthetic batch of ``--batch`` x ``--size`` px, with the norm layer after each
 convolution swapped for each kind. Kinds are timed in turn, ``--rounds`` times, so a
 load change hits all; each round reports the median images/s of ``--repeats`` timed
@@ -35,7 +35,7 @@ apply_runtime_defaults()
 
 from mxnet.gluon import nn  # noqa: E402
 
-from gluon_unet import model  # noqa: E402
+from gluon_unet import model, recipes  # noqa: E402
 from gluon_unet.benchmark import make_training_step, measure, synthetic_batch  # noqa: E402
 from gluon_unet.config import TrainConfig  # noqa: E402
 from gluon_unet.devices import make_contexts  # noqa: E402
@@ -95,8 +95,8 @@ def images_per_second_in_child(cfg, kind, warmup, repeats):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--config', default=os.path.join(HERE, 'dsb_recipe_v18.json'),
-                   help='training config whose model, loss and optimizer are timed')
+    p.add_argument('--config', default=recipes.path('dsb2018'),
+                   help='training config whose model, loss and optimizer are timed (default: the dsb2018 recipe)')
     p.add_argument('--kinds', default='batch,instance,group4')
     p.add_argument('--size', type=int, default=256)
     p.add_argument('--batch', type=int, default=16)

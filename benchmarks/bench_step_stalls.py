@@ -6,7 +6,7 @@ time of every thread of this process around it (``/proc/self/task/*/stat``, and
 context does the work (``OMP_NUM_THREADS`` = cores / contexts), so on 2 cores and 2
 contexts a step where the workers' shares add up to well under 2 is a step where they
 waited for each other - a *stalled* step - unless the rest of the machine was busy
-(``other``, from ``/proc/stat``). This is what found docs/performance.md's finding 8, where
+(``other``, from ``/proc/stat``). This is what found finding 8 (experiments/performance/findings.md), where
 the wall-clock speed of the VM moved too much to see it in images/s alone.
 
     python benchmarks/bench_step_stalls.py --cpus 2 --steps 60

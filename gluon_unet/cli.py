@@ -16,7 +16,7 @@ import os
 import sys
 import typing
 
-from . import add_version_flag, version_string
+from . import add_version_flag, recipes, version_string
 from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
 from .errors import OneLineParser, UserError, reports_errors
 from .reporting import get_logger
@@ -126,9 +126,20 @@ def add_config_arguments(parser, cls=TrainConfig):
 
 
 def config_from_args(given, config_file=None):
-    """Build a validated TrainConfig: defaults < demo defaults < config file < flags."""
+    """Build a validated TrainConfig: defaults < demo defaults < config file < flags.
+
+    ``config_file`` is a JSON file, or the name of a recipe shipped in
+    ``gluon_unet/recipes`` (``'dsb2018'``) when no such file exists."""
     values = {}
     if config_file:
+        if not os.path.exists(config_file) and recipes.path(config_file):
+            if given.get('data') is None:  # else the demo's generated nuclei, at the recipe's sizes
+                raise UserError('--config %s: a recipe for your images; give them with --data PATH'
+                                % config_file)
+            config_file = recipes.path(config_file)
+        elif not os.path.exists(config_file):
+            raise UserError('--config %s: no such file, and no recipe of that name (recipes: %s)'
+                            % (config_file, ', '.join(recipes.names())))
         try:
             with open(config_file) as f:
                 loaded = json.load(f)
@@ -171,10 +182,12 @@ def train_parser(prog='train'):
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_EXAMPLES,
         description='Train a U-Net on all the given devices. Without --data, trains on generated\n'
                     'nuclei (a demo that ends in an exported model). Every flag is a field of\n'
-                    'TrainConfig (gluon_unet/config.py); --config FILE.json sets them from a file.')
+                    'TrainConfig (gluon_unet/config.py); --config FILE.json or --config RECIPE sets them\n'
+                    'from a file.')
     add_version_flag(parser)
-    parser.add_argument('--config', metavar='FILE.json',
-                        help='JSON file with config values (flags override it)')
+    parser.add_argument('--config', metavar='FILE.json|RECIPE',
+                        help='JSON file with config values, or the name of a shipped recipe (%s); flags '
+                             'override it' % ', '.join(recipes.names()))
     return add_config_arguments(parser)
 
 
@@ -193,7 +206,7 @@ def train_main(argv=None):
     # Only now are the devices known, and mxnet, which reads these settings once when it
     # loads, is not loaded yet: N CPU contexts need cores / N OpenMP threads each and more
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
-    # (4 contexts: +44 % time per step; docs/performance.md, finding 6); --gpus 4-7 sets
+    # (docs/explanation/multi-device.md, "Several CPU contexts"); --gpus 4-7 sets
     # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
     prepare_training_process(cfg.gpus, cfg.cpus, cfg.memory)
     if cfg.benchmark:

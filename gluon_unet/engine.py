@@ -424,8 +424,8 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     # The search after training chooses a two-map model's markers between its second map
     # and the distance watershed (postprocess.tune_postprocess), so the epoch it is given
     # is picked by the better of the two: scored by the second map's markers alone, a
-    # centre model's val_dsb peaked at epoch 40 of 58 while the distance watershed, which
-    # the search then chose, kept improving (v30 in docs/results.md).
+    # centre model's val_dsb peaked early while the distance watershed, which the search
+    # then chose, kept improving (experiments/dsb2018/log.md, the centre map at depth 5).
     dsbs = {markers: M.DSBMetric() for markers in ((second, 'distance') if second else (None,))}
     for batch, maps, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
         loss_total += loss_sum

@@ -146,9 +146,10 @@ class DataParallelStep:
             # each): a hybridized graph keeps the buffer it drew first, an imperative op draws
             # the next one round-robin at each call. An op of device 0 queued ahead of device
             # 1's forward that draws device 1's buffer makes that forward wait for it, and it
-            # waits for device 0's forward. Measured on 2 contexts (Zen 3): in 1 step of 6,
-            # one device's forward or backward waited for the other's (docs/performance.md,
-            # finding 8). (The loss is hybridized for the backward: engine.make_step.)
+            # waits for device 0's forward, and the devices take turns now and then
+            # (docs/explanation/multi-device.md, "Several CPU contexts"; the measurement:
+            # experiments/performance/findings.md). (The loss is hybridized for the
+            # backward: engine.make_step.)
             logits = [self.net(x) for x, *_ in parts]
             losses = [self.loss_fn(out, *rest) for out, (_, *rest) in zip(logits, parts)]
             scaled = self._scaled(losses)

@@ -1,6 +1,6 @@
 """Run folders: one run per folder, held by a lock for the run's lifetime.
 
-The policy (README, "What a run leaves behind"):
+The policy (docs/reference/run-folder.md):
 
 - Without ``--output``, every run gets a new folder: ``runs/unet``, then ``runs/unet-2``,
   ``runs/unet-3``... (``runs/demo...`` for the demo), like YOLO's ``exp2`` or Lightning's

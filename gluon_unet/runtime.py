@@ -1,31 +1,17 @@
 """Process-wide speed settings (threads, engine, oneDNN): the one place that knows them.
 
-Every knob below was measured on the 2-core development machine with
-``benchmarks/bench_train.py --variant KEY=VALUE`` (alternated with the default in the
-same run, U-Net width 16 at 128 px, batch 16). Two paid off and gluon_unet sets them
-(:func:`apply_runtime_defaults`); the others stay at MXNet's defaults, which this module
-reports. ``docs/performance.md`` has the figures.
-
-======================================  ===================  ================================
-variable                                read                 measured
-======================================  ===================  ================================
-OMP_NUM_THREADS                         at ``import mxnet``  unset = half the cores (1 here);
-                                                             all cores: 1.8x faster (set)
-MXNET_CPU_TEMP_COPY                     at ``import mxnet``  4 contexts: 18.8 -> 32-35 img/s
-                                                             with 64-256 (set: 32 x contexts
-                                                             for 2+ contexts; 1 for one
-                                                             context with --memory balanced
-                                                             or low: 739 -> 690 MiB/image at
-                                                             width 64, same speed)
-MXNET_CPU_WORKER_NTHREADS               at ``import mxnet``  2 with 4 contexts (16 threads on
-                                                             2 cores): -1.5 % img/CPU-s
-MXNET_ENGINE_TYPE=NaiveEngine           at ``import mxnet``  +2 % img/CPU-s
-OMP_WAIT_POLICY=PASSIVE                 at ``import mxnet``  +3 % img/CPU-s
-MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_*   first hybridized     200 instead of 15: -1 %
-                                        forward
-MXNET_SUBGRAPH_BACKEND=MKLDNN           graph binding        inference/quantization only; the
-                                                             training CachedOp ignores it
-======================================  ===================  ================================
+Two settings pay off and gluon_unet sets them (:func:`apply_runtime_defaults`):
+``OMP_NUM_THREADS`` (MXNet alone halves the core count, assuming hyper-threading) and,
+for several CPU contexts, ``MXNET_CPU_TEMP_COPY`` (MXNet shares its CPU scratch buffers
+among all CPU contexts, and contexts given the same buffer take turns). Others were
+measured side by side (``benchmarks/bench_train.py --variant KEY=VALUE``) and made no
+difference, so they stay at MXNet's defaults, which this module reports:
+``MXNET_CPU_WORKER_NTHREADS``, ``MXNET_ENGINE_TYPE``, ``OMP_WAIT_POLICY``,
+``MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_*`` and ``MXNET_SUBGRAPH_BACKEND`` (which the
+training graph ignores). MXNet reads them when it is imported, but for the bulk-execution
+sizes (at the first hybridized forward) and the subgraph backend (at graph binding). The
+reasons: docs/explanation/choices.md, "All the cores"; the figures: docs/performance.md,
+"Where the defaults come from".
 
 With GPUs (``bin/train --gpus``) gluon_unet leaves ``OMP_NUM_THREADS`` unset: MXNet then
 keeps one core (two from 8 OpenMP threads up) free of operator threads for the threads
@@ -124,24 +110,22 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False, memory='speed')
     ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it,
     MXNet 1.9 assumes two hyper-threads per core and runs operators on ``cores / 2``
     OpenMP threads (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): without SMT
-    (most cloud VMs, including the 2-core development machine) oneDNN used half the
-    cores; with both, width 16 at 128 px trains 1.8x faster (docs/performance.md,
-    finding 1). Each CPU context has its own engine worker running operators on this many
-    threads, hence the division. While another job holds a core, a kernel's threads wait
-    for each other (width 16: 5.7 vs 9.0 images/s); on a shared machine export
-    ``OMP_NUM_THREADS=1`` yourself.
+    (most cloud VMs) oneDNN would use half the cores. Each CPU context has its own
+    engine worker running operators on this many threads, hence the division. While
+    another job holds a core, a kernel's threads wait for each other, so on a shared
+    machine export ``OMP_NUM_THREADS=1`` yourself (docs/performance.md, "Where the
+    defaults come from", has the figures).
 
     ``MXNET_CPU_TEMP_COPY`` = 32 x contexts, for 2 or more contexts only. MXNet keeps
     one pool of CPU scratch buffers (default 4) for *all* CPU contexts
     (``src/resource.cc``), and an operator holding a buffer blocks every operator
     assigned the same one, on any context: BatchNorm and the convolutions' backward take
-    one, so 4 contexts ran one at a time (18.8 images/s with 4 contexts against 33.8 with
-    one). With 32 copies per context they run side by side (4 contexts: +1.1 % time per
-    image against one context; finding 6); the buffers cost memory (width 16: 42 -> 68
-    MiB per image), which is why one context keeps the default. One context with
-    ``--memory balanced`` or ``low`` gets 1: each buffer grows to the largest request it
-    serves, and one context's operators run one at a time anyway (docs/performance.md,
-    "Training memory").
+    one, so the contexts ran one at a time. With 32 copies per context they run side by
+    side; the buffers cost memory (each grows to the largest request it serves), which is
+    why one context keeps the default. One context with ``--memory balanced`` or ``low``
+    gets 1: one context's operators run one at a time anyway, and fewer buffers hold
+    less memory (docs/explanation/multi-device.md, "Several CPU contexts"; the figures:
+    docs/performance.md).
 
     Parameters
     ----------

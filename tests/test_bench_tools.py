@@ -1,5 +1,6 @@
-"""The measuring parts of the benchmark scripts (bench_train.py, dsb_val_curves.py, dsb_by_kind.py, ...)
-that decide what a figure means."""
+"""The measuring parts of the benchmark tools (benchmarks/: bench_train.py, budget_lr_replay.py, ...) and of
+the DSB experiment's scripts (experiments/dsb2018/: dsb_by_kind.py, dsb_val_analysis.py, ...) that decide what
+a figure means."""
 import os
 import sys
 import threading
@@ -11,6 +12,7 @@ from conftest import pids_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+sys.path.insert(0, os.path.join(ROOT, 'experiments', 'dsb2018'))
 
 import bench_train  # noqa: E402
 import budget_lr_replay  # noqa: E402
@@ -71,7 +73,7 @@ def _save_maps(path, images, setting):
 
 
 def test_val_analysis_sorts_unmatched_nuclei_into_merged_split_missed(tmp_path, capsys):
-    """benchmarks/dsb_val_analysis.py errors: the kinds of error it reports are the ones drawn."""
+    """experiments/dsb2018/dsb_val_analysis.py errors: the kinds of error it reports are the ones drawn."""
     import numpy as np
     import dsb_val_analysis
 
@@ -389,10 +391,11 @@ def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny,
 def test_bench_norm_times_the_trainers_step_with_the_norm_swapped():
     import bench_norm
     from mxnet.gluon import nn
-    cfg = bench_norm.load_config(os.path.join(ROOT, 'benchmarks', 'dsb_recipe_v18.json'), size=32, batch=2)
+    from gluon_unet import recipes
+    cfg = bench_norm.load_config(recipes.path('dsb2018'), size=32, batch=2)
     assert (cfg.cpus, cfg.batch_size, cfg.crop, cfg.loss) == (1, 2, 32, 'bce_dice')
     with pytest.raises(SystemExit, match=r'--size 48 .*not divisible by 2\*\*depth = 32'):
-        bench_norm.load_config(os.path.join(ROOT, 'benchmarks', 'dsb_recipe_v29.json'), size=48, batch=2)
+        bench_norm.load_config(recipes.path('dsb2018'), size=48, batch=2)
 
     def norms(step):
         found = []

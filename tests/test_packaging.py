@@ -70,8 +70,22 @@ def test_sdist_builds_and_holds_what_installing_needs(tmp_path):
         requires = tar.extractfile(top + 'gluon_unet.egg-info/requires.txt').read().decode()
     for needed in ('pyproject.toml', 'README.md', 'requirements-base.txt', 'requirements.txt',
                    'constraints.txt', 'gluon_unet/__main__.py', 'gluon_unet/doctor.py',
-                   'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini'):
+                   'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini',
+                   # the recipes (package data), what the docs tests read and the scripts tests import
+                   'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'tools/gen_reference.py',
+                   'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py'):
         assert needed in names, needed
     assert not any('__pycache__' in n or n.endswith('.pyc') for n in names)
     assert 'Requires-Python: <3.12,>=3.9' in pkg_info
     assert '\n[cu117]\nmxnet-cu117==1.9.1\n' in requires and 'numpy<1.24,>=1.21' in requires
+
+
+def test_the_recipes_are_package_data(tmp_path):
+    # build_py lays out what a wheel (and so pip install .) installs: --config NAME must
+    # find its recipe there, not only in a checkout.
+    done = subprocess.run([sys.executable, '-c', 'from setuptools import setup; setup()', '-q', 'build_py',
+                           '-d', str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    shipped = sorted(p.name for p in (tmp_path / 'gluon_unet' / 'recipes').glob('*.json'))
+    from gluon_unet import recipes
+    assert shipped == sorted(name + '.json' for name in recipes.names()) and 'dsb2018.json' in shipped

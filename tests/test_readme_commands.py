@@ -1,8 +1,10 @@
-"""The README's CPU commands, run as written (plus flags that make them tiny), so the
-README cannot drift from what the code does.
+"""The README's quick-start demo and the multi-node guide's loopback command, run as
+written (plus flags that make them tiny), so the documents cannot drift from what the code
+does.
 
-The commands are read out of README.md, not copied here: if the README changes them,
-these tests run the new ones; if it no longer has them, the tests say so.
+The commands are read out of README.md and docs/how-to/multi-node.md, not copied here: if
+a document changes them, these tests run the new ones; if it no longer has them, the
+tests say so.
 """
 import os
 import re
@@ -18,16 +20,18 @@ from conftest import pids_with
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 README = os.path.join(ROOT, 'README.md')
+MULTI_NODE = os.path.join(ROOT, 'docs', 'how-to', 'multi-node.md')
 TIMEOUT = 300
 
 
-def _section(title):
-    """The text of the README's ``## <title>`` section."""
-    with open(README) as f:
+def _section(title, path=README):
+    """The text of the document's ``## <title>`` section."""
+    with open(path) as f:
         text = f.read()
     match = re.search(r'^## %s[^\n]*\n(.*?)(?=^##+ |\Z)' % re.escape(title), text, re.M | re.S)
     if not match:
-        pytest.fail('README.md has no "## %s" section any more: update %s' % (title, __file__))
+        pytest.fail('%s has no "## %s" section any more: update %s'
+                    % (os.path.relpath(path, ROOT), title, __file__))
     return match.group(1)
 
 
@@ -45,11 +49,11 @@ def _shell_commands(section):
     return [c for c in commands if c]
 
 
-def _find(title, wanted, describe):
-    found = [c for c in _shell_commands(_section(title)) if wanted(c)]
+def _find(title, wanted, describe, path=README):
+    found = [c for c in _shell_commands(_section(title, path)) if wanted(c)]
     if len(found) != 1:
-        pytest.fail('README.md "## %s": expected one %s, found %s; update %s'
-                    % (title, describe, [' '.join(c) for c in found], __file__))
+        pytest.fail('%s "## %s": expected one %s, found %s; update %s'
+                    % (os.path.relpath(path, ROOT), title, describe, [' '.join(c) for c in found], __file__))
     return found[0]
 
 
@@ -105,10 +109,10 @@ def test_quick_start_demo_runs_as_written(tmp_path):
 
 
 def test_several_machines_loopback_command_runs_as_written(tmp_path):
-    command = _find('Several machines',
+    command = _find('One machine, several processes',
                     lambda c: c[:1] == ['bin/launch'] and '--launcher' not in c and 'bin/train' in c,
                     'loopback command "bin/launch -n 2 -s 1 -- bin/train --kvstore dist_sync ..." '
-                    '(bin/launch without --launcher ssh)')
+                    '(bin/launch without --launcher ssh)', path=MULTI_NODE)
     assert command[command.index('bin/train') - 1] == '--', command
     output = str(tmp_path / 'dist')
     argv = command + _tiny(output)

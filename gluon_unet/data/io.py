@@ -88,13 +88,13 @@ BRIGHT_BACKGROUND = 80
 #: quarter of DSB 2018's fluorescence images (135 images, 4705 nuclei) an Otsu threshold
 #: of the stretched image cuts 293 nuclei into several pieces and leaves 753 specks off
 #: the nuclei without it, 59 and 90 with it (4641 vs 4583 nuclei touched;
-#: ``benchmarks/dsb_appearance_stats.py``); exports made before it existed have no
+#: ``experiments/dsb2018/dsb_appearance_stats.py``); exports made before it existed have no
 #: ``normalize_denoise`` and are predicted without it.
 DENOISE_SIGMA = 1.0
 #: Image kinds (:func:`image_kind`), the automatic ``--balance groups`` groups.
 KINDS = ('fluorescence', 'brightfield', 'colour')
 #: Median grey above which a grey image is ``brightfield`` (:func:`image_kind`); as in
-#: ``benchmarks/dsb_split.py``'s fixed DSB split, which uses this function.
+#: ``experiments/dsb2018/dsb_split.py``'s fixed DSB split, which uses this function.
 BRIGHTFIELD_MEDIAN = 127
 
 _TIFF = ('.tif', '.tiff')
