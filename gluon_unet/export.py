@@ -41,8 +41,8 @@ SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``.
 
-    The folder is written next to its final place and renamed into it, so a reader
-    never sees a half-written export.
+    The files are written aside and renamed into place one by one (:func:`staged_export`),
+    so a reader never sees a half-written file and nothing else in ``out_dir`` is touched.
 
     Returns
     -------
