@@ -19,7 +19,9 @@ removes a folder only when it created it and it is empty. "Recognise" is concret
 * the demo's inputs (``<run>/demo_inputs/demoNN.png``) and TensorBoard's event files
   (``<run>/tb/events.out.tfevents.*``).
 
-Anything else, in those folders or elsewhere, is the user's and stays.
+Anything else, in those folders or elsewhere, is the user's and stays. An output file
+named on the command line (``predict --rle``, ``evaluate --csv``) is replaced only when
+it is one gluon_unet wrote, recognised by its header (:func:`check_replaceable`).
 
 Outputs never touch inputs
 --------------------------
@@ -160,6 +162,24 @@ def remove_if_empty(folder):
         os.rmdir(folder)
     except OSError:
         pass
+
+
+def check_replaceable(path, first_line, label, what):
+    """Refuse, in one line, an output file named on the command line that exists but is not
+    one gluon_unet wrote: ``what`` (e.g. 'a DSB submission') is recognised by its first
+    line starting with ``first_line``."""
+    if not path or not os.path.lexists(path):
+        return
+    head = b''
+    if os.path.isfile(path):
+        try:
+            with open(path, 'rb') as f:
+                head = f.readline(len(first_line) + 1)
+        except OSError:
+            pass
+    if not head.startswith(first_line.encode()):
+        raise UserError('%s %s exists and is not %s gluon_unet wrote (its first line does not start with %s); '
+                        'choose another file, or move it' % (label, path, what, first_line))
 
 
 def check_apart(outputs, inputs, command):

@@ -40,7 +40,8 @@ from .inference import _Done, load_model, match_channels
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
-from .paths import MANIFEST, MANIFEST_FORMAT, check_apart, manifest_names, read_manifest, remove_files
+from .paths import (MANIFEST, MANIFEST_FORMAT, check_apart, check_replaceable, manifest_names, read_manifest,
+                    remove_files)
 from .utils import atomic_open
 
 # Names that lived here before inference was split into tiling / inference / predict, so
@@ -559,6 +560,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     prefix = find_export(model)
     check_apart([('--output', output_dir), ('--rle', config.rle)],
                 [('--input', inputs), ('--model', os.path.dirname(prefix) or os.curdir)], 'predict')
+    check_replaceable(config.rle, 'ImageId,EncodedPixels', '--rle', 'a DSB submission')
     loaded = load_model(model, ctxs)
     check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)

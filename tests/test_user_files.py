@@ -204,6 +204,19 @@ def test_an_output_never_replaces_or_goes_into_an_input(run, tmp_path, capsys, t
     assert 'which evaluate reads' in _error_line(capsys)
     os.remove(str(tmp_path / 'link.csv'))
     assert _snapshot(tmp_path) == before
+    # an output file named on the command line replaces only one gluon_unet wrote
+    own, scores = tmp_path / 'own.csv', tmp_path / 'scores.csv'
+    own.write_text('id,notes\n')
+    scores.write_text('mine\n')
+    assert run_cli(predict_main, ['--model', model, '--input', str(images), '--output', str(tmp_path / 'out'),
+                                  '--rle', str(own), '--no-progress']) == 2
+    assert 'not a DSB submission' in _error_line(capsys) and own.read_text() == 'id,notes\n'
+    assert run_cli(evaluate_main, ['--pred', str(images), '--truth', str(images), '--csv', str(scores)]) == 2
+    assert 'not a table of scores' in _error_line(capsys) and scores.read_text() == 'mine\n'
+    for _ in range(2):  # its own submission, replaced
+        assert run_cli(predict_main, ['--model', model, '--input', str(images), '--output', str(tmp_path / 'out'),
+                                      '--rle', str(tmp_path / 'sub.csv'), '--no-progress']) == 0
+    before = _snapshot(tmp_path)
     # training into its own data folder would feed the run's files to the next run
     for output in (images, images / 'runs' / 'a'):
         with pytest.raises(UserError, match='--output .* which train reads'):
