@@ -101,8 +101,11 @@ def main(argv=None):
         results = {}
         for _ in range(args.rounds):
             for cpus in [int(c) for c in args.cpus.split(',')]:
-                for name, tree, flags in variants:
-                    rate, devices = run(tree, model, images, os.path.join(tmp, 'out'), cpus, extra + flags)
+                for k, (name, tree, flags) in enumerate(variants):
+                    # A folder per variant: bin/predict refuses to mix predictions made with other
+                    # settings (--buckets) or without its manifest (the older tree) in one folder.
+                    out = os.path.join(tmp, 'out-%d-%d' % (cpus, k))
+                    rate, devices = run(tree, model, images, out, cpus, extra + flags)
                     results.setdefault((cpus, name), []).append((rate, devices))
                     print('%d cpus, %s: %.2f images/s [%s]' % (cpus, name, rate, devices), file=sys.stderr)
     print('%d images, sides %d-%d px (%d distinct shapes), U-Net depth 4 width %d, --mode whole%s, '

@@ -21,6 +21,7 @@ from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
 from .errors import OneLineParser, UserError, reports_errors
 from .reporting import get_logger
 from .runtime import apply_runtime_defaults, prepare_training_process
+from .utils import read_json
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -125,6 +126,10 @@ def add_config_arguments(parser, cls=TrainConfig):
     return parser
 
 
+#: A --config file is a few hundred bytes of settings; anything past this is not one.
+CONFIG_MAX_BYTES = 1 << 20
+
+
 def config_from_args(given, config_file=None):
     """Build a validated TrainConfig: defaults < demo defaults < config file < flags.
 
@@ -140,12 +145,8 @@ def config_from_args(given, config_file=None):
         elif not os.path.exists(config_file):
             raise UserError('--config %s: no such file, and no recipe of that name (recipes: %s)'
                             % (config_file, ', '.join(recipes.names())))
-        try:
-            with open(config_file) as f:
-                loaded = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise UserError('--config %s: cannot read it as JSON (%s)' % (config_file, exc)) from None
         where = '--config %s' % config_file
+        loaded = read_json(config_file, where, CONFIG_MAX_BYTES)
         if not isinstance(loaded, dict):
             raise UserError('%s: must hold a JSON object of settings, like {"lr": 0.001} (got %s)'
                             % (where, type(loaded).__name__))
@@ -244,8 +245,10 @@ def demo_predictions(cfg, run_dir, count=8):
     for i, image in enumerate(images):
         cv2.imwrite(os.path.join(inputs, 'demo%02d.png' % i), image)
     out = os.path.join(run_dir, 'predictions')
+    # The run's own predictions folder: a resumed demo replaces its earlier model's outputs
+    # (only the files their manifest lists; anything of yours there stays).
     records = predict_paths(run_dir, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
-                            rle=os.path.join(out, 'submission.csv'), progress=False)
+                            rle=os.path.join(out, 'submission.csv'), progress=False, overwrite=True)
     get_logger().info('demo: segmented %d new images (%d nuclei) into %s', len(records),
                       sum(r['objects'] for r in records), out)
 

@@ -41,6 +41,7 @@ from .inference import predict_image, second_map
 from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
+from .paths import check_apart
 from .parallel import DataParallelStep, MirroredStep, split_batch
 from .recorder import RunRecorder, RunState
 from .scale import median_diameter
@@ -691,6 +692,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
         require_tensorboardx()
     strategy = distributed.make_strategy(cfg.kvstore)
     default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
+    # The run folder is an output: never the data, nor inside it (the next run would read it).
+    check_apart([('--output', cfg.output or default_base)],
+                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data)], 'train')
     # Claimed (and locked) before any data is decoded: a clash costs seconds, not the
     # minutes of a decode; released - and removed if still empty - on any error.
     with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:

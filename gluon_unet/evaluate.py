@@ -18,6 +18,7 @@ from .data.io import merge_object_masks, read_labels
 from .data.layouts import is_dsb, is_dsb_sample, list_images
 from .errors import OneLineParser, UserError, reports_errors
 from .metrics import dsb_image_score, pixel_scores
+from .paths import check_apart, check_replaceable
 from .utils import atomic_open
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
@@ -183,6 +184,8 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if not 0 < args.threshold < 1:
         raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
+    check_apart([('--csv', args.csv)], [('--pred', args.pred), ('--truth', args.truth)], 'evaluate')
+    check_replaceable(args.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
     rows, extra = evaluate(args.pred, args.truth, args.threshold)
     mean = mean_row(rows)
     if args.csv:

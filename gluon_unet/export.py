@@ -6,17 +6,20 @@ whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt 
 the config and the checkpoint, not from the live training block.
 """
 import argparse
+import contextlib
+import hashlib
 import json
 import math
 import os
 import platform
-import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import mxnet as mx
+import numpy as np
 
 from . import __version__, add_version_flag
 from .checkpoint import list_checkpoints, load_checkpoint
@@ -28,7 +31,9 @@ from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
-from .utils import atomic_open, dir_mode
+from .paths import (EXPORT_FILES, SIDECAR_MAX_BYTES, check_apart, export_files, remove_files,
+                    remove_if_empty)
+from .utils import atomic_open, read_json
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 
@@ -36,8 +41,8 @@ SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``.
 
-    The folder is written next to its final place and renamed into it, so a reader
-    never sees a half-written export.
+    The files are written aside and renamed into place one by one (:func:`staged_export`),
+    so a reader never sees a half-written file and nothing else in ``out_dir`` is touched.
 
     Returns
     -------
@@ -82,60 +87,129 @@ def geometry(cfg):
 
 def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
     """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
-    ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``, atomically.
+    ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``.
 
     Parameters shared over several devices are averaged into one copy (MXNet's
     ``export``); ``cfg.model.depth`` is what the sidecar tells predictors about the
-    input sides (multiples of ``2**depth``).
+    input sides (multiples of ``2**depth``). The files are written aside and each is
+    renamed into place (:func:`staged_export`); anything else in ``out_dir`` stays.
 
     Returns
     -------
     str
         The export prefix ``out_dir/model``.
     """
+    with staged_export(out_dir) as stage:
+        write_export(net, cfg, stage, meta, sidecar_extra)
+    return os.path.join(os.path.abspath(out_dir), 'model')
+
+
+def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
+    """Write the export files of ``net`` straight into ``folder`` (a staging folder of
+    :func:`staged_export`: a reader there could see them half-written)."""
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
     net.hybridize(static_alloc=True, static_shape=True)
     net(_dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
+    net.export(os.path.join(folder, 'model'), epoch=0)
+    sidecar = {
+        'format': 'gluon_unet-export-1',
+        'input_name': 'data',
+        'in_channels': cfg.model.in_channels,
+        'classes': cfg.model.classes,
+        **geometry(cfg),
+        'normalization': 'uint8 / 255 per channel (16-bit and float images: '
+                         'percentile-scaled to uint8 first)',
+        'normalize': cfg.normalize,
+        # The denoise before the percentile stretch; exports without it predate it (0).
+        'normalize_denoise': cfg.denoise,
+        'threshold': cfg.threshold,
+        # Median nucleus diameter (px) of the training images as the network saw them:
+        # bin/predict --diameter rescales images to it.
+        'diameter': (meta.get('data') or {}).get('diameter'),
+        'epoch': meta.get('epoch'),
+        'metrics': meta.get('metrics', {}),
+        'config': cfg.to_dict(),
+        'card': model_card(cfg, meta),
+    }
+    sidecar.update(sidecar_extra or {})
+    if isinstance((sidecar_extra or {}).get('postprocess'), dict):
+        _card_follows(sidecar)
+    with open(os.path.join(folder, SIDECAR), 'w') as f:
+        json.dump(sidecar, f, indent=2)
+
+
+@contextlib.contextmanager
+def staged_export(out_dir, on_installed=None):
+    """Yield an empty staging folder inside ``out_dir``; on success move its three export
+    files into ``out_dir``, one ``os.replace`` each, ``model.json`` last.
+
+    The deletion rule (:mod:`gluon_unet.paths`): an export replaces only the three files
+    of a gluon_unet export (recognised by its ``model.json``), never anything else in
+    ``out_dir``, and refuses in one line a folder whose export files are not
+    gluon_unet's. On any failure or interruption (a search killed by SIGTERM, a full
+    disk) the staging folder goes and ``out_dir`` keeps the export it had; the renames
+    themselves run with SIGINT/SIGTERM held back, so they are never left half done.
+    ``on_installed()`` is called once they are done, before a held-back signal acts.
+    """
     out_dir = os.path.abspath(out_dir)
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.tmp-export-', dir=parent)
+    check_export_folder(out_dir)
+    created = None
+    top = out_dir
+    while not os.path.isdir(top):
+        created, top = top, os.path.dirname(top)
+    os.makedirs(out_dir, exist_ok=True)
+    # Inside out_dir: the renames never cross a file system (out_dir may be a mount).
+    stage = tempfile.mkdtemp(prefix='.tmp-export-', dir=out_dir)
     try:
-        # mkdtemp makes it owner-only (0o700); an export is for sharing: give it the
-        # mode os.mkdir would (0o777 minus the umask). Its files are plain open()s.
-        os.chmod(tmp, dir_mode())
-        net.export(os.path.join(tmp, 'model'), epoch=0)
-        sidecar = {
-            'format': 'gluon_unet-export-1',
-            'input_name': 'data',
-            'in_channels': cfg.model.in_channels,
-            'classes': cfg.model.classes,
-            **geometry(cfg),
-            'normalization': 'uint8 / 255 per channel (16-bit and float images: '
-                             'percentile-scaled to uint8 first)',
-            'normalize': cfg.normalize,
-            # The denoise before the percentile stretch; exports without it predate it (0).
-            'normalize_denoise': cfg.denoise,
-            'threshold': cfg.threshold,
-            # Median nucleus diameter (px) of the training images as the network saw them:
-            # bin/predict --diameter rescales images to it.
-            'diameter': (meta.get('data') or {}).get('diameter'),
-            'epoch': meta.get('epoch'),
-            'metrics': meta.get('metrics', {}),
-            'config': cfg.to_dict(),
-            'card': model_card(cfg, meta),
-        }
-        sidecar.update(sidecar_extra or {})
-        with open(os.path.join(tmp, SIDECAR), 'w') as f:
-            json.dump(sidecar, f, indent=2)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        yield stage
+        with _signals_held():
+            for name in EXPORT_FILES:
+                os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+            if on_installed is not None:
+                on_installed()
     finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
-    return os.path.join(out_dir, 'model')
+        remove_files(stage, os.listdir(stage))  # only what this export wrote there
+        os.rmdir(stage)
+        if created is not None and not os.listdir(out_dir):
+            # nothing was installed: the folders this export made go too
+            folder = out_dir
+            while True:
+                remove_if_empty(folder)
+                if folder == created:
+                    break
+                folder = os.path.dirname(folder)
+
+
+def check_export_folder(out_dir):
+    """Refuse, in one line, an export folder that is a file or holds export files that
+    gluon_unet did not write (they would be replaced)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError('export %s: is a file, not a folder' % out_dir)
+    _, foreign = export_files(out_dir) if os.path.isdir(out_dir) else ([], [])
+    if foreign:
+        raise UserError('export %s: it holds %s, which gluon_unet did not write (no gluon_unet model.json); export '
+                        'into another folder, or move them' % (out_dir, ', '.join(foreign)))
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM wait until the block ends, then act: a few renames that must
+    not be left half done. (Blocking the signal in this thread would not do: Python runs
+    its handlers in the main thread whichever thread the kernel chose, e.g. MXNet's.)"""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in held:
+            signal.raise_signal(s)
 
 
 def update_sidecar(out_dir, extra):
@@ -144,13 +218,18 @@ def update_sidecar(out_dir, extra):
     with open(path) as f:
         sidecar = json.load(f)
     sidecar.update(extra)
-    card = sidecar.get('card')
-    if isinstance(extra.get('postprocess'), dict) and isinstance(card, dict):
-        # The card said what the training config would do; the search's winners are what
-        # bin/predict now does, so the card follows them.
-        card['postprocess'] = dict(card.get('postprocess') or {}, **_card_postprocess(extra['postprocess']))
+    if isinstance(extra.get('postprocess'), dict):
+        _card_follows(sidecar)
     with atomic_open(path) as f:
         json.dump(sidecar, f, indent=2)
+
+
+def _card_follows(sidecar):
+    """The card said what the training config would do; the search's winners (the
+    sidecar's ``postprocess``) are what bin/predict now does, so the card follows them."""
+    card = sidecar.get('card')
+    if isinstance(card, dict):
+        card['postprocess'] = dict(card.get('postprocess') or {}, **_card_postprocess(sidecar['postprocess']))
 
 
 def model_card(cfg, meta):
@@ -284,16 +363,32 @@ def load_exported(prefix_or_dir, ctx=None):
             raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
+    # Each file is read on its own first, so a damaged one is named as such - not taken
+    # for a pair of good files that do not fit each other.
+    sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
+    saved = _load_export_file(params, mx.nd.load, 'not a complete MXNet params file')
+    if not isinstance(saved, dict):
+        raise UserError('%s: its arrays have no names; an export\'s params file names each (arg:..., aux:...)'
+                        % params)
     import warnings
     try:
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
             net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
-        _check_param_shapes(symbol, params, meta)
+        _check_param_shapes(sym, saved, meta)
     except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
-        raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
-                        % (folder, mxnet_message(exc))) from None
+        raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
+                        % (folder, PARAMS, SYMBOL, mxnet_message(exc))) from None
     return net, meta
+
+
+def _load_export_file(path, load, what):
+    """``load(path)``, or a one-line error naming the damaged file and what is wrong."""
+    try:
+        return load(path)
+    except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError('%s is damaged or truncated (%d bytes): %s: %s'
+                        % (path, os.path.getsize(path), what, mxnet_message(exc, limit=120))) from None
 
 
 def read_sidecar(path):
@@ -306,16 +401,7 @@ def read_sidecar(path):
     def bad(what):
         return UserError('%s: %s' % (path, what))
 
-    try:
-        with open(path, encoding='utf-8') as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise bad('cannot read it (%s)' % (exc.strerror if isinstance(exc, OSError) and exc.strerror
-                                           else exc)) from None
-    try:
-        meta = json.loads(text)
-    except ValueError as exc:
-        raise bad('not valid JSON (%s)' % exc) from None
+    meta = read_json(path, path, SIDECAR_MAX_BYTES)
     if not isinstance(meta, dict):
         raise bad('must hold a JSON object, not %s' % _json_kind(meta))
 
@@ -390,16 +476,16 @@ def _json_kind(value):
     return {list: 'a list', str: 'a string', dict: 'an object'}.get(type(value), 'a number')
 
 
-def _check_param_shapes(symbol_file, params_file, meta):
-    """Raise MXNetError when the params file does not fit the symbol file.
+def _check_param_shapes(sym, arrays, meta):
+    """Raise MXNetError when the params (``arrays``, as ``mx.nd.load`` gives them) do not
+    fit the symbol ``sym``.
 
     ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
     nothing, so weights of a wider network load silently and fail at the first forward
     deep inside an operator. Shape inference of the symbol from an input shape and the
     saved shapes finds the mismatch at load time instead.
     """
-    saved = {k.split(':', 1)[-1]: v.shape for k, v in mx.nd.load(params_file).items()}
-    sym = mx.sym.load(symbol_file)
+    saved = {k.split(':', 1)[-1]: v.shape for k, v in arrays.items()}
     inputs = {}
     first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
     channels = meta.get('in_channels') or (first[1] if first else None)
@@ -463,13 +549,172 @@ def main(argv=None, retune=None):
     if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
-    prefix = export_checkpoint(ckpt, out)
-    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
+    if args.output:
+        check_export_output(args.output, ckpt)
+    check_export_folder(out)
+    net, cfg, meta = model_from_checkpoint(ckpt)
     if args.tune_postprocess:
-        tuned = retune(ckpt, out, mode=args.mode or 'auto', tta=args.tta)
+        check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
+                                          ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
+    tuned, note = None, ''
+    # The new export is built aside and only its last step replaces the old one: stopped
+    # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
+    installed = []
+    with _stops_on_sigterm('export %s' % args.run, out, installed):
+        with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
+            write_export(net, cfg, stage, meta)
+            if args.tune_postprocess:
+                tuned = retune(ckpt, stage, mode=args.mode or 'auto', tta=args.tta)
+            else:
+                note = keep_searched(stage, [out, _resolve_run(args.run, None)[1]], args.run)
+    prefix = os.path.join(os.path.abspath(out), 'model')
+    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
+    if note:
+        print(note)
+    if tuned:
         print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
               % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
     return 0
+
+
+def check_export_output(output, checkpoint):
+    """Refuse, in one line, an ``export --output`` that is the working folder, a run
+    folder or a folder of checkpoints (an export belongs in a folder of its own), or the
+    checkpoint itself."""
+    from .paths import checkpoint_files
+    from .rundir import holds_run
+    if os.path.realpath(output) == os.path.realpath(os.getcwd()):
+        raise UserError('export --output %s is the working folder; give the export a folder of its own (default: '
+                        '<run>/export)' % output)
+    if os.path.isdir(output):
+        run = holds_run(output)
+        if run:
+            raise UserError('export --output %s is a run folder (it holds %s); its export goes to %s, the default'
+                            % (output, ', '.join(run), os.path.join(output, 'export')))
+        if checkpoint_files(output):
+            raise UserError('export --output %s holds checkpoints (%s); give the export a folder of its own'
+                            % (output, ', '.join(checkpoint_files(output)[:3])))
+    check_apart([('--output', output)], [('RUN|CHECKPOINT', checkpoint)], 'export')
+
+
+def keep_searched(stage, folders, run):
+    """Carry the searched post-processing of an earlier export of the same weights (the
+    first of ``folders`` whose ``model.json`` has a ``postprocess``) into the staged
+    export ``stage``: a plain ``bin/export RUN`` must not drop what training chose.
+
+    Returns
+    -------
+    str
+        A line for the user: what was kept, or why nothing was ('' when no earlier export
+        had searched settings).
+    """
+    new, note, seen = None, '', set()
+    for folder in folders:
+        path = os.path.join(folder, SIDECAR)
+        if os.path.realpath(path) in seen or not os.path.isfile(path):
+            continue
+        seen.add(os.path.realpath(path))
+        try:
+            tuned = read_sidecar(path).get('postprocess')
+            if not isinstance(tuned, dict):
+                continue
+            new = new or weights_digest(os.path.join(stage, 'model'))
+            same = weights_digest(os.path.join(folder, 'model')) == new
+        except (UserError, mx.MXNetError, OSError):
+            continue  # a damaged earlier export has nothing to keep
+        if same:
+            update_sidecar(stage, {'postprocess': tuned})
+            return 'kept the post-processing searched for these weights (from %s): %s' % (path, settings_text(tuned))
+        note = note or ('note: the post-processing in %s was searched for other weights, so this export has the '
+                        'training defaults; `bin/export %s --tune-postprocess` searches for these' % (path, run))
+    return note
+
+
+def weights_digest(prefix):
+    """SHA-256 of the weights of the export ``prefix`` (``.../model``), the same for every
+    export of the same weights.
+
+    MXNet writes a params file as its arrays, then their names; the names carry block
+    counters that differ between processes (``unet0_conv0_weight`` here,
+    ``unet1_conv0_weight`` there), so the digest covers the arrays' bytes only. Where the
+    names section begins follows from the symbol's variable names (verified against the
+    file's tail); a file where it does not is digested array by array (slower: a full load).
+    """
+    params = prefix + '-0000.params'
+    size = os.path.getsize(params)
+    names = _variable_names(prefix + '-symbol.json')
+    tail = 8 + sum(8 + len(('arg:' + n).encode()) for n in names)
+    digest = hashlib.sha256()
+    with open(params, 'rb') as f:
+        if names and tail < size:
+            f.seek(size - tail)
+            if _names_section(f.read()) == sorted(names):
+                f.seek(0)
+                left = size - tail
+                while left:
+                    chunk = f.read(min(left, 1 << 22))
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    left -= len(chunk)
+                return digest.hexdigest()
+    arrays = mx.nd.load(params)
+    for name in sorted(arrays):
+        a = arrays[name].asnumpy()
+        digest.update(('%s %s %s;' % (name.split(':', 1)[0], a.dtype.str, a.shape)).encode())
+        digest.update(np.ascontiguousarray(a).tobytes())
+    return 'arrays:' + digest.hexdigest()
+
+
+def _variable_names(symbol_file):
+    """The parameter names of an MXNet symbol file (its variables but the input), or []."""
+    try:
+        with open(symbol_file, 'rb') as f:
+            nodes = json.loads(f.read()).get('nodes', [])
+        return [n['name'] for n in nodes if n.get('op') == 'null' and n['name'] != 'data']
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []
+
+
+def _names_section(data):
+    """The names of MXNet's NDArray-list names section ``data`` (uint64 count, then uint64
+    length + bytes each) without their ``arg:``/``aux:``, sorted; None when it is not one."""
+    import struct
+    try:
+        (count,), at, names = struct.unpack_from('<Q', data), 8, []
+        for _ in range(count):
+            (length,) = struct.unpack_from('<Q', data, at)
+            name = data[at + 8:at + 8 + length].decode()
+            at += 8 + length
+            if len(name) < 4 or name[:4] not in ('arg:', 'aux:'):
+                return None
+            names.append(name[4:])
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return sorted(names) if at == len(data) else None
+
+
+@contextlib.contextmanager
+def _stops_on_sigterm(what, out, installed):
+    """SIGTERM as a one-line error (exit 143) instead of an abrupt end, so the staging
+    folder is cleaned up and the user learns which export ``out`` holds (the new one
+    once ``installed`` is non-empty, else the one it had)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        if installed:
+            raise UserError('%s stopped by SIGTERM as it finished; %s holds the new export' % (what, out),
+                            exit_code=128 + signum)
+        raise UserError('%s stopped by SIGTERM before it finished; %s keeps the export it had'
+                        % (what, out), exit_code=128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _resolve_run(run, output):

@@ -9,7 +9,8 @@ Inference is split in three modules, as nnU-Net does:
   batches of equal-shape inputs over the devices, TTA; :func:`predict_image` for one
   image in memory;
 * this module - files in and out: find the inputs, read them, write masks, instance
-  labels, overlays and a DSB submission, report failures; :class:`PredictConfig` and the
+  labels, overlays and a DSB submission, report failures, keep the output folder's
+  :class:`Manifest` (which model wrote which files); :class:`PredictConfig` and the
   command line.
 
 Inputs are the uint8 image / 255, as in training (16-bit and float images are
@@ -20,6 +21,7 @@ channel conversion, by the function training uses (:func:`~gluon_unet.data.io.in
 import argparse
 import csv
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -33,11 +35,13 @@ import numpy as np
 from .data.io import IMAGE_TYPES, input_image, is_image_file, read_image
 from .data.layouts import dsb_image, is_dsb_sample
 from .errors import OneLineParser, UserError, reports_errors
-from .export import card_summary
+from .export import card_summary, find_export, weights_digest
 from .inference import _Done, load_model, match_channels
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
+from .paths import (MANIFEST, MANIFEST_FORMAT, check_apart, check_replaceable, manifest_names, read_manifest,
+                    remove_files)
 from .utils import atomic_open
 
 # Names that lived here before inference was split into tiling / inference / predict, so
@@ -48,6 +52,8 @@ from .tiling import DIHEDRAL, blend_window, choose_mode, tile_size, tile_starts 
 #: Name endings of our outputs (and of masks in a paired folder): such a file is not an
 #: input when the image it belongs to sits next to it.
 DERIVED_SUFFIXES = ('_mask', '_labels', '_overlay')
+#: What each image becomes in the output folder (``<id>_mask.png``...), the overlay last.
+OUTPUT_SUFFIXES = ('_mask', '_labels', '_overlay')
 
 
 # -- options -------------------------------------------------------------------------------
@@ -74,6 +80,7 @@ class PredictConfig:
     overlap: float = 0.25             #: tile mode: fraction of the tile shared with its neighbour
     buckets: bool = False             #: whole mode: pad to a few sizes per octave (fewer shapes)
     progress: bool = True             #: progress bar (stderr) and a one-line summary
+    overwrite: bool = False           #: replace another model's (or other settings') predictions in the folder
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value (devices are
@@ -291,11 +298,13 @@ class _Run:
                                          else 'the foreground and a %s map' % model.second,
                                          'distance' if model.second is None else model.second + '|distance'))
         self.records, self.rows, self.failures = [], [], []
+        self.manifest = None  # the output folder's Manifest (predict_paths sets it)
         self.inputs_per_device = [0] * len(model.ctxs)
-        self.bar = _progress_bar(len(files), config.progress)
+        self.bar = None
 
     def run(self):
         """Predict and write every image; returns the :class:`Predictions`."""
+        self.bar = _progress_bar(len(self.files), self.config.progress)
         try:
             self.inputs_per_device = self.model.run(self._jobs(), self.config.batch_size).jobs_per_device
         finally:
@@ -306,6 +315,8 @@ class _Run:
                 raise UserError(failures[0]['error'])
             raise UserError(failure_summary(failures, len(failures)))
         if self.config.rle:
+            if self.manifest is not None:
+                self.manifest.begin(self.files)
             rle = os.path.abspath(self.config.rle)
             os.makedirs(os.path.dirname(rle), exist_ok=True)
             write_submission(self.config.rle, self.rows)
@@ -377,11 +388,30 @@ class _Run:
         return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.config.split,
                                    h=self.h, marker=self.marker, markers=self.markers, min_score=self.min_score)
 
+    def settings(self):
+        """What decides the outputs besides the model: the resolved post-processing and how
+        the maps are predicted (a manifest's ``settings``)."""
+        cfg = self.config
+        return {'threshold': self.threshold, 'min_size': self.min_size, 'min_score': self.min_score,
+                'marker': self.marker, 'h': self.h, 'markers': self.markers, 'split': cfg.split, 'mode': cfg.mode,
+                'tta': cfg.tta, 'overlap': cfg.overlap, 'buckets': cfg.buckets, 'diameter': cfg.diameter}
+
+    def planned(self):
+        """The names of the files this run may write in the output folder."""
+        kinds = OUTPUT_SUFFIXES if self.config.overlay else OUTPUT_SUFFIXES[:2]
+        names = ['%s%s.png' % (image_id, kind) for image_id, _ in self.files for kind in kinds]
+        rle = self.config.rle
+        if rle and os.path.realpath(os.path.dirname(os.path.abspath(rle))) == os.path.realpath(self.output_dir):
+            names.append(os.path.basename(rle))
+        return names
+
     def _write(self, rec, image, prob, used):
         cfg = self.config
         labels = self._instances(prob)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
+        if self.manifest is not None:
+            self.manifest.begin(self.files)
         os.makedirs(self.output_dir, exist_ok=True)
         base = os.path.join(self.output_dir, rec['id'])
         rec.update(mode=used, objects=int(labels.max()), mask=base + '_mask.png',
@@ -391,6 +421,95 @@ class _Run:
             self.rows.extend(submission_rows(rec['id'], labels))
         self.records.append(rec)
         self.bar.update(1)
+
+
+# -- the prediction manifest -------------------------------------------------------------
+
+def model_record(prefix, model):
+    """Which model predictions come from, for the manifest: the export folder, a digest of
+    its weights (:func:`~gluon_unet.export.weights_digest`: the same for every export of
+    the same weights), what its sidecar does to the inputs, and its card's epoch and date."""
+    card = model.meta.get('card') if isinstance(model.meta.get('card'), dict) else {}
+    return {'export': os.path.dirname(os.path.abspath(prefix)), 'weights_sha256': weights_digest(prefix),
+            'normalize': model.normalize, 'denoise': model.denoise, 'epoch': model.meta.get('epoch'),
+            'created': card.get('created')}
+
+
+#: The model record's keys that make two models different (the rest is for people).
+_MODEL_IDENTITY = ('weights_sha256', 'normalize', 'denoise')
+
+
+class Manifest:
+    """A prediction folder's record (:data:`~gluon_unet.paths.MANIFEST`): which model
+    (:func:`model_record`) with which settings wrote which files, from which inputs.
+
+    One folder holds the predictions of one model with one set of settings, so that a
+    second model's outputs never mix silently with the first's: predicting into a folder
+    whose manifest names another model or other settings is refused unless
+    ``overwrite``, which first removes the files the manifest lists; the same model with
+    the same settings replaces its own files and adds to the record. A file at an output
+    path that the manifest does not list (a user's own ``x_mask.png``, or predictions from
+    before manifests existed) is never replaced.
+    """
+
+    def __init__(self, folder, model, settings, overwrite=False):
+        self.folder, self.model, self.settings, self.overwrite = folder, model, settings, overwrite
+        self.old = read_manifest(folder) if os.path.isdir(folder) else None
+        self.same = self.old is not None and self.old.get('settings') == settings and all(
+            (self.old.get('model') or {}).get(k) == model[k] for k in _MODEL_IDENTITY)
+        self.kept = manifest_names(self.old) if self.same and not overwrite else []
+        self.planned, self.started = [], False
+
+    def check(self, planned):
+        """Refuse, before any work, what these predictions must not do in the folder."""
+        self.planned = planned
+        path = os.path.join(self.folder, MANIFEST)
+        if self.old is not None and not self.same and not self.overwrite:
+            raise UserError('--output %s holds predictions by %s (%s); predict into another folder, or add '
+                            '--overwrite to replace them' % (self.folder, self._difference(), path))
+        mine = set(manifest_names(self.old)) if self.old is not None else set()
+        for name in planned:
+            if name not in mine and os.path.lexists(os.path.join(self.folder, name)):
+                raise UserError('--output %s: %s is there and these predictions would replace it, but gluon_unet did '
+                                'not write it (%s); move it, or predict into another folder'
+                                % (self.folder, name, 'not listed in %s' % MANIFEST if self.old is not None
+                                   else 'the folder has no %s' % MANIFEST))
+
+    def _difference(self):
+        old_model = self.old.get('model') or {}
+        if any(old_model.get(k) != self.model[k] for k in _MODEL_IDENTITY):
+            return 'another model (%s, epoch %s)' % (old_model.get('export'), old_model.get('epoch'))
+        old = self.old.get('settings') or {}
+        changed = ['%s %s -> %s' % (k, json.dumps(old.get(k)), json.dumps(v)) for k, v in self.settings.items()
+                   if old.get(k) != v]
+        return 'this model with other settings: %s' % ', '.join(changed[:3])
+
+    def begin(self, files):
+        """Before the first output is written: remove the old predictions (``overwrite``)
+        and record what this run may write, so even a crash leaves no unlisted output."""
+        if self.started:
+            return
+        self.started = True
+        if self.old is not None and self.overwrite:
+            remove_files(self.folder, manifest_names(self.old))
+        self.inputs = dict((self.old or {}).get('inputs') or {}) if self.kept else {}
+        self.inputs.update({image_id: os.path.abspath(path) for image_id, path in files})
+        self._write(sorted(set(self.kept) | set(self.planned)), complete=False)
+
+    def finish(self):
+        """After the run: the record of the files that are there (none written: nothing)."""
+        if not self.started:
+            return
+        names = [n for n in sorted(set(self.kept) | set(self.planned)) if os.path.isfile(os.path.join(self.folder, n))]
+        self._write(names, complete=True)
+
+    def _write(self, names, complete):
+        os.makedirs(self.folder, exist_ok=True)
+        record = {'format': MANIFEST_FORMAT, 'model': self.model, 'settings': self.settings, 'files': names,
+                  'inputs': self.inputs, 'complete': complete,
+                  'written': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+        with atomic_open(os.path.join(self.folder, MANIFEST)) as f:
+            json.dump(record, f, indent=1)
 
 
 def predict_paths(model, inputs, output_dir, config=None, **overrides):
@@ -404,7 +523,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         Image file, folder of images, or DSB root (see :func:`find_inputs`).
     output_dir : str
         Gets ``<id>_mask.png`` (0/255), ``<id>_labels.png`` (16-bit instance ids) and,
-        with ``overlay``, ``<id>_overlay.png``. Created when the first file is written.
+        with ``overlay``, ``<id>_overlay.png``, and the :class:`Manifest` of them
+        (``gluon_unet-predictions.json``). Created when the first file is written. A folder
+        holding another model's predictions (or other settings') is refused unless
+        ``overwrite``; files there that gluon_unet did not write are never replaced.
     config : PredictConfig, optional
         The options; default ``PredictConfig()``.
     **overrides
@@ -420,7 +542,9 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     Raises
     ------
     UserError
-        Bad options, model or inputs - or every image failed (nothing is written then).
+        Bad options, model or inputs, an output that is or lies inside an input
+        (:func:`~gluon_unet.paths.check_apart`), an output folder the manifest rule refuses
+        - or every image failed (nothing is written then).
         An image that cannot be read, predicted or written does not stop the others: it
         is listed in ``failures``, and the submission has the good images.
     """
@@ -433,16 +557,25 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         raise UserError('--output %s: is a file, not a folder' % output_dir)
     if config.rle and os.path.isdir(config.rle):
         raise UserError('--rle %s: is a folder; give a CSV file name' % config.rle)
+    prefix = find_export(model)
+    check_apart([('--output', output_dir), ('--rle', config.rle)],
+                [('--input', inputs), ('--model', os.path.dirname(prefix) or os.curdir)], 'predict')
+    check_replaceable(config.rle, 'ImageId,EncodedPixels', '--rle', 'a DSB submission')
     loaded = load_model(model, ctxs)
     check_diameter(config.diameter, loaded)
+    run = _Run(loaded, files, output_dir, config)
+    run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)
+    run.manifest.check(run.planned())
     if config.progress and card_summary(loaded.meta):
         print(card_summary(loaded.meta))
     note = tuning_note(loaded.meta, config.mode, config.tta)
     if config.progress and note:
         print(note, file=sys.stderr)
-    run = _Run(loaded, files, output_dir, config)
     t0 = time.time()
-    result = run.run()
+    try:
+        result = run.run()
+    finally:
+        run.manifest.finish()  # what is there, even after an error
     if config.progress:
         print(_summary_line(result, time.time() - t0, ctxs, output_dir, config, run.inputs_per_device))
     return result
@@ -564,6 +697,11 @@ def build_parser():
                              'reflected context')
     parser.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True,
                         help='progress bar and summary line')
+    parser.add_argument('--overwrite', action='store_true',
+                        help='--output holds predictions by another model or with other settings (its %s '
+                             'says): remove the files it lists, then predict. Without it such a folder is refused, '
+                             'so two models\' outputs never mix; files gluon_unet did not write are never '
+                             'replaced' % MANIFEST)
     parser.add_argument('--allow-failures', action='store_true',
                         help='exit 0 even if some images could not be read or written (they are '
                              'listed on stderr either way; the others are always written). If every '

@@ -124,17 +124,21 @@ class RunRecorder:
             return
         best_ckpt = self.best_checkpoint()
         out = os.path.join(self.cfg.output, 'export')
+        # The searched settings go into the export as it is written, not after it.
+        extra = {'postprocess': postprocess} if postprocess else None
         if self.user_net is not None:
             # Your own network cannot be rebuilt from the config: the best weights go
             # back into it, and it is exported as it is.
             meta = load_checkpoint(best_ckpt, net=self.user_net)
-            prefix = export_block(self.user_net, self.cfg, out, meta)
-        else:
+            prefix = export_block(self.user_net, self.cfg, out, meta, extra)
+        elif amp_dtype:
             # An AMP run's process has AMP switched on for good (amp.init is
             # process-wide), so its float32 export is built in a fresh process.
-            prefix = (export_in_subprocess if amp_dtype else export_checkpoint)(best_ckpt, out)
-        if postprocess:
-            update_sidecar(out, {'postprocess': postprocess})
+            prefix = export_in_subprocess(best_ckpt, out)
+            if postprocess:
+                update_sidecar(out, {'postprocess': postprocess})
+        else:
+            prefix = export_checkpoint(best_ckpt, out, extra)
         self.log.info('exported %s-symbol.json / -0000.params', prefix)
         best = next((r for r in state.history if r['epoch'] == self.saver.best_epoch), state.history[-1])
         metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')

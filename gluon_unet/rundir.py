@@ -8,7 +8,9 @@ The policy (docs/reference/run-folder.md):
   ``--resume PATH`` continues the run that checkpoint belongs to.
 - An explicit ``--output`` that already holds a run is refused with one line offering
   ``--resume auto`` (continue it) or ``--overwrite`` (delete that run's files - only
-  the files a run writes - and start over).
+  the files a run writes and gluon_unet recognises, :mod:`gluon_unet.paths` - and start
+  over). A folder holds a run when it holds such files: a user's own ``predictions/``
+  or ``export/`` with nothing of gluon_unet's in them does not count.
 - While a run trains, ``<run>/.lock`` is locked (``flock``): a second process on the
   same folder stops with one line naming the holder. The OS drops the lock when the
   process dies, even on ``kill -9``, so a crashed run never blocks its own resume.
@@ -16,24 +18,26 @@ The policy (docs/reference/run-folder.md):
 import errno
 import fcntl
 import os
-import shutil
 import socket
 import time
 
 from .errors import UserError
+from .paths import RUN_DIRS, remove_files, remove_if_empty, run_files
 
 LOCK_NAME = '.lock'
-# What a run writes; a folder holding any of these holds a run. --overwrite removes
-# exactly these, never other files the user keeps there.
-RUN_FILES = ('config.json', 'train.log', 'metrics.csv', 'curves.png')
-RUN_DIRS = ('checkpoints', 'export', 'predictions', 'demo_inputs')
 
 
 def holds_run(folder):
-    """The run files found in ``folder`` (empty when it holds no run)."""
+    """What of a run ``folder`` holds: the run files and the run subfolders holding files
+    gluon_unet recognises (:func:`gluon_unet.paths.run_files`); empty when it holds no run."""
     if not os.path.isdir(folder):
         return []
-    return [name for name in RUN_FILES + RUN_DIRS if os.path.exists(os.path.join(folder, name))]
+    found = []
+    for path in run_files(folder):
+        top = path.split(os.sep, 1)[0]
+        if top not in found:
+            found.append(top)
+    return found
 
 
 def check_output_path(path, flag='--output'):
@@ -214,11 +218,8 @@ def _inside(path, folder):
 
 
 def _remove_run_files(folder):
-    for name in RUN_FILES:
-        p = os.path.join(folder, name)
-        if os.path.isfile(p):
-            os.remove(p)
+    """``--overwrite``: delete the run's recognised files one by one, then its subfolders
+    if that left them empty; a user's own files (in them too) stay."""
+    remove_files(folder, run_files(folder))
     for name in RUN_DIRS:
-        p = os.path.join(folder, name)
-        if os.path.isdir(p):
-            shutil.rmtree(p)
+        remove_if_empty(os.path.join(folder, name))

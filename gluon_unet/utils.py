@@ -67,3 +67,45 @@ def atomic_open(path, mode='w', **kwargs):
     with atomic_path(path) as tmp:
         with open(tmp, mode, **kwargs) as f:
             yield f
+
+
+def read_json(path, label, max_bytes):
+    """Parse the JSON file ``path``, refusing in one line what cannot be a small JSON file.
+
+    ``label`` names it in messages (e.g. ``'--config cfg.json'``). Only a regular file of
+    at most ``max_bytes`` is read (``/dev/zero`` or a FIFO would be read forever), and a
+    document nested too deeply for the parser is an error, not a ``RecursionError``.
+
+    Raises
+    ------
+    UserError
+        Missing, not a regular file, too large, unreadable, not UTF-8, not JSON.
+    """
+    import json
+    import stat
+
+    from .errors import UserError
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise UserError('%s: cannot read it (%s)' % (label, exc.strerror or exc)) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UserError('%s: not a regular file (a JSON file is needed)' % label)
+    if info.st_size > max_bytes:
+        raise UserError('%s: %d bytes, more than the %d a file like this can hold' % (label, info.st_size, max_bytes))
+    try:
+        with open(path, 'rb') as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew since the stat
+            raise UserError('%s: more than %d bytes, more than a file like this can hold' % (label, max_bytes))
+        text = data.decode('utf-8')
+    except OSError as exc:
+        raise UserError('%s: cannot read it (%s)' % (label, exc.strerror or exc)) from None
+    except UnicodeDecodeError as exc:
+        raise UserError('%s: not UTF-8 text (%s)' % (label, exc)) from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UserError('%s: JSON nested too deeply to read' % label) from None
+    except ValueError as exc:
+        raise UserError('%s: not valid JSON (%s)' % (label, exc)) from None

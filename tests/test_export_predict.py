@@ -161,7 +161,7 @@ def test_export_errors_are_one_line(tiny, tmp_path, capsys):
     wide_params = mx.nd.load(os.path.join(wide.output, 'export', 'model-0000.params'))
     mx.nd.save(str(mixed / 'model-0000.params'),
                {re.sub(r'unet\d+_', own + '_', k): v for k, v in wide_params.items()})
-    with pytest.raises(UserError, match='another architecture.*Shape inconsistent') as info:
+    with pytest.raises(UserError, match='model-0000.params does not fit model-symbol.json.*Shape inconsistent') as info:
         load_exported(str(mixed))
     assert '\n' not in str(info.value)
 
@@ -249,7 +249,7 @@ def test_predict_paths_writes_masks_labels_overlays_and_rle(tmp_path):
                             tta=True, progress=False)
     assert [r['id'] for r in records] == ['a', 'b'] and [r['mode'] for r in records] == ['tile', 'tile']
     assert sorted(os.listdir(out)) == ['a_labels.png', 'a_mask.png', 'a_overlay.png',
-                                       'b_labels.png', 'b_mask.png', 'b_overlay.png']
+                                       'b_labels.png', 'b_mask.png', 'b_overlay.png', 'gluon_unet-predictions.json']
     labels = cv2.imread(str(out / 'a_labels.png'), cv2.IMREAD_UNCHANGED)
     mask = cv2.imread(str(out / 'a_mask.png'), cv2.IMREAD_UNCHANGED)
     over = cv2.imread(str(out / 'a_overlay.png'), cv2.IMREAD_UNCHANGED)

@@ -80,16 +80,16 @@ def test_allow_failures_exits_0_and_all_failed_exits_2(tmp_path, capsys):
 def test_many_failures_are_counted_and_write_errors_are_per_image(tmp_path, capsys):
     model = export_brightness_model(str(tmp_path / 'model'))
     bad = tuple('bad%d' % i for i in range(6))
-    inputs = _folder(tmp_path / 'in', good=('a', 'b', 'c'), bad=bad)
+    # b's name fits a file name, b_mask.png's does not (255 bytes): a per-image write error
+    b = 'b' + 'a' * 247  # sorts before bad0, so the summary names it
+    inputs = _folder(tmp_path / 'in', good=('a', b, 'c'), bad=bad)
     out = tmp_path / 'out'
-    out.mkdir()
-    (out / 'b_mask.png').mkdir()  # b's mask cannot be written: a per-image write error
     code = run_cli(predict_main, ['--model', model, '--input', str(inputs), '--output', str(out),
                                '--no-progress'])
     err = capsys.readouterr().err
     assert code == 1 and err.count('\n') == 1 and 'Traceback' not in err, err
     assert err.startswith('error: 7 of 9 images failed: ')
-    assert 'b.png (' in err and 'and 4 more' in err
+    assert b + '.png (' in err and 'and 4 more' in err
     assert sorted(n for n in os.listdir(out) if n.startswith(('a_', 'c_'))) == [
         'a_labels.png', 'a_mask.png', 'c_labels.png', 'c_mask.png']
 

@@ -155,7 +155,7 @@ def test_bad_output_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
     ('{"gpus": 0}', 'gpus must be a string'),
     ('{"model": {"width": 2.5}}', 'width must be an integer'),
     ('{"augment": "yes"}', 'augment must be true or false'),
-    ('{"lr": 0.1', 'cannot read it as JSON'),
+    ('{"lr": 0.1', 'not valid JSON'),
 ])
 def test_bad_config_file_is_one_line_exit_2_and_writes_nothing(tmp_path, content, expected):
     config = tmp_path / 'cfg.json'

@@ -57,8 +57,9 @@ and its values are kept as instance ids; an RGB mask with more than one non-blac
 colour is read as one instance per colour. JPEG masks are thresholded at 128 instead
 of 0, since lossy compression leaves small non-zero values around every edge.
 
-Any file that cannot be decoded (missing, corrupt, truncated, unknown format) raises
-:class:`~gluon_unet.errors.UserError` naming the file.
+Any file that cannot be decoded (missing, corrupt, truncated, unknown format), and a
+float image holding NaN or infinite pixels, raises :class:`~gluon_unet.errors.UserError`
+naming the file.
 """
 import os
 
@@ -154,16 +155,31 @@ def read_raw(path):
             if arr is None:
                 raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
                                                                type(e).__name__)) from None
-            return arr
+            return _finite(arr, path)
         arr = np.asarray(arr)
         if arr.ndim == 3 and arr.shape[0] in (3, 4) and arr.shape[-1] not in (3, 4):
             arr = np.moveaxis(arr, 0, -1)  # planar RGB
         while arr.ndim > 3 or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)):
             arr = arr[0]  # multi-page / z-stack: first plane
-        return arr
+        return _finite(arr, path)
     arr = _cv2_decode(data)
     if arr is None:
         raise UserError('%s: cannot decode image (corrupt, truncated or not an image)' % path)
+    return _finite(arr, path)
+
+
+def _finite(arr, path):
+    """``arr``, refused when a float image holds NaN or infinite pixels.
+
+    No value for them is right everywhere: zero made an all-NaN image black (and an
+    all-NaN mask empty) without a word. The user knows what they mean (no data,
+    saturation, background) and can put a number there.
+    """
+    if arr.dtype.kind == 'f':
+        bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+        if bad:
+            raise UserError('%s: %d of %d pixels are NaN or infinite (a float image); replace them with numbers '
+                            '(e.g. the background level) first' % (path, bad, arr.size))
     return arr
 
 

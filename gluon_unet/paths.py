@@ -1,0 +1,219 @@
+"""What gluon_unet may delete or replace, and where its outputs may go.
+
+The deletion rule
+-----------------
+gluon_unet deletes or replaces only files it wrote and can recognise, one file at a time
+(a replacement is written aside and renamed over the old file, so it is atomic), and
+removes a folder only when it created it and it is empty. "Recognise" is concrete:
+
+* run files, at the top of a run folder: :data:`RUN_FILES`;
+* checkpoints, in ``<run>/checkpoints/``: ``best.ckpt``, ``epochNNNN.ckpt``,
+  ``epochNNNN-stepNNNNNN.ckpt`` and the ``.tmp-*.ckpt`` a killed write leaves;
+* an export: ``model-symbol.json``, ``model-0000.params`` and ``model.json``, but only in
+  a folder whose ``model.json`` is a gluon_unet sidecar (a JSON object whose ``format``
+  starts with ``gluon_unet-export``): the two model files have the names MXNet gives
+  every export, and ``model.json`` is a common name;
+* predictions: the files the folder's prediction manifest (:data:`MANIFEST`, written by
+  ``bin/predict``) lists, and the manifest itself - ``x_mask.png`` is also how users
+  name their ground-truth masks, so names alone cannot tell;
+* the demo's inputs (``<run>/demo_inputs/demoNN.png``) and TensorBoard's event files
+  (``<run>/tb/events.out.tfevents.*``).
+
+Anything else, in those folders or elsewhere, is the user's and stays. An output file
+named on the command line (``predict --rle``, ``evaluate --csv``) is replaced only when
+it is one gluon_unet wrote, recognised by its header (:func:`check_replaceable`).
+
+Outputs never touch inputs
+--------------------------
+Every command passes what it writes and what it reads to :func:`check_apart` before any
+work: an output that is an input (the same file, through symbolic or hard links too) or
+lies inside an input folder is refused in one line.
+
+This module imports nothing heavy (no mxnet), so the run-folder code can use it.
+"""
+import os
+import re
+
+from .errors import UserError
+from .utils import read_json
+
+#: What a training run writes at the top of its folder.
+RUN_FILES = ('config.json', 'train.log', 'metrics.csv', 'curves.png')
+#: The run's subfolders; each holds only files :func:`run_files` recognises by its own rule.
+RUN_DIRS = ('checkpoints', 'export', 'predictions', 'demo_inputs', 'tb')
+#: An export's files (``bin/export``, the end of training), in the order they are installed:
+#: ``model.json`` last, so a reader that finds it finds the two model files of the same export.
+EXPORT_FILES = ('model-symbol.json', 'model-0000.params', 'model.json')
+#: The sidecar ``format`` prefix that marks a ``model.json`` as gluon_unet's.
+EXPORT_FORMAT_PREFIX = 'gluon_unet-export'
+#: The prediction manifest bin/predict keeps in its output folder.
+MANIFEST = 'gluon_unet-predictions.json'
+MANIFEST_FORMAT = 'gluon_unet-predictions-1'
+#: Caps on the JSON files read here: a sidecar is a few kB, a manifest ~150 bytes per image.
+SIDECAR_MAX_BYTES = 16 << 20
+MANIFEST_MAX_BYTES = 512 << 20
+
+_CHECKPOINT = re.compile(r'(best|epoch\d+(-step\d+)?)\.ckpt$|\.tmp-.*\.ckpt$')
+_DEMO_INPUT = re.compile(r'demo\d\d\.png$')
+_TB_EVENTS = re.compile(r'events\.out\.tfevents\.')
+
+
+def is_export_sidecar(path):
+    """True when ``path`` is the ``model.json`` of a gluon_unet export."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        meta = read_json(path, path, SIDECAR_MAX_BYTES)
+    except UserError:
+        return False
+    return isinstance(meta, dict) and str(meta.get('format', '')).startswith(EXPORT_FORMAT_PREFIX)
+
+
+def export_files(folder):
+    """``(ours, foreign)``: the export file names in ``folder`` that gluon_unet recognises
+    as its own (all of them, when its ``model.json`` is a gluon_unet sidecar) and those it
+    does not (all of them otherwise)."""
+    present = [n for n in EXPORT_FILES if os.path.lexists(os.path.join(folder, n))]
+    if not present:
+        return [], []
+    if is_export_sidecar(os.path.join(folder, 'model.json')):
+        return present, []
+    return [], present
+
+
+def read_manifest(folder):
+    """The prediction manifest of ``folder`` as a dict, or None when it has none.
+
+    Raises
+    ------
+    UserError
+        The manifest is there but damaged or not gluon_unet's.
+    """
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.lexists(path):
+        return None
+    manifest = read_json(path, path, MANIFEST_MAX_BYTES)
+    if not (isinstance(manifest, dict) and manifest.get('format') == MANIFEST_FORMAT
+            and isinstance(manifest.get('files'), list)):
+        raise UserError('%s: not a gluon_unet prediction manifest (format %s with a "files" list); move it away'
+                        % (path, MANIFEST_FORMAT))
+    return manifest
+
+
+def manifest_names(manifest):
+    """The file names a manifest lists, keeping only plain names in its own folder: a
+    hand-edited ``../x`` can never make gluon_unet delete outside the folder."""
+    return [n for n in manifest.get('files', []) if isinstance(n, str) and n == os.path.basename(n)
+            and n not in ('', '.', '..', MANIFEST)]
+
+
+def prediction_files(folder):
+    """The files of ``folder`` that its prediction manifest lists and that exist, then the
+    manifest itself ([] when it has none or it is damaged: nothing is recognised then)."""
+    try:
+        manifest = read_manifest(folder)
+    except UserError:
+        return []
+    if manifest is None:
+        return []
+    names = [n for n in manifest_names(manifest) if os.path.isfile(os.path.join(folder, n))]
+    return names + [MANIFEST]
+
+
+def _matching(folder, pattern):
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if pattern.match(n) and os.path.isfile(os.path.join(folder, n))]
+
+
+def checkpoint_files(folder):
+    """The checkpoint files of ``folder`` by gluon_unet's names (module docstring)."""
+    return _matching(folder, _CHECKPOINT)
+
+
+def run_files(folder):
+    """The files of a run in ``folder`` that gluon_unet recognises (module docstring), as
+    paths relative to it; [] when it holds none."""
+    found = [n for n in RUN_FILES if os.path.isfile(os.path.join(folder, n))]
+    rules = {'checkpoints': checkpoint_files, 'export': lambda d: export_files(d)[0],
+             'predictions': prediction_files, 'demo_inputs': lambda d: _matching(d, _DEMO_INPUT),
+             'tb': lambda d: _matching(d, _TB_EVENTS)}
+    for sub in RUN_DIRS:
+        path = os.path.join(folder, sub)
+        if os.path.isdir(path):
+            found += [os.path.join(sub, n) for n in rules[sub](path)]
+    return found
+
+
+def remove_files(folder, names):
+    """Delete ``folder``/name for each of ``names``, one file at a time (already gone: fine)."""
+    for name in names:
+        try:
+            os.remove(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+
+
+def remove_if_empty(folder):
+    """Remove ``folder`` when it is empty (a folder a run made); keep it otherwise."""
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def check_replaceable(path, first_line, label, what):
+    """Refuse, in one line, an output file named on the command line that exists but is not
+    one gluon_unet wrote: ``what`` (e.g. 'a DSB submission') is recognised by its first
+    line starting with ``first_line``."""
+    if not path or not os.path.lexists(path):
+        return
+    head = b''
+    if os.path.isfile(path):
+        try:
+            with open(path, 'rb') as f:
+                head = f.readline(len(first_line) + 1)
+        except OSError:
+            pass
+    if not head.startswith(first_line.encode()):
+        raise UserError('%s %s exists and is not %s gluon_unet wrote (its first line does not start with %s); '
+                        'choose another file, or move it' % (label, path, what, first_line))
+
+
+def check_apart(outputs, inputs, command):
+    """Refuse, in one line, an output that is an input or lies inside an input folder.
+
+    Paths are compared resolved (``realpath``: symbolic links, ``..``), and existing
+    files by identity too (``samefile``: hard links, bind mounts).
+
+    Parameters
+    ----------
+    outputs : iterable of (label, path)
+        What ``command`` writes, e.g. ``('--rle', 'sub.csv')``; a None path is skipped.
+    inputs : iterable of (label, path)
+        What it reads: files and folders, e.g. ``('--input', 'images/')``.
+    command : str
+        The command, for the message (``'predict'``).
+
+    Raises
+    ------
+    UserError
+        Naming the output, the input and what to do.
+    """
+    inputs = [(label, path, os.path.realpath(path)) for label, path in inputs if path]
+    for out_label, out in outputs:
+        if not out:
+            continue
+        real = os.path.realpath(out)
+        for in_label, path, in_real in inputs:
+            same = real == in_real
+            if not same and os.path.exists(out) and os.path.exists(path):
+                same = os.path.samefile(out, path)
+            if same:
+                raise UserError('%s %s is %s %s, which %s reads: an output never replaces an input; choose '
+                                'another %s' % (out_label, out, in_label, path, command, out_label))
+            if os.path.isdir(in_real) and real.startswith(in_real.rstrip(os.sep) + os.sep):
+                raise UserError('%s %s lies inside %s %s, which %s reads: outputs never go into inputs; choose '
+                                'another %s' % (out_label, out, in_label, path, command, out_label))
