@@ -28,7 +28,8 @@ from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
-from .utils import atomic_open, dir_mode
+from .errors import DamagedFile
+from .utils import DIGEST, atomic_open, check_writable, dir_mode, file_crc32, write_errors, write_point
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 
@@ -99,13 +100,19 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
     net(_dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.tmp-export-', dir=parent)
+    with write_errors(out_dir, parent):
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix='.tmp-export-', dir=parent)
     try:
         # mkdtemp makes it owner-only (0o700); an export is for sharing: give it the
         # mode os.mkdir would (0o777 minus the umask). Its files are plain open()s.
         os.chmod(tmp, dir_mode())
-        net.export(os.path.join(tmp, 'model'), epoch=0)
+        # MXNet writes the symbol, then the params, in C++: the error names the last
+        # file it began.
+        with write_errors(lambda: os.path.join(out_dir, PARAMS if os.path.exists(os.path.join(tmp, PARAMS))
+                                               else SYMBOL), tmp):
+            net.export(os.path.join(tmp, 'model'), epoch=0)
+            write_point(os.path.join(out_dir, PARAMS))
         sidecar = {
             'format': 'gluon_unet-export-1',
             'input_name': 'data',
@@ -127,11 +134,17 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
             'card': model_card(cfg, meta),
         }
         sidecar.update(sidecar_extra or {})
-        with open(os.path.join(tmp, SIDECAR), 'w') as f:
-            json.dump(sidecar, f, indent=2)
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
+        # What load_exported checks the two files against.
+        sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(tmp, name)))
+                             for name in (SYMBOL, PARAMS)}
+        with write_errors(os.path.join(out_dir, SIDECAR), tmp):
+            with open(os.path.join(tmp, SIDECAR), 'w') as f:
+                json.dump(sidecar, f, indent=2)
+            write_point(os.path.join(out_dir, SIDECAR))
+        with write_errors(out_dir, parent):
+            if os.path.isdir(out_dir):
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp)
@@ -284,6 +297,7 @@ def load_exported(prefix_or_dir, ctx=None):
             raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
+    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
     import warnings
     try:
         with warnings.catch_warnings():
@@ -294,6 +308,28 @@ def load_exported(prefix_or_dir, ctx=None):
         raise UserError('export %s: params do not fit the symbol (from another architecture?): %s'
                         % (folder, mxnet_message(exc))) from None
     return net, meta
+
+
+def verify_export(meta, files, sidecar_path):
+    """Raise :class:`~.errors.DamagedFile` naming the first of ``files`` (name -> path)
+    whose CRC-32 differs from the sidecar's ``digest``. Exports written before digests
+    (no ``digest`` in model.json) and hand-made ones are read as they are, unchecked."""
+    digests = meta.get('digest') or {}
+    for name, path in files.items():
+        stored = digests.get(name)
+        if stored is None:
+            continue
+        algo, _, value = stored.partition(':')
+        if algo != DIGEST:
+            continue  # a digest this version does not know: nothing to check with
+        try:
+            actual = '%08x' % file_crc32(path)
+        except OSError as exc:
+            raise UserError('%s: cannot read it (%s)' % (path, exc.strerror)) from None
+        if actual != value:
+            raise DamagedFile('%s is damaged: its content does not match the digest in %s (changed on disk since '
+                              'it was exported; export it again, or remove "digest" from %s if you changed it '
+                              'on purpose)' % (path, sidecar_path, SIDECAR), path)
 
 
 def read_sidecar(path):
@@ -371,6 +407,10 @@ def read_sidecar(path):
         if second != [markers]:
             raise bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
                 json.dumps(markers), json.dumps(['foreground'] + second)))
+    digest = meta.get('digest')
+    if digest is not None and not (isinstance(digest, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in digest.items())):
+        raise bad("'digest' must be an object of file name -> \"crc32:<hex>\" (got %s)" % json.dumps(digest))
     denoise = meta.get('normalize_denoise')
     if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
         raise bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))
@@ -463,6 +503,7 @@ def main(argv=None, retune=None):
     if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
+    check_writable(out, '--output')
     prefix = export_checkpoint(ckpt, out)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if args.tune_postprocess:

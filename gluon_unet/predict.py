@@ -38,7 +38,7 @@ from .inference import _Done, load_model, match_channels
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
-from .utils import atomic_open
+from .utils import atomic_open, check_writable, write_errors
 
 # Names that lived here before inference was split into tiling / inference / predict, so
 # ``from gluon_unet.predict import predict_image`` (and the benchmarks) keep working.
@@ -307,7 +307,8 @@ class _Run:
             raise UserError(failure_summary(failures, len(failures)))
         if self.config.rle:
             rle = os.path.abspath(self.config.rle)
-            os.makedirs(os.path.dirname(rle), exist_ok=True)
+            with write_errors(self.config.rle):
+                os.makedirs(os.path.dirname(rle), exist_ok=True)
             write_submission(self.config.rle, self.rows)
         return Predictions(self.records, failures)
 
@@ -382,7 +383,8 @@ class _Run:
         labels = self._instances(prob)
         if labels.max() > np.iinfo(np.uint16).max:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
-        os.makedirs(self.output_dir, exist_ok=True)
+        with write_errors(self.output_dir):
+            os.makedirs(self.output_dir, exist_ok=True)
         base = os.path.join(self.output_dir, rec['id'])
         rec.update(mode=used, objects=int(labels.max()), mask=base + '_mask.png',
                    labels=base + '_labels.png', overlay=base + '_overlay.png' if cfg.overlay else None)
@@ -433,6 +435,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         raise UserError('--output %s: is a file, not a folder' % output_dir)
     if config.rle and os.path.isdir(config.rle):
         raise UserError('--rle %s: is a folder; give a CSV file name' % config.rle)
+    # Before any work: an unwritable output would otherwise be found after every image.
+    check_writable(output_dir, '--output')
+    if config.rle:
+        check_writable(config.rle, '--rle')
     loaded = load_model(model, ctxs)
     check_diameter(config.diameter, loaded)
     if config.progress and card_summary(loaded.meta):
