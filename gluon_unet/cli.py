@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import typing
+import warnings
 
 from . import add_version_flag, version_string
 from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
@@ -199,7 +200,10 @@ def train_main(argv=None):
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)
+    from .data.cache import CacheWarning
     from .engine import Diverged, Interrupted, fit
+    # The log says it in one line; Python's warning would repeat it with a source line.
+    warnings.simplefilter('ignore', CacheWarning)
     try:
         history = fit(cfg)
     except Interrupted as exc:

@@ -226,6 +226,9 @@ def failure_summary(failures, total, shown=SHOWN_FAILURES):
 def _reason(failure, limit=120):
     """A failure's message without the image path it usually starts with, shortened."""
     text = failure['error']
+    if text.startswith('cannot write '):  # a WriteError: the file's name (its folder is --output) and the cause
+        path, _, cause = text[len('cannot write '):].partition(': ')
+        return 'cannot write %s: %s' % (os.path.basename(path), cause)
     for prefix in (failure['image'] + ': ', os.path.basename(failure['image']) + ': '):
         if text.startswith(prefix):
             text = text[len(prefix):]

@@ -276,11 +276,15 @@ def open_writer(cache_dir, key, source=None):
         return None
 
 
+class CacheWarning(UserWarning):
+    """The data loads without a cache (``bin/train`` shows only the log line, once)."""
+
+
 def no_cache(why):
-    """Say, in one line (a warning and the log), that the data loads without a cache
-    because of ``why`` (e.g. a :class:`~gluon_unet.errors.WriteError`)."""
+    """Say, in one line (a :class:`CacheWarning` and the log), that the data loads without
+    a cache because of ``why`` (e.g. a :class:`~gluon_unet.errors.WriteError`)."""
     msg = '%s; loading without a cache (the data is decoded in memory)' % why
-    warnings.warn(msg, stacklevel=3)
+    warnings.warn(msg, CacheWarning, stacklevel=3)
     log.warning(msg)
 
 
