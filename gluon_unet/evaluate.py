@@ -141,7 +141,7 @@ def check_csv(path):
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError('--csv %s: folder %s does not exist' % (path, folder))
-    check_writable(path, '--csv')
+    check_writable(path, '--csv', is_file=True)
 
 
 def format_table(rows, mean):

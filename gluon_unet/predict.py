@@ -441,7 +441,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     # Before any work: an unwritable output would otherwise be found after every image.
     check_writable(output_dir, '--output')
     if config.rle:
-        check_writable(config.rle, '--rle')
+        check_writable(config.rle, '--rle', is_file=True)
     loaded = load_model(model, ctxs)
     check_diameter(config.diameter, loaded)
     if config.progress and card_summary(loaded.meta):

@@ -158,10 +158,13 @@ def write_errors(path, folder=None):
         raise write_failure(path() if callable(path) else path, exc, folder) from None
 
 
-def check_writable(path, flag):
-    """Refuse, in one line before any work, an output ``path`` (a file to create, or a
-    folder) whose nearest existing folder cannot be written: ``flag`` names the option."""
+def check_writable(path, flag, is_file=False):
+    """Refuse, in one line before any work, an output ``path`` (a folder, or with
+    ``is_file`` a file, written or replaced atomically) whose nearest existing folder
+    cannot be written: ``flag`` names the option."""
     folder = os.path.abspath(path)
+    if is_file:
+        folder = os.path.dirname(folder)
     while not os.path.exists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):

@@ -97,12 +97,12 @@ class CacheEntry:
         self.path, self.meta, self.arrays = path, meta, arrays
 
 
-def load(cache_dir, key, verify=True):
+def load(cache_dir, key, verify=True, report=True):
     """Open the entry ``key`` in ``cache_dir``.
 
     With ``verify`` (the default) every array is read once and checked against the CRC-32
     written with it; a damaged entry, or one written before digests, is reported in one
-    line and treated as missing (the caller rebuilds it).
+    line (unless ``report`` is False) and treated as missing (the caller rebuilds it).
 
     Returns
     -------
@@ -128,24 +128,25 @@ def load(cache_dir, key, verify=True):
                 arrays[name] = np.zeros(shape, spec['dtype'])
             else:
                 arrays[name] = np.memmap(fname, dtype=spec['dtype'], mode='r', shape=shape)
-            if verify and not _intact(fname, spec, arrays[name]):
+            if verify and not _intact(fname, spec, arrays[name], report):
                 return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return CacheEntry(path, meta, arrays)
 
 
-def _intact(fname, spec, array):
-    """Whether ``array`` (read from ``fname``) matches the digest in its ``spec``; says
-    why not in one line."""
+def _intact(fname, spec, array, report=True):
+    """Whether ``array`` (read from ``fname``) matches the digest in its ``spec``; with
+    ``report``, says why not in one line."""
     stored = spec.get(DIGEST)
     if stored is None:
-        log.warning('cache %s was written before content digests; rebuilding it once',
-                    os.path.dirname(fname))
+        if report:
+            log.warning('cache %s was written before content digests; rebuilding it once', os.path.dirname(fname))
         return False
     if '%08x' % crc32_of([array]) != stored:
-        log.warning('cache %s is damaged: its content does not match the digest written with it; rebuilding '
-                    'the entry (nothing was trained on it)', fname)
+        if report:
+            log.warning('cache %s is damaged: its content does not match the digest written with it; rebuilding '
+                        'the entry (nothing was trained on it)', fname)
         return False
     return True
 
@@ -217,7 +218,7 @@ class CacheWriter:
         except OSError:
             # The folder exists: a broken entry (truncated by hand, disk full) is replaced;
             # a valid one was committed by another process meanwhile and is equivalent.
-            if load(self.cache_dir, self.key) is None:
+            if load(self.cache_dir, self.key, report=False) is None:
                 shutil.rmtree(self.final, ignore_errors=True)
                 try:
                     os.replace(self.tmp, self.final)
