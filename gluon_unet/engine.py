@@ -986,9 +986,10 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
             state.train_seconds += now - clock
             if row is None:  # interrupted mid-epoch
                 path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
-                raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
-                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
-                                     path or 'auto'), 128 + stop.signum)
+                saved = 'saved %s: ' % path if path else ''  # (rank 0 saves for a multi-machine job)
+                raise Interrupted('%s: stopped in epoch %d after %d steps; %scontinue with --resume auto'
+                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch, saved),
+                                  128 + stop.signum)
             # Spent either way, but a one-off: the probe must not make every epoch look longer.
             state.epoch_seconds.append(now - clock - run.probe_seconds)
             clock, run.probe_seconds = now, 0.0
