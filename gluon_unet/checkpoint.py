@@ -190,7 +190,8 @@ class CheckpointSaver:
         self.keep_last, self.min_delta = keep_last, min_delta
         self.best, self.best_epoch, self.bad_epochs = None, 0, 0
         if folder is not None:
-            os.makedirs(folder, exist_ok=True)
+            with write_errors(folder):
+                os.makedirs(folder, exist_ok=True)
 
     def is_better(self, value):
         """Whether ``value`` beats the best so far by more than ``min_delta``."""

@@ -38,7 +38,7 @@ from .data.targets import OUTPUTS
 from .data.weights import unet_weight_map
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import DamagedFile, UserError, WriteError
-from .export import geometry
+from .export import ExportError, geometry
 from .inference import predict_image, second_map
 from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
@@ -848,11 +848,17 @@ def _kept(cfg, complete, unexported=False):
 
 @contextlib.contextmanager
 def _on_write_error(cfg, complete):
-    """A :class:`~.errors.WriteError` in the block says what the run keeps (:func:`_kept`)."""
+    """A :class:`~.errors.WriteError` in the block - or, after the epochs, a failed
+    export in a subprocess - says what the run keeps (:func:`_kept`)."""
     try:
         yield
     except WriteError as exc:
         raise exc.add(_kept(cfg, complete)) from None
+    except ExportError as exc:
+        if not complete:
+            raise
+        exc.args = ('%s; %s' % (exc.args[0], _kept(cfg, complete)),)
+        raise exc from None
 
 
 class _AfterTraining:

@@ -23,7 +23,7 @@ from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
-from .errors import OneLineParser, UserError, mxnet_message, reports_errors
+from .errors import OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
 from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
@@ -534,5 +534,6 @@ def _resolve_run(run, output):
     return run, output or os.path.join(folder, 'export')
 
 
-if __name__ == '__main__':
-    sys.exit(main())
+if __name__ == '__main__':  # export_in_subprocess: SIGTERM removes the temporary folder too
+    with signals_raise():
+        sys.exit(main())
