@@ -23,12 +23,11 @@ from .checkpoint import list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
-from .errors import OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
+from .errors import DamagedFile, OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
 from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
-from .errors import DamagedFile
 from .utils import DIGEST, atomic_open, check_writable, dir_mode, file_crc32, write_errors, write_point
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'

@@ -357,3 +357,21 @@ def test_an_output_in_an_unwritable_folder_is_one_line_before_any_work(good, tmp
     assert err.splitlines() == [err] and command.split()[1] in err and str(locked) in err, err
     assert CAUSES[code] in err and 'Traceback' not in err
     assert not captured.out and not os.path.exists(tmp_path / 'p')  # nothing was done first
+
+
+def test_a_disk_full_during_an_export_is_one_line_and_keeps_nothing_half_written(good, tmpfs, capsys):
+    # MXNet writes the symbol and the params in C++ ("FileStream.Write incomplete").
+    _, good = good
+    fs = tmpfs('256k')
+    _fill(fs / 'filler')
+    capsys.readouterr()
+    assert run_cli(export_main, [good.run, '--output', str(fs / 'model')]) == 1
+    err = _one_error(capsys)
+    assert err.startswith('error: cannot write %s/model/model-' % fs) and CAUSES[errno.ENOSPC] in err, err
+    assert sorted(os.listdir(fs)) == ['filler']
+
+
+def _one_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and 'Traceback' not in err, err
+    return err
