@@ -64,7 +64,7 @@ class _RunLogHandler(logging.FileHandler):
             return super().handleError(record)
         if not self._warned:
             self._warned = True
-            print('warning: cannot write %s: %s; the log goes on on stderr only'
+            print('warning: cannot write %s: %s; its lines are not saved until it can be written again'
                   % (self.baseFilename, errno_words(exc.errno) if exc.errno else exc), file=sys.stderr)
         return None
 

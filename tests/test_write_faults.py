@@ -375,3 +375,22 @@ def _one_error(capsys):
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and 'Traceback' not in err, err
     return err
+
+
+def test_train_log_lines_that_cannot_be_written_are_said_once_not_a_traceback_each(tmp_path, capfd):
+    # logging's own handler prints "--- Logging error ---" and a traceback for every line.
+    from gluon_unet.reporting import setup_logging
+    log = setup_logging(str(tmp_path), verbose=False)
+    handler = next(h for h in log.handlers if getattr(h, 'baseFilename', None))
+
+    def full(text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    handler.stream.write = full
+    try:
+        for k in range(3):
+            log.info('epoch %d', k)
+    finally:
+        setup_logging(None, verbose=False)
+    err = capfd.readouterr().err.strip()
+    assert err == 'warning: cannot write %s: %s; its lines are not saved until it can be written again' % (
+        tmp_path / 'train.log', CAUSES[errno.ENOSPC]), err
