@@ -17,7 +17,6 @@ import cv2
 import numpy as np
 import pytest
 
-from gluon_unet import utils
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.cli import evaluate_main, export_main, predict_main, train_main
 from gluon_unet.data.synthetic import synthetic_nuclei
