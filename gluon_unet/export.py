@@ -19,7 +19,7 @@ import time
 import mxnet as mx
 
 from . import __version__, add_version_flag
-from .checkpoint import list_checkpoints, load_checkpoint
+from .checkpoint import earlier_good_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
@@ -503,7 +503,14 @@ def main(argv=None, retune=None):
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = _resolve_run(args.run, args.output)
     check_writable(out, '--output')
-    prefix = export_checkpoint(ckpt, out)
+    try:
+        prefix = export_checkpoint(ckpt, out)
+    except DamagedFile as exc:
+        earlier = earlier_good_checkpoint(ckpt)
+        if earlier is not None:
+            exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
+                        % (exc.args[0], earlier, earlier),)
+        raise
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if args.tune_postprocess:
         tuned = retune(ckpt, out, mode=args.mode or 'auto', tta=args.tta)

@@ -69,6 +69,7 @@ def test_a_checkpoint_damaged_in_place_stops_resume_and_export_in_one_line(run, 
     assert run_cli(export_main, [latest, '--output', os.path.join(run, 'x')]) == 1
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and latest in err and 'damaged' in err, err
+    assert 'export it with bin/export %s' % ckpts[-2] in err, err
     assert not os.path.exists(os.path.join(run, 'x'))
     # --resume auto: refuses the damaged latest one and names the newest intact one
     assert run_cli(train_main, TRAIN + ['--epochs', '4', '--output', run, '--resume', 'auto']) == 1
