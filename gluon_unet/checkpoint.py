@@ -6,8 +6,11 @@ named arrays; update counts and the LR scheduler's position in JSON - never a pi
 loading a checkpoint cannot run code) and a JSON record (config, epoch, step, best
 value, history). It is written to a temporary
 file in the same folder and ``os.replace``-d into place, so a crash at any moment leaves
-either the old checkpoint or the new one - never half of one.
+either the old checkpoint or the new one - never half of one. A CRC-32 of all its arrays
+(``digest``) is checked whenever it is read: a checkpoint damaged on disk since (a bad
+copy, storage errors) stops the command in one line instead of training on it.
 """
+import errno
 import glob
 import json
 import os
@@ -16,8 +19,8 @@ import re
 import mxnet as mx
 import numpy as np
 
-from .errors import UserError, mxnet_message
-from .utils import atomic_path
+from .errors import DamagedFile, UserError, mxnet_message
+from .utils import DIGEST, atomic_path, crc32_of, write_errors, write_point
 
 # 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
 FORMAT = 2
@@ -42,8 +45,68 @@ def save_checkpoint(path, net, trainer, meta, average=None):
         opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
         arrays.update(opt_arrays)
     arrays['meta'] = _bytes_array(json.dumps(meta).encode())
+    arrays[DIGEST_KEY] = _bytes_array(json.dumps({DIGEST: '%08x' % arrays_crc32(arrays)}).encode())
     with atomic_path(path) as tmp:
         mx.nd.save(tmp, arrays)
+
+
+#: The array holding a checkpoint's digest: JSON ``{"crc32": "<8 hex digits>"}`` over every
+#: other array, in name order (:func:`arrays_crc32`).
+DIGEST_KEY = 'digest'
+
+
+def arrays_crc32(arrays):
+    """CRC-32 over the named NDArrays ``arrays`` (the ``digest`` entry excluded), in
+    name order: each name, dtype and shape, then the values' bytes."""
+    crc = 0
+    for name in sorted(arrays):
+        if name == DIGEST_KEY:
+            continue
+        value = arrays[name]
+        try:
+            data = value.asnumpy()
+        except TypeError:  # a dtype numpy lacks (bfloat16): its float32 values, the same at save and load
+            data = value.astype('float32').asnumpy()
+        crc = crc32_of([('%s|%s|%s;' % (name, data.dtype.str, data.shape)).encode(), data], crc)
+    return crc
+
+
+# Checkpoints verified in this process, by path -> (inode, size, mtime): resume and export
+# read a checkpoint twice (its record, then its arrays); the second read is not checked again.
+_VERIFIED = {}
+
+
+def verify_checkpoint(path, arrays):
+    """Raise :class:`~.errors.DamagedFile` when the arrays read from ``path`` do not match
+    the digest stored with them. Checkpoints written before digests (no ``digest``
+    entry) are read as they are: there is nothing to check them against."""
+    if DIGEST_KEY not in arrays:
+        return  # written before gluon_unet stored digests: still loads, unchecked
+    try:
+        st = os.stat(path)
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        stamp = None
+    if stamp is not None and _VERIFIED.get(os.path.abspath(path)) == stamp:
+        return
+    try:
+        stored = json.loads(arrays[DIGEST_KEY].asnumpy().tobytes().decode())[DIGEST]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        stored = None
+    if stored != '%08x' % arrays_crc32(arrays):
+        raise DamagedFile('checkpoint %s is damaged: its content does not match the digest written with it '
+                          '(changed on disk since it was saved)' % path, path)
+    if stamp is not None:
+        _VERIFIED[os.path.abspath(path)] = stamp
+
+
+def checkpoint_is_good(path):
+    """Whether ``path`` reads as a checkpoint and matches its digest."""
+    try:
+        verify_checkpoint(path, mx.nd.load(path))
+        return True
+    except (mx.MXNetError, UserError, OSError, ValueError):
+        return False
 
 
 def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
@@ -62,6 +125,11 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
         raise UserError('checkpoint %s does not exist' % path)
     try:
         arrays = mx.nd.load(path)
+    except (mx.MXNetError, KeyError, ValueError) as exc:
+        raise UserError('checkpoint %s is not a gluon_unet checkpoint or is damaged (%s)'
+                        % (path, mxnet_message(exc, limit=120))) from None
+    verify_checkpoint(path, arrays)
+    try:
         meta = json.loads(arrays['meta'].asnumpy().tobytes().decode())
     except (mx.MXNetError, KeyError, ValueError) as exc:
         raise UserError('checkpoint %s is not a gluon_unet checkpoint or is damaged (%s)'
@@ -122,7 +190,8 @@ class CheckpointSaver:
         self.keep_last, self.min_delta = keep_last, min_delta
         self.best, self.best_epoch, self.bad_epochs = None, 0, 0
         if folder is not None:
-            os.makedirs(folder, exist_ok=True)
+            with write_errors(folder):
+                os.makedirs(folder, exist_ok=True)
 
     def is_better(self, value):
         """Whether ``value`` beats the best so far by more than ``min_delta``."""
@@ -166,15 +235,28 @@ class CheckpointSaver:
         path = os.path.join(self.folder, name)
         save_checkpoint(path, net, trainer, meta, average)
         if is_best:
-            # A hard link is an atomic, free copy; fall back to writing it again.
+            # A hard link is an atomic, free copy; fall back to writing it again where the
+            # file system has no hard links. Any other failure (full, read-only) is one.
+            best = os.path.join(self.folder, 'best.ckpt')
             tmp = os.path.join(self.folder, '.tmp-best.ckpt')
             try:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                os.link(path, tmp)
-                os.replace(tmp, os.path.join(self.folder, 'best.ckpt'))
-            except OSError:
-                save_checkpoint(os.path.join(self.folder, 'best.ckpt'), net, trainer, meta, average)
+                with write_errors(best):
+                    try:
+                        if os.path.lexists(tmp):
+                            os.remove(tmp)
+                        write_point(best)
+                        os.link(path, tmp)
+                        os.replace(tmp, best)
+                    except OSError as exc:
+                        if exc.errno not in _NO_HARD_LINKS:
+                            raise
+                        save_checkpoint(best, net, trainer, meta, average)
+            finally:
+                if os.path.lexists(tmp):
+                    try:
+                        os.remove(tmp)
+                    except OSError:
+                        pass
         self._prune()
         return path
 
@@ -183,6 +265,11 @@ class CheckpointSaver:
         found = list_checkpoints(self.folder)
         for old in found[:max(0, len(found) - max(1, self.keep_last))]:
             os.remove(old)
+
+
+# What os.link raises where a file system cannot make hard links (FAT, some FUSE and
+# network mounts): best.ckpt is then written as a second copy.
+_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
 def list_checkpoints(folder):
@@ -210,6 +297,31 @@ def resolve_resume(resume, output):
     if not os.path.isfile(resume):
         raise UserError('--resume %s: no such checkpoint file' % resume)
     return resume
+
+
+def earlier_good_checkpoint(path):
+    """The newest checkpoint of ``path``'s folder older than ``path`` that reads and
+    matches its digest (``best.ckpt`` last, and only when it is another file), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    found = list_checkpoints(folder)
+    real = [os.path.realpath(p) for p in found]
+    older = found[:real.index(os.path.realpath(path))] if os.path.realpath(path) in real else found
+    for candidate in older[::-1] + [os.path.join(folder, 'best.ckpt')]:
+        if (os.path.isfile(candidate) and not os.path.samefile(candidate, path)
+                and checkpoint_is_good(candidate)):
+            return candidate
+    return None
+
+
+def damaged_resume(exc, resume):
+    """The one-line error for ``--resume`` landing on the damaged checkpoint of ``exc``
+    (a :class:`~.errors.DamagedFile`): it names the earlier good checkpoint to resume from."""
+    earlier = earlier_good_checkpoint(exc.path)
+    if earlier is None:
+        note = 'no earlier checkpoint of this run is intact: start it over (--overwrite) or restore the file'
+    else:
+        note = 'the newest intact one is %s: continue from it with --resume %s' % (earlier, earlier)
+    return DamagedFile('--resume %s: %s; %s' % (resume, exc, note), exc.path)
 
 
 def _bytes_array(b):

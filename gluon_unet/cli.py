@@ -15,10 +15,11 @@ import json
 import os
 import sys
 import typing
+import warnings
 
 from . import add_version_flag, recipes, version_string
 from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
-from .errors import OneLineParser, UserError, reports_errors
+from .errors import OneLineParser, UserError, reports_errors, signals_raise
 from .reporting import get_logger
 from .runtime import apply_runtime_defaults, prepare_training_process
 from .utils import read_json
@@ -213,7 +214,10 @@ def train_main(argv=None):
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)
+    from .data.cache import CacheWarning
     from .engine import Diverged, Interrupted, fit
+    # The log says it in one line; Python's warning would repeat it with a source line.
+    warnings.simplefilter('ignore', CacheWarning)
     try:
         history = fit(cfg)
     except Interrupted as exc:
@@ -235,20 +239,20 @@ def demo_predictions(cfg, run_dir, count=8):
     Writes ``<run_dir>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
     ``<run_dir>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
-    import cv2
     from .data.synthetic import synthetic_nuclei
-    from .predict import predict_paths
+    from .predict import predict_paths, write_png
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(run_dir, 'demo_inputs')
-    os.makedirs(inputs, exist_ok=True)
     for i, image in enumerate(images):
-        cv2.imwrite(os.path.join(inputs, 'demo%02d.png' % i), image)
+        write_png(os.path.join(inputs, 'demo%02d.png' % i), image[..., 0] if image.shape[-1] == 1 else image)
     out = os.path.join(run_dir, 'predictions')
     # The run's own predictions folder: a resumed demo replaces its earlier model's outputs
     # (only the files their manifest lists; anything of yours there stays).
     records = predict_paths(run_dir, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
                             rle=os.path.join(out, 'submission.csv'), progress=False, overwrite=True)
+    if records.failures:  # e.g. the disk filled up: the model itself is exported and intact
+        raise UserError('demo: %s; the trained model in %s is intact' % (records.summary(), run_dir), exit_code=1)
     get_logger().info('demo: segmented %d new images (%d nuclei) into %s', len(records),
                       sum(r['objects'] for r in records), out)
 
@@ -284,7 +288,8 @@ def predict_main(argv=None):
         # cudnn_convolution-inl.h): its heuristics are the better deal there.
         os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
     from .predict import main
-    return main(argv)
+    with signals_raise():  # SIGTERM: temporary files removed, one line, exit 143
+        return main(argv)
 
 
 def evaluate_main(argv=None):
@@ -293,7 +298,8 @@ def evaluate_main(argv=None):
         return 0
     apply_runtime_defaults()
     from .evaluate import main
-    return main(argv)
+    with signals_raise():
+        return main(argv)
 
 
 def export_main(argv=None):
@@ -303,7 +309,8 @@ def export_main(argv=None):
     apply_runtime_defaults()
     from .engine import retune
     from .export import main
-    return main(argv, retune=retune)
+    with signals_raise():
+        return main(argv, retune=retune)
 
 
 def doctor_main(argv=None):

@@ -7,10 +7,12 @@ epochs (`train_epoch` and `validate` each epoch), and the export. Everything tha
 between one process and a multi-machine job is asked of a `distributed.Strategy`.
 """
 import collections
+import contextlib
 import functools
 import hashlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -26,7 +28,7 @@ from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
 from .budget import epoch_estimate, planned_epochs, search_estimate
-from .checkpoint import load_checkpoint, resolve_resume
+from .checkpoint import damaged_resume, list_checkpoints, load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data import readers
 from .data.augment import make_transform
@@ -35,8 +37,8 @@ from .data.synthetic import synthetic_dataset
 from .data.targets import OUTPUTS
 from .data.weights import unet_weight_map
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
-from .errors import UserError
-from .export import geometry
+from .errors import DamagedFile, UserError, WriteError
+from .export import ExportError, geometry
 from .inference import predict_image, second_map
 from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
@@ -758,9 +760,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
                         'nuclei, or a dataset of your own without .groups); use --balance none' % cfg.balance)
     resume_path = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
-    recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
-                           user_net=user_net)
-    recorder.start()
+    with _on_write_error(cfg, complete=False):
+        recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
+                               user_net=user_net)
+        recorder.start()
     if val_ds is None:
         # Said once, because both fall-backs are silent in the epoch lines.
         log.info('no validation images (--val-split 0, no --val-data): the best checkpoint is the one with the '
@@ -802,19 +805,109 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder,
                average, started=started)
     try:
-        _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
+        with _on_write_error(cfg, complete=False):
+            _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
         recorder.close()
     tuned = None
-    if _will_tune(cfg, run.val_ds) and state.history:
-        load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
-        tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
-                                    mode=cfg.tune_mode, tta=cfg.tune_tta)
-        log.info('post-processing chosen on %d validation images in %.1f s: %s (val DSB %.4f, untuned %.4f); '
-                 'stored in the export, bin/predict uses it', tuned['images'], tuned['seconds'],
-                 postprocess.settings_text(tuned), tuned['score'], tuned['base_score'])
-    recorder.finish(state, amp_dtype, tuned)
+    with _AfterTraining(cfg, recorder, state) as after, _on_write_error(cfg, complete=True):
+        if _will_tune(cfg, run.val_ds) and state.history:
+            load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
+            tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
+                                        mode=cfg.tune_mode, tta=cfg.tune_tta)
+            log.info('post-processing chosen on %d validation images in %.1f s: %s (val DSB %.4f, untuned %.4f); '
+                     'stored in the export, bin/predict uses it', tuned['images'], tuned['seconds'],
+                     postprocess.settings_text(tuned), tuned['score'], tuned['base_score'])
+        after.exporting()
+        recorder.finish(state, amp_dtype, tuned)
     return state.history
+
+
+def _finish_command(cfg):
+    """The command that does what a run does after its last epoch: the search (when the
+    run does one) and the export."""
+    command = 'bin/export %s' % cfg.output
+    if cfg.tune_postprocess:
+        command += ' --tune-postprocess'
+        command += ' --mode %s' % cfg.tune_mode if cfg.tune_mode != 'auto' else ''
+        command += ' --tta' if cfg.tune_tta else ''
+    return command
+
+
+def _kept(cfg, complete, unexported=False):
+    """What a run stopped by a failed write or a signal keeps, and how to go on (a note
+    for its one-line error); ``unexported``: say that the export was not written."""
+    folder = os.path.join(cfg.output, 'checkpoints')
+    if complete:
+        best = os.path.join(folder, 'best.ckpt')
+        return ('training is complete and its checkpoints are intact (best: %s)%s; finish with %s, or the same '
+                'bin/train command with --resume auto'
+                % (best, ', the export was not written' if unexported else '', _finish_command(cfg)))
+    found = list_checkpoints(folder) if os.path.isdir(folder) else []
+    if not found:
+        return 'no checkpoint had been written yet'
+    return 'the last good checkpoint %s is intact: once the folder can be written, continue with --resume auto' \
+        % found[-1]
+
+
+@contextlib.contextmanager
+def _on_write_error(cfg, complete):
+    """A :class:`~.errors.WriteError` in the block - or, after the epochs, a failed
+    export in a subprocess - says what the run keeps (:func:`_kept`)."""
+    try:
+        yield
+    except WriteError as exc:
+        raise exc.add(_kept(cfg, complete)) from None
+    except ExportError as exc:
+        if not complete:
+            raise
+        exc.args = ('%s; %s' % (exc.args[0], _kept(cfg, complete)),)
+        raise exc from None
+
+
+class _AfterTraining:
+    """SIGINT/SIGTERM after the last epoch: the post-processing search is stopped at once
+    (it writes nothing), the export is finished first (a second signal stops it too).
+    Either way the run ends with :class:`Interrupted` saying that training is complete
+    and which command finishes the job - never silently, never with a traceback."""
+
+    def __init__(self, cfg, recorder, state):
+        self.cfg, self.recorder, self.state = cfg, recorder, state
+        self.stage, self.signum, self._old, self._pid = 'search', None, {}, os.getpid()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread() and self.recorder.enabled:
+            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def exporting(self):
+        """The search is over; the export begins."""
+        self.stage = 'export'
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self._pid:  # a forked child that inherited the handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.stage == 'export' and self.signum is None:
+            self.signum = signum  # finished first: a half-replaced export would be worse
+            return
+        self.signum = signum
+        raise Interrupted('%s during the %s after the last epoch (%d): %s'
+                          % (signal.Signals(signum).name,
+                             'post-processing search' if self.stage == 'search' else 'export',
+                             self.state.epoch, _kept(self.cfg, complete=True, unexported=True)), 128 + signum)
+
+    def __exit__(self, exc_type, exc, tb):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        self._old = {}
+        if exc_type is None and self.signum is not None:
+            raise Interrupted('%s during the export after the last epoch (%d): the export was finished first; '
+                              'the run is complete (%s)' % (signal.Signals(self.signum).name, self.state.epoch,
+                                                           os.path.join(self.cfg.output, 'export')),
+                              128 + self.signum)
+        return False
 
 
 def prepare_data(cfg, train_ds, val_ds, num_workers=1):
@@ -868,7 +961,10 @@ def find_resume_point(cfg, data_id, strategy):
     """The checkpoint to resume from, checked against ``cfg`` and the data, or None; the
     same step on every worker."""
     path = resolve_resume(cfg.resume, cfg.output)
-    meta = load_checkpoint(path) if path else None
+    try:
+        meta = load_checkpoint(path) if path else None
+    except DamagedFile as exc:  # never trained on: say which earlier checkpoint is intact
+        raise damaged_resume(exc, cfg.resume) from None
     if meta is not None:
         check_resumable(path, meta, cfg, data_id)
     # Each worker resolved --resume on its own file system (no one writes before the
@@ -900,9 +996,10 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
             state.train_seconds += now - clock
             if row is None:  # interrupted mid-epoch
                 path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
-                raise Interrupted('%s: stopped in epoch %d after %d steps; resume with --resume %s'
-                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch,
-                                     path or 'auto'), 128 + stop.signum)
+                saved = 'saved %s: ' % path if path else ''  # (rank 0 saves for a multi-machine job)
+                raise Interrupted('%s: stopped in epoch %d after %d steps; %scontinue with --resume auto'
+                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch, saved),
+                                  128 + stop.signum)
             # Spent either way, but a one-off: the probe must not make every epoch look longer.
             state.epoch_seconds.append(now - clock - run.probe_seconds)
             clock, run.probe_seconds = now, 0.0

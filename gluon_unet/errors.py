@@ -10,9 +10,13 @@ failed.
 This module imports nothing from gluon_unet (and not mxnet), so any module may use it.
 """
 import argparse
+import contextlib
+import errno as _errno
 import functools
 import os
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -31,9 +35,90 @@ class UserError(Exception):
         self.exit_code = exit_code
 
 
+class WriteError(UserError, OSError):
+    """Writing a file failed (disk full, no permission, read-only file system...): one
+    line naming the file and the cause, exit code 1.
+
+    Also an ``OSError`` (with ``errno`` when the cause has one), so code that caught the
+    ``OSError`` of a failed write still does.
+
+    Parameters
+    ----------
+    path : str
+        The file that could not be written (its final name, never a temporary one).
+    cause : str
+        What went wrong, in words: :func:`errno_words`.
+    """
+
+    def __init__(self, path, cause, errno=None):
+        super().__init__('cannot write %s: %s' % (path, cause), exit_code=1)
+        self.path, self.cause, self.errno = path, cause, errno
+
+    def add(self, note):
+        """Put ``note`` (what was kept, how to continue) after the message; returns self."""
+        self.args = ('%s; %s' % (self.args[0], note),)
+        return self
+
+
+class DamagedFile(UserError):
+    """A file whose content no longer matches the digest written with it (changed on
+    disk since: a bad copy, storage errors, an edit in place), exit code 1."""
+
+    def __init__(self, message, path):
+        super().__init__(message, exit_code=1)
+        self.path = path
+
+
+def errno_words(code):
+    """``'no space left on device (ENOSPC)'``: an errno in words, with its name."""
+    name = _errno.errorcode.get(code)
+    words = os.strerror(code)
+    words = words[0].lower() + words[1:] if words else 'error %s' % code
+    return '%s (%s)' % (words, name) if name else words
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) turned into an exception by :func:`signals_raise`, so that
+    ``finally`` blocks run (temporary files are removed) before the process ends.
+
+    A ``KeyboardInterrupt``: code that cleans up after Ctrl-C does so here too.
+    """
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_raise(signums=(signal.SIGTERM,)):
+    """Within the block, the signals ``signums`` raise :class:`Terminated` in the main
+    thread (Python's default for SIGTERM ends the process at once, leaving temporary
+    files behind). Forked children that inherited the handler take the default action.
+    Does nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    owner = os.getpid()
+
+    def handle(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated(signum)
+
+    old = {sig: signal.signal(sig, handle) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def reports_errors(main):
     """Decorator for CLI entry points: a :class:`UserError` becomes ``error: <message>``
-    on stderr and its exit code, Ctrl-C becomes exit 130 - never a traceback."""
+    on stderr and its exit code, Ctrl-C becomes exit 130 (a :class:`Terminated` SIGTERM
+    exit 143) - never a traceback."""
     @functools.wraps(main)
     def wrapper(argv=None, **kwargs):
         try:
@@ -46,9 +131,11 @@ def reports_errors(main):
                 sys.stderr.flush()
                 os._exit(exc.exit_code)
             return exc.exit_code
-        except KeyboardInterrupt:
-            print('interrupted', file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, 'signum', signal.SIGINT)
+            print('interrupted' if signum == signal.SIGINT else 'interrupted by %s' % signal.Signals(signum).name,
+                  file=sys.stderr)
+            return 128 + signum
     return wrapper
 
 

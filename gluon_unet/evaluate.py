@@ -19,7 +19,7 @@ from .data.layouts import is_dsb, is_dsb_sample, list_images
 from .errors import OneLineParser, UserError, reports_errors
 from .metrics import dsb_image_score, pixel_scores
 from .paths import check_apart, check_replaceable
-from .utils import atomic_open
+from .utils import atomic_open, check_writable
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
            'main']
@@ -129,14 +129,20 @@ def mean_row(rows):
 
 def write_csv(path, rows):
     """Write the per-image rows atomically (temp file + rename: never half a file)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UserError('--csv %s: folder %s does not exist' % (path, folder))
+    check_csv(path)
     with atomic_open(path, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for r in rows:
             writer.writerow({k: ('%.6f' % r[k] if isinstance(r[k], float) else r[k]) for k in COLUMNS})
+
+
+def check_csv(path):
+    """One line when ``--csv`` cannot be written: its folder is missing or not writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError('--csv %s: folder %s does not exist' % (path, folder))
+    check_writable(path, '--csv', is_file=True)
 
 
 def format_table(rows, mean):
@@ -186,6 +192,8 @@ def main(argv=None):
         raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
     check_apart([('--csv', args.csv)], [('--pred', args.pred), ('--truth', args.truth)], 'evaluate')
     check_replaceable(args.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
+    if args.csv:
+        check_csv(args.csv)  # before the scoring, not after it
     rows, extra = evaluate(args.pred, args.truth, args.threshold)
     mean = mean_row(rows)
     if args.csv:

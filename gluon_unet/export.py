@@ -22,18 +22,19 @@ import mxnet as mx
 import numpy as np
 
 from . import __version__, add_version_flag
-from .checkpoint import list_checkpoints, load_checkpoint
+from .checkpoint import earlier_good_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
-from .errors import OneLineParser, UserError, mxnet_message, reports_errors
+from .errors import DamagedFile, OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
 from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
 from .paths import (EXPORT_FILES, SIDECAR_MAX_BYTES, check_apart, export_files, remove_files,
                     remove_if_empty)
-from .utils import atomic_open, read_json
+from .utils import (DIGEST, atomic_open, check_writable, dir_mode, file_crc32, read_json, write_errors,
+                    write_point)
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 
@@ -111,7 +112,12 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
     net.hybridize(static_alloc=True, static_shape=True)
     net(_dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
-    net.export(os.path.join(folder, 'model'), epoch=0)
+    final = _final_folder(folder)
+    # MXNet writes the symbol, then the params, in C++: the error names the last file it began.
+    with write_errors(lambda: os.path.join(final, PARAMS if os.path.exists(os.path.join(folder, PARAMS))
+                                           else SYMBOL), folder):
+        net.export(os.path.join(folder, 'model'), epoch=0)
+        write_point(os.path.join(final, PARAMS))
     sidecar = {
         'format': 'gluon_unet-export-1',
         'input_name': 'data',
@@ -135,8 +141,21 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
     sidecar.update(sidecar_extra or {})
     if isinstance((sidecar_extra or {}).get('postprocess'), dict):
         _card_follows(sidecar)
-    with open(os.path.join(folder, SIDECAR), 'w') as f:
-        json.dump(sidecar, f, indent=2)
+    # What load_exported checks the two files against.
+    sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(folder, name)))
+                         for name in (SYMBOL, PARAMS)}
+    with write_errors(os.path.join(final, SIDECAR), folder):
+        with open(os.path.join(folder, SIDECAR), 'w') as f:
+            json.dump(sidecar, f, indent=2)
+        write_point(os.path.join(final, SIDECAR))
+
+
+def _final_folder(folder):
+    """Where the files written into ``folder`` will be seen: its parent for a staging
+    folder of :func:`staged_export`, else ``folder`` itself (named in error messages)."""
+    if os.path.basename(os.path.normpath(folder)).startswith('.tmp-export-'):
+        return os.path.dirname(os.path.abspath(folder))
+    return folder
 
 
 @contextlib.contextmanager
@@ -158,14 +177,18 @@ def staged_export(out_dir, on_installed=None):
     top = out_dir
     while not os.path.isdir(top):
         created, top = top, os.path.dirname(top)
-    os.makedirs(out_dir, exist_ok=True)
-    # Inside out_dir: the renames never cross a file system (out_dir may be a mount).
-    stage = tempfile.mkdtemp(prefix='.tmp-export-', dir=out_dir)
+    with write_errors(out_dir, top):
+        os.makedirs(out_dir, exist_ok=True)
+        # Inside out_dir: the renames never cross a file system (out_dir may be a mount).
+        stage = tempfile.mkdtemp(prefix='.tmp-export-', dir=out_dir)
+        # mkdtemp makes it owner-only; the files renamed out of it keep their own modes.
+        os.chmod(stage, dir_mode())
     try:
         yield stage
         with _signals_held():
             for name in EXPORT_FILES:
-                os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+                with write_errors(os.path.join(out_dir, name), out_dir):
+                    os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
             if on_installed is not None:
                 on_installed()
     finally:
@@ -363,6 +386,7 @@ def load_exported(prefix_or_dir, ctx=None):
             raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
+    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
     # Each file is read on its own first, so a damaged one is named as such - not taken
     # for a pair of good files that do not fit each other.
     sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
@@ -389,6 +413,28 @@ def _load_export_file(path, load, what):
     except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
         raise UserError('%s is damaged or truncated (%d bytes): %s: %s'
                         % (path, os.path.getsize(path), what, mxnet_message(exc, limit=120))) from None
+
+
+def verify_export(meta, files, sidecar_path):
+    """Raise :class:`~.errors.DamagedFile` naming the first of ``files`` (name -> path)
+    whose CRC-32 differs from the sidecar's ``digest``. Exports written before digests
+    (no ``digest`` in model.json) and hand-made ones are read as they are, unchecked."""
+    digests = meta.get('digest') or {}
+    for name, path in files.items():
+        stored = digests.get(name)
+        if stored is None:
+            continue
+        algo, _, value = stored.partition(':')
+        if algo != DIGEST:
+            continue  # a digest this version does not know: nothing to check with
+        try:
+            actual = '%08x' % file_crc32(path)
+        except OSError as exc:
+            raise UserError('%s: cannot read it (%s)' % (path, exc.strerror)) from None
+        if actual != value:
+            raise DamagedFile('%s is damaged: its content does not match the digest in %s (changed on disk since '
+                              'it was exported; export it again, or remove "digest" from %s if you changed it '
+                              'on purpose)' % (path, sidecar_path, SIDECAR), path)
 
 
 def read_sidecar(path):
@@ -457,6 +503,10 @@ def read_sidecar(path):
         if second != [markers]:
             raise bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
                 json.dumps(markers), json.dumps(['foreground'] + second)))
+    digest = meta.get('digest')
+    if digest is not None and not (isinstance(digest, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in digest.items())):
+        raise bad("'digest' must be an object of file name -> \"crc32:<hex>\" (got %s)" % json.dumps(digest))
     denoise = meta.get('normalize_denoise')
     if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
         raise bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))
@@ -552,7 +602,15 @@ def main(argv=None, retune=None):
     if args.output:
         check_export_output(args.output, ckpt)
     check_export_folder(out)
-    net, cfg, meta = model_from_checkpoint(ckpt)
+    check_writable(out, '--output')
+    try:
+        net, cfg, meta = model_from_checkpoint(ckpt)
+    except DamagedFile as exc:
+        earlier = earlier_good_checkpoint(ckpt)
+        if earlier is not None:
+            exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
+                        % (exc.args[0], earlier, earlier),)
+        raise
     if args.tune_postprocess:
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
                                           ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
@@ -738,5 +796,6 @@ def _resolve_run(run, output):
     return run, output or os.path.join(folder, 'export')
 
 
-if __name__ == '__main__':
-    sys.exit(main())
+if __name__ == '__main__':  # export_in_subprocess: SIGTERM removes the temporary folder too
+    with signals_raise():
+        sys.exit(main())

@@ -23,7 +23,7 @@ import threading
 import time
 
 from . import add_version_flag
-from .errors import OneLineParser, UserError, reports_errors
+from .errors import OneLineParser, UserError, errno_words, reports_errors
 from .runtime import LOCAL_WORKERS, user_environ
 
 ROLES = ('scheduler', 'server', 'worker')
@@ -34,6 +34,20 @@ def free_port(host='127.0.0.1'):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(port, host='127.0.0.1'):
+    """Refuse ``--port`` in one line when something already listens on ``host:port``:
+    the scheduler would fail after starting with ps-lite's "bind failed" traceback, which
+    does not name the port. Bound the way ZeroMQ binds it (``SO_REUSEADDR``), so a port
+    whose old connections linger in TIME_WAIT still counts as free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise UserError('--port %d: the scheduler cannot listen on %s:%d (%s); choose another port, or leave '
+                            '--port out for a free one' % (port, host, port, errno_words(exc.errno))) from None
 
 
 # What may reach ssh's argv as a host: names, IPv4/IPv6 addresses (with a %zone), user@.
@@ -298,6 +312,8 @@ def main(argv=None):
         # non-loopback interface, which may not exist (containers) or be firewalled.
         extra.update(DMLC_NODE_HOST='127.0.0.1')
         extra.setdefault('DMLC_INTERFACE', 'lo')
+        if args.port:
+            check_port_free(args.port)
         plan = job_plan(args.num_workers, args.num_servers, ['127.0.0.1'], '127.0.0.1',
                         args.port or free_port(), extra)
 

@@ -42,7 +42,7 @@ from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
 from .paths import (MANIFEST, MANIFEST_FORMAT, check_apart, check_replaceable, manifest_names, read_manifest,
                     remove_files)
-from .utils import atomic_open
+from .utils import atomic_open, check_writable, write_errors
 
 # Names that lived here before inference was split into tiling / inference / predict, so
 # ``from gluon_unet.predict import predict_image`` (and the benchmarks) keep working.
@@ -233,6 +233,9 @@ def failure_summary(failures, total, shown=SHOWN_FAILURES):
 def _reason(failure, limit=120):
     """A failure's message without the image path it usually starts with, shortened."""
     text = failure['error']
+    if text.startswith('cannot write '):  # a WriteError: the file's name (its folder is --output) and the cause
+        path, _, cause = text[len('cannot write '):].partition(': ')
+        return 'cannot write %s: %s' % (os.path.basename(path), cause)
     for prefix in (failure['image'] + ': ', os.path.basename(failure['image']) + ': '):
         if text.startswith(prefix):
             text = text[len(prefix):]
@@ -318,7 +321,8 @@ class _Run:
             if self.manifest is not None:
                 self.manifest.begin(self.files)
             rle = os.path.abspath(self.config.rle)
-            os.makedirs(os.path.dirname(rle), exist_ok=True)
+            with write_errors(self.config.rle):
+                os.makedirs(os.path.dirname(rle), exist_ok=True)
             write_submission(self.config.rle, self.rows)
         return Predictions(self.records, failures)
 
@@ -412,7 +416,8 @@ class _Run:
             raise UserError('%s: %d objects do not fit a 16-bit label image' % (rec['image'], labels.max()))
         if self.manifest is not None:
             self.manifest.begin(self.files)
-        os.makedirs(self.output_dir, exist_ok=True)
+        with write_errors(self.output_dir):
+            os.makedirs(self.output_dir, exist_ok=True)
         base = os.path.join(self.output_dir, rec['id'])
         rec.update(mode=used, objects=int(labels.max()), mask=base + '_mask.png',
                    labels=base + '_labels.png', overlay=base + '_overlay.png' if cfg.overlay else None)
@@ -561,6 +566,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     check_apart([('--output', output_dir), ('--rle', config.rle)],
                 [('--input', inputs), ('--model', os.path.dirname(prefix) or os.curdir)], 'predict')
     check_replaceable(config.rle, 'ImageId,EncodedPixels', '--rle', 'a DSB submission')
+    # Before any work: an unwritable output would otherwise be found after every image.
+    check_writable(output_dir, '--output')
+    if config.rle:
+        check_writable(config.rle, '--rle', is_file=True)
     loaded = load_model(model, ctxs)
     check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)

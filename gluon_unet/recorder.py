@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointSaver, load_checkpoint
+from .errors import WriteError
 from .export import export_block, export_checkpoint, export_in_subprocess, update_sidecar
 from .reporting import MetricsTable, plot_curves, setup_logging
 from .tblog import TensorBoardLog
@@ -151,6 +152,8 @@ class RunRecorder:
         path = os.path.join(self.cfg.output, 'curves.png')
         try:
             plot_curves(history, path)
+        except WriteError:  # the run folder cannot be written: the run stops (engine says what is kept)
+            raise
         except Exception as exc:  # a plotting problem must never cost a training run
             self.log.info('could not draw %s: %s', path, exc)
 

@@ -4,7 +4,8 @@ import logging
 import os
 import sys
 
-from .utils import atomic_open, atomic_path
+from .errors import errno_words
+from .utils import atomic_open, atomic_path, write_errors, write_point
 
 LOGGER_NAME = 'gluon_unet'
 
@@ -34,8 +35,11 @@ def setup_logging(run_dir=None, verbose=True):
     if verbose and not logging.getLogger().handlers:
         handlers.append(logging.StreamHandler(sys.stderr))
     if run_dir:
-        os.makedirs(run_dir, exist_ok=True)
-        handlers.append(logging.FileHandler(os.path.join(run_dir, 'train.log')))
+        path = os.path.join(run_dir, 'train.log')
+        with write_errors(path):
+            os.makedirs(run_dir, exist_ok=True)
+            write_point(path)
+            handlers.append(_RunLogHandler(path))
     if not handlers:
         # Handled, so Python's last-resort handler does not print warnings to stderr.
         handlers.append(logging.NullHandler())
@@ -44,6 +48,25 @@ def setup_logging(run_dir=None, verbose=True):
         setattr(h, _OWN, True)
         log.addHandler(h)
     return log
+
+
+class _RunLogHandler(logging.FileHandler):
+    """``train.log``: a line that cannot be written (disk full, folder turned read-only)
+    is said once on stderr, in one line, and training goes on - logging's own handler
+    would print a traceback for every line. The checkpoints that follow stop the run
+    if the folder really cannot be written."""
+
+    _warned = False
+
+    def handleError(self, record):
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            return super().handleError(record)
+        if not self._warned:
+            self._warned = True
+            print('warning: cannot write %s: %s; its lines are not saved until it can be written again'
+                  % (self.baseFilename, errno_words(exc.errno) if exc.errno else exc), file=sys.stderr)
+        return None
 
 
 def get_logger():

@@ -23,6 +23,8 @@ import time
 
 from .errors import UserError
 from .paths import RUN_DIRS, remove_files, remove_if_empty, run_files
+from .errors import UserError, WriteError, errno_words
+from .utils import write_errors, write_point
 
 LOCK_NAME = '.lock'
 
@@ -113,11 +115,14 @@ def _lock(path):
     top = os.path.abspath(path)
     while not os.path.isdir(top):
         created, top = top, os.path.dirname(top)
+    lock = os.path.join(path, LOCK_NAME)
     try:
         os.makedirs(path, exist_ok=True)
-        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+        new_lock = not os.path.lexists(lock)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
-        raise UserError('--output %s: cannot create the run folder (%s)' % (path, exc.strerror)) from None
+        _undo_lock(None, False, path, created)
+        raise UserError('--output %s: cannot create the run folder (%s)' % (path, errno_words(exc.errno))) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -130,11 +135,40 @@ def _lock(path):
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return None, holder, created
         raise UserError('--output %s: cannot lock the run folder (%s)' % (path, exc.strerror)) from None
-    # Who holds it, for the other process's error message.
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, ('pid %d on %s since %s\n' % (os.getpid(), socket.gethostname(),
-                                                time.strftime('%Y-%m-%d %H:%M:%S'))).encode(), 0)
+    # Who holds it, for the other process's error message. A disk full (or read-only)
+    # already here stops the run before anything else: nothing of it is left behind.
+    try:
+        with write_errors(lock):
+            write_point(lock)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, ('pid %d on %s since %s\n' % (os.getpid(), socket.gethostname(),
+                                                        time.strftime('%Y-%m-%d %H:%M:%S'))).encode(), 0)
+    except WriteError as exc:
+        _undo_lock(fd, new_lock, path, created)
+        raise exc.add('the run did not start (--output %s)' % path) from None
     return fd, None, created
+
+
+def _undo_lock(fd, remove_lock, path, created):
+    """Take back what a failed :func:`_lock` made: the lock file (when it made it) and
+    the folders it created, if empty."""
+    if fd is not None:
+        os.close(fd)
+    if remove_lock:
+        try:
+            os.remove(os.path.join(path, LOCK_NAME))
+        except OSError:
+            pass
+    if created:
+        folder = os.path.abspath(path)
+        try:
+            while True:
+                os.rmdir(folder)
+                if folder == created:
+                    break
+                folder = os.path.dirname(folder)
+        except OSError:
+            pass
 
 
 def claim_run_folder(output, default_base, resume=None, overwrite=False):

@@ -13,7 +13,13 @@ memory stays bounded for large sets, and forked DataLoader workers share the pag
 Writing is atomic: the entry is built in a temporary sibling folder and renamed into
 place with ``os.replace`` only once complete, so an interrupted build (Ctrl-C, a corrupt
 file, a full disk) never leaves a half cache that a later run would trust. Without
-write access the loader warns and runs without a cache.
+write access - or when writing fails (a full disk) - the loader warns in one line and
+runs without a cache.
+
+Every array's CRC-32 is stored in ``meta.json`` and checked when the entry is opened: an
+entry damaged on disk since (a bad copy, storage errors, an edit in place) is rebuilt,
+never trained on, with one line saying so. Entries written before the digests are
+rebuilt once for the same reason: nothing could tell them from damaged ones.
 """
 import hashlib
 import json
@@ -25,8 +31,8 @@ import warnings
 
 import numpy as np
 
-from ..errors import UserError
-from ..utils import dir_mode
+from ..errors import UserError, errno_words
+from ..utils import DIGEST, crc32_of, dir_mode, write_errors, write_point
 
 #: Bump when decoding or preprocessing changes, so old caches are not reused.
 CACHE_VERSION = 2  # 2: image kinds in the meta, denoise before the percentile stretch
@@ -91,13 +97,17 @@ class CacheEntry:
         self.path, self.meta, self.arrays = path, meta, arrays
 
 
-def load(cache_dir, key):
+def load(cache_dir, key, verify=True, report=True):
     """Open the entry ``key`` in ``cache_dir``.
+
+    With ``verify`` (the default) every array is read once and checked against the CRC-32
+    written with it; a damaged entry, or one written before digests, is reported in one
+    line (unless ``report`` is False) and treated as missing (the caller rebuilds it).
 
     Returns
     -------
     CacheEntry or None
-        None when there is no complete entry for this key.
+        None when there is no complete, intact entry for this key.
     """
     if not cache_dir:
         return None
@@ -118,9 +128,27 @@ def load(cache_dir, key):
                 arrays[name] = np.zeros(shape, spec['dtype'])
             else:
                 arrays[name] = np.memmap(fname, dtype=spec['dtype'], mode='r', shape=shape)
+            if verify and not _intact(fname, spec, arrays[name], report):
+                return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return CacheEntry(path, meta, arrays)
+
+
+def _intact(fname, spec, array, report=True):
+    """Whether ``array`` (read from ``fname``) matches the digest in its ``spec``; with
+    ``report``, says why not in one line."""
+    stored = spec.get(DIGEST)
+    if stored is None:
+        if report:
+            log.warning('cache %s was written before content digests; rebuilding it once', os.path.dirname(fname))
+        return False
+    if '%08x' % crc32_of([array]) != stored:
+        if report:
+            log.warning('cache %s is damaged: its content does not match the digest written with it; rebuilding '
+                        'the entry (nothing was trained on it)', fname)
+        return False
+    return True
 
 
 class CacheWriter:
@@ -136,19 +164,22 @@ class CacheWriter:
         self.final = os.path.join(cache_dir, key[:24])
         self.tmp = tempfile.mkdtemp(prefix='.tmp-%s-' % key[:8], dir=cache_dir)
         os.chmod(self.tmp, dir_mode())  # mkdtemp's 0700 would hide a shared cache from colleagues
-        self._files, self._specs = {}, {}
+        self._files, self._specs, self._crcs = {}, {}, {}
 
     def append(self, name, arr):
         """Append ``arr`` to the flat array ``name`` (dtype fixed by the first call)."""
         arr = np.ascontiguousarray(arr)
         f = self._files.get(name)
-        if f is None:
-            f = self._files[name] = open(os.path.join(self.tmp, name + '.bin'), 'wb')
-            self._specs[name] = [arr.dtype.str, 0]
-        elif np.dtype(self._specs[name][0]) != arr.dtype:
-            raise ValueError('cache array %s: dtype %s after %s' % (name, arr.dtype, self._specs[name][0]))
-        arr.tofile(f)
+        with write_errors(os.path.join(self.final, name + '.bin'), self.cache_dir):
+            if f is None:
+                write_point(os.path.join(self.final, name + '.bin'))
+                f = self._files[name] = open(os.path.join(self.tmp, name + '.bin'), 'wb')
+                self._specs[name], self._crcs[name] = [arr.dtype.str, 0], 0
+            elif np.dtype(self._specs[name][0]) != arr.dtype:
+                raise ValueError('cache array %s: dtype %s after %s' % (name, arr.dtype, self._specs[name][0]))
+            arr.tofile(f)
         self._specs[name][1] += arr.size
+        self._crcs[name] = crc32_of([arr], self._crcs[name])
 
     def commit(self, shapes, meta):
         """Write ``meta.json`` and move the entry into place.
@@ -164,10 +195,11 @@ class CacheWriter:
         -------
         str : the entry's folder.
         """
-        for f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        for name, f in self._files.items():
+            with write_errors(os.path.join(self.final, name + '.bin'), self.cache_dir):
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
         arrays = {}
         for name, shape in shapes.items():
             dtype, count = self._specs.get(name, [np.dtype(np.uint8).str, 0])
@@ -175,16 +207,18 @@ class CacheWriter:
                 raise ValueError('cache array %s: shape %s but %d values written' % (name, shape, count))
             if name not in self._files:
                 open(os.path.join(self.tmp, name + '.bin'), 'wb').close()
-            arrays[name] = {'dtype': dtype, 'shape': list(shape)}
+            arrays[name] = {'dtype': dtype, 'shape': list(shape), DIGEST: '%08x' % self._crcs.get(name, 0)}
         meta = dict(meta, key=self.key, source=self.source, arrays=arrays, version=CACHE_VERSION)
-        with open(os.path.join(self.tmp, 'meta.json'), 'w') as f:
-            json.dump(meta, f)
+        with write_errors(os.path.join(self.final, 'meta.json'), self.cache_dir):
+            with open(os.path.join(self.tmp, 'meta.json'), 'w') as f:
+                json.dump(meta, f)
+            write_point(os.path.join(self.final, 'meta.json'))
         try:
             os.replace(self.tmp, self.final)
         except OSError:
             # The folder exists: a broken entry (truncated by hand, disk full) is replaced;
             # a valid one was committed by another process meanwhile and is equivalent.
-            if load(self.cache_dir, self.key) is None:
+            if load(self.cache_dir, self.key, report=False) is None:
                 shutil.rmtree(self.final, ignore_errors=True)
                 try:
                     os.replace(self.tmp, self.final)
@@ -238,10 +272,21 @@ def open_writer(cache_dir, key, source=None):
         os.makedirs(cache_dir, exist_ok=True)
         return CacheWriter(cache_dir, key, source)
     except OSError as e:
-        msg = 'cache folder %s is not writable (%s); loading without a cache' % (cache_dir, e.strerror or e)
-        warnings.warn(msg, stacklevel=2)
-        log.warning(msg)
+        cause = errno_words(e.errno) if e.errno else str(e)
+        no_cache('cache folder %s is not writable (%s)' % (cache_dir, cause))
         return None
+
+
+class CacheWarning(UserWarning):
+    """The data loads without a cache (``bin/train`` shows only the log line, once)."""
+
+
+def no_cache(why):
+    """Say, in one line (a :class:`CacheWarning` and the log), that the data loads without
+    a cache because of ``why`` (e.g. a :class:`~gluon_unet.errors.WriteError`)."""
+    msg = '%s; loading without a cache (the data is decoded in memory)' % why
+    warnings.warn(msg, CacheWarning, stacklevel=3)
+    log.warning(msg)
 
 
 def file_digest(files):

@@ -16,7 +16,7 @@ from typing import Optional, Union
 import cv2
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UserError, WriteError
 from . import cache as _cache
 from .dataset import SegmentationDataset
 from .io import (DENOISE_SIGMA, NORMALIZE_MODES, image_kind, input_image, is_colour, merge_object_masks, read_image,
@@ -306,10 +306,14 @@ def _load_cached(path, samples, layout, opts, cache_dir):
     writer = _cache.open_writer(cache_dir, key, source={'data': os.path.abspath(path), 'files': files_hash})
     if writer is None:  # not writable: warned, loads without a cache
         return _load_in_memory(path, samples, layout, opts)
-    with writer:
-        meta = _decode_all(path, samples, layout, opts, _DiskSink(writer))
-        writer.commit(_entry_shapes(meta, opts), meta)
-    entry = _cache.load(cache_dir, key)
+    try:
+        with writer:
+            meta = _decode_all(path, samples, layout, opts, _DiskSink(writer))
+            writer.commit(_entry_shapes(meta, opts), meta)
+    except WriteError as exc:  # the cache's disk is full, or turned read-only: train without it
+        _cache.no_cache(exc)
+        return _load_in_memory(path, samples, layout, opts)
+    entry = _cache.load(cache_dir, key, verify=False)  # just written: its digests came from these arrays
     if entry is None:  # committed but unreadable (e.g. a concurrent prune): should not happen
         raise UserError('cache %s: could not read back the entry just written' % cache_dir)
     return _build(entry.arrays, entry.meta, meta['names'], meta['channels'], opts.crop)
