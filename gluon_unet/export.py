@@ -243,7 +243,7 @@ def update_sidecar(out_dir, extra):
     sidecar.update(extra)
     if isinstance(extra.get('postprocess'), dict):
         _card_follows(sidecar)
-    with atomic_open(path) as f:
+    with atomic_open(path, shown=os.path.join(_final_folder(out_dir), SIDECAR)) as f:
         json.dump(sidecar, f, indent=2)
 
 

@@ -179,7 +179,7 @@ def check_writable(path, flag, is_file=False):
 
 
 @contextlib.contextmanager
-def atomic_path(path):
+def atomic_path(path, shown=None):
     """Yield a temporary path next to ``path``; rename it into place only on success.
 
     Whatever is written there (by ``mx.nd.save``, ``savefig``, ``cv2.imwrite``...)
@@ -191,18 +191,21 @@ def atomic_path(path):
     storage can read the run; an existing ``path`` is replaced with that mode too.
 
     A failure to write (an ``OSError``, or MXNet's ``FileStream.Write incomplete``) is a
-    :class:`~.errors.WriteError` naming ``path`` and the cause; ``path`` keeps what it held.
+    :class:`~.errors.WriteError` naming ``path`` (or ``shown``, where the file will be seen:
+    e.g. an export's staging folder is moved into place later) and the cause; ``path``
+    keeps what it held.
     """
     folder = os.path.dirname(os.path.abspath(path))
+    shown = shown or path
     tmp = None
     try:
-        with write_errors(path, folder):
+        with write_errors(shown, folder):
             os.makedirs(folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix='.tmp-', suffix=os.path.splitext(path)[1], dir=folder)
             os.close(fd)
             os.chmod(tmp, file_mode())
             yield tmp
-            write_point(path)
+            write_point(shown)
             os.replace(tmp, path)
     finally:
         if tmp is not None and os.path.lexists(tmp):
@@ -213,9 +216,9 @@ def atomic_path(path):
 
 
 @contextlib.contextmanager
-def atomic_open(path, mode='w', **kwargs):
+def atomic_open(path, mode='w', shown=None, **kwargs):
     """``open()`` for writing through :func:`atomic_path`."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, shown) as tmp:
         with open(tmp, mode, **kwargs) as f:
             yield f
 

@@ -218,13 +218,15 @@ def test_the_demo_writes_its_inputs_through_the_same_place(tmp_path, capsys):
 
 def test_the_fault_variable_fails_the_nth_write_of_a_child_process(tmp_path):
     # GLUON_UNET_FAIL_WRITE: the same injection for a command run as its own process.
+    masks = tmp_path / 'masks'  # read as --pred and --truth; the CSV goes beside it, not into it
+    masks.mkdir()
     cmd = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bin', 'evaluate'),
-           '--pred', str(tmp_path), '--truth', str(tmp_path), '--csv', str(tmp_path / 's.csv')]
-    cv2.imwrite(str(tmp_path / 'a.png'), np.full((8, 8), 255, np.uint8))
+           '--pred', str(masks), '--truth', str(masks), '--csv', str(tmp_path / 's.csv')]
+    cv2.imwrite(str(masks / 'a.png'), np.full((8, 8), 255, np.uint8))
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLUON_UNET_FAIL_WRITE='1:EROFS'))
     assert done.returncode == 1 and done.stderr.strip() == 'error: cannot write %s: %s' % (
         tmp_path / 's.csv', CAUSES[errno.EROFS]), done.stderr
-    assert sorted(os.listdir(tmp_path)) == ['a.png']
+    assert sorted(os.listdir(tmp_path)) == ['masks'] and sorted(os.listdir(masks)) == ['a.png']
 
 
 # -- the same failures for real, where this machine lets a test make them ------------------------
