@@ -11,6 +11,7 @@ branches on the kvstore itself.
 """
 import contextlib
 import itertools
+import os
 import types
 
 import mxnet as mx
@@ -291,6 +292,11 @@ class Horovod(_Job):
     """
 
     def __init__(self):
+        if os.environ.get('DMLC_ROLE'):
+            # bin/launch would start independent jobs of one, all writing one run folder,
+            # and its parameter server would wait for workers that never come.
+            raise UserError('--kvstore horovod is started by horovodrun, mpirun or srun, not bin/launch '
+                            '(which starts ps-lite jobs: --kvstore dist_sync)')
         hvd = import_horovod()
         try:
             hvd.init()

@@ -136,6 +136,9 @@ def test_the_strategy_follows_dist_sync_rules(monkeypatch, tiny, tmp_path):
     with pytest.raises(UserError, match='drop --update-on-kvstore'):
         s.update_on_kvstore(True)
     assert s.checkpoint_trainer('trainer', False) == 'trainer'  # the optimizer state is local
+    monkeypatch.setenv('DMLC_ROLE', 'worker')  # bin/launch's: the wrong launcher
+    with pytest.raises(UserError, match='not bin/launch'):
+        distributed.make_strategy('horovod')
     fake.root_value = 9.0
     assert s.broadcast([1, 2]) == [9.0, 9.0]
     with s.claim_output(str(tmp_path / 'run'), 'runs/unet', None, False) as folder:
@@ -194,6 +197,29 @@ def test_gpus_are_dealt_to_the_processes_of_a_host():
     # The processes on a host share its cores, as bin/launch's do.
     assert runtime.local_workers(hvd4) == 4 and runtime.local_workers({}) == 1
     assert runtime.local_workers(dict(hvd4, GLUON_UNET_LOCAL_WORKERS='2')) == 2
+
+
+def test_ci_turns_a_missing_horovod_into_a_failure(monkeypatch):
+    monkeypatch.setitem(sys.modules, 'horovod.mxnet', None)
+    monkeypatch.delenv('GLUON_UNET_REQUIRE_HOROVOD', raising=False)
+    with pytest.raises(pytest.skip.Exception, match='requirements-horovod.txt'):
+        horovodrun_or_skip()
+    monkeypatch.setenv('GLUON_UNET_REQUIRE_HOROVOD', '1')  # .ci/run's
+    with pytest.raises(pytest.fail.Exception, match='GLUON_UNET_REQUIRE_HOROVOD=1 but Horovod for MXNet is not'):
+        horovodrun_or_skip()
+
+
+def test_bench_dist_worker_measures_the_trainers_step(capsys):
+    # The measuring half of benchmarks/bench_dist.py, in one process without a job.
+    sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+    import bench_dist
+    assert bench_dist.parse_configs('16:4:128:4,8:2:32:2') == [(16, 4, 128, 4), (8, 2, 32, 2)]
+    with pytest.raises(SystemExit, match='WIDTH:DEPTH:SIZE:BATCH'):
+        bench_dist.parse_configs('16:4')
+    assert bench_dist.worker('device', 4, 2, 32, 2) == 0
+    record = json.loads(capsys.readouterr().out.split('BENCH ', 1)[1])
+    assert record['workers'] == 1 and record['params'] > 0 and record['step_s'] > 0
+    assert record['images_per_s'] == pytest.approx(2 / record['step_s'])
 
 
 # -- real Horovod jobs (Gloo on loopback) ---------------------------------------------------
