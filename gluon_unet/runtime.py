@@ -160,7 +160,8 @@ def process_gpus(gpus, kvstore, environ=None):
         return gpus
     rank, size = local
     visible = env.get(CUDA_VISIBLE)
-    if visible is not None and not is_default(CUDA_VISIBLE) and len([v for v in visible.split(',') if v.strip()]) < size:
+    shown = [v for v in (visible or '').split(',') if v.strip()]
+    if visible is not None and not is_default(CUDA_VISIBLE) and len(shown) < size:
         return gpus
     if ids is None:
         return str(rank)
