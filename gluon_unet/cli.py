@@ -21,7 +21,7 @@ from . import add_version_flag, recipes, version_string
 from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
 from .errors import OneLineParser, UserError, reports_errors, signals_raise
 from .reporting import get_logger
-from .runtime import apply_runtime_defaults, prepare_training_process
+from .runtime import apply_runtime_defaults, prepare_training_process, process_gpus
 from .utils import read_json
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
@@ -210,7 +210,8 @@ def train_main(argv=None):
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
     # (docs/explanation/multi-device.md, "Several CPU contexts"); --gpus 4-7 sets
     # CUDA_VISIBLE_DEVICES so that no CUDA context lands on GPU 0 (runtime.py says why).
-    prepare_training_process(cfg.gpus, cfg.cpus, cfg.memory)
+    # Under --kvstore horovod, --gpus names the host's GPUs and this process takes its share.
+    prepare_training_process(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus, cfg.memory)
     if cfg.benchmark:
         from .benchmark import benchmark_main
         return benchmark_main(cfg)

@@ -19,7 +19,7 @@ _CHOICES = {
     'optimizer': ('sgd', 'adam', 'adamw'),
     'lr_schedule': ('constant', 'cosine', 'poly', 'step'),
     'loss': ('bce', 'dice', 'bce_dice', 'lovasz', 'bce_lovasz', 'wbce', 'wbce_dice', 'ce'),
-    'kvstore': ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'dist_async'),
+    'kvstore': ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'dist_async', 'horovod'),
     'monitor': ('val_dsb', 'val_iou', 'val_dice', 'val_loss'),
     'layout': ('auto', 'paired', 'dsb', 'csv'),
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
@@ -107,7 +107,8 @@ class TrainConfig:
     synthetic_count: int = _opt(192, 'number of generated demo images when --data is absent')
 
     # devices and data-parallel step
-    gpus: str = _opt('', "GPU ids: '0-7', '0,2,5', '0-3,6', 'all'; empty = CPU")
+    gpus: str = _opt('', "GPU ids: '0-7', '0,2,5', '0-3,6', 'all'; empty = CPU (with --kvstore horovod: the "
+                         "host's GPUs, dealt to its processes by local rank; 'all' = GPU <local rank>)")
     cpus: int = _opt(1, 'number of CPU contexts when no GPU is used')
     kvstore: str = _opt('device', 'gradient aggregation across devices / machines')
     update_on_kvstore: Optional[bool] = _opt(None, 'run the optimizer on the kvstore '
@@ -121,7 +122,7 @@ class TrainConfig:
                                    'the run is cut to the epochs that fit and the LR schedule ends with the last '
                                    'of them')
     batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
-                                'kvstore: per worker; the global batch is workers x this)')
+                                'kvstore or horovod: per worker process; the global batch is workers x this)')
     optimizer: str = _opt('adam', 'optimizer')
     lr: float = _opt(1e-3, 'peak learning rate')
     momentum: float = _opt(0.9, 'SGD momentum')
@@ -248,6 +249,12 @@ class TrainConfig:
                             'be fitted to the epochs that fit; use --lr-schedule constant or a synchronous '
                             'kvstore updating on the workers' % (self.kvstore, ' --update-on-kvstore'
                                                                  if self.update_on_kvstore else ''))
+        if self.sync_bn and self.kvstore == 'horovod':
+            # Horovod has no SyncBatchNorm for MXNet, and with one GPU per process MXNet's
+            # would be plain BatchNorm: refused rather than silently ignored.
+            raise UserError('--sync-bn with --kvstore horovod: MXNet synchronizes BatchNorm only between the '
+                            'devices of one process and Horovod runs one process per GPU; drop --sync-bn '
+                            '(each process normalizes over its own --batch-size)')
         if not 0.0 <= self.ema < 1.0:
             raise UserError('--ema must be in [0, 1) (a decay per step, e.g. 0.99; 0 = off) (got %r)' % self.ema)
         if not 0.0 <= self.val_split < 1.0:

@@ -3,7 +3,8 @@
 Prints a short table - the gluon_unet, mxnet and Python versions, the MXNet build
 features that matter, the GPUs MXNet sees and their memory, the cores and the thread
 settings ``bin/train`` will use, whether this CPU runs bfloat16 convolutions and what
-``--amp`` does here - and, with ``--gpus SPEC`` or ``--cpus N``, runs one tiny
+``--amp`` does here, whether Horovod is there for ``--kvstore horovod`` and with which
+controllers and tensor operations - and, with ``--gpus SPEC`` or ``--cpus N``, runs one tiny
 hybridized U-Net training step on each requested device and one kvstore reduce across
 them. The first failure ends the check with one line naming the device
 (``doctor: GPU 3: <reason>``) and exit code 1; otherwise each check prints an ``ok`` line.
@@ -104,6 +105,34 @@ def amp_plan(gpu_count, bf16_ok):
     return '%s; %s' % (gpu, cpu)
 
 
+def horovod_status():
+    """What ``--kvstore horovod`` would find here, in words: Horovod's version, whether it
+    was built for MXNet, its controllers (MPI, Gloo) and tensor operations (NCCL, DDL,
+    CCL, MPI, Gloo), as ``horovodrun --check-build`` lists them, and where horovodrun is.
+    Imports mxnet (``horovod.mxnet`` does)."""
+    import shutil
+    from .distributed import HOROVOD_INSTALL
+    try:
+        import horovod
+    except ImportError:
+        return 'not installed (only --kvstore horovod needs it: pip install -r %s)' % HOROVOD_INSTALL
+    version = getattr(horovod, '__version__', '?')
+    try:
+        import horovod.mxnet as hvd
+    except ImportError as exc:  # check_extension: built without HOROVOD_WITH_MXNET
+        return '%s, but not built for MXNet (%s); rebuild it: see %s' % (
+            version, str(exc).splitlines()[0][:100] if str(exc) else 'ImportError', HOROVOD_INSTALL)
+
+    def listed(checks):
+        return ', '.join('%s %s' % (name, 'yes' if built() else 'no') for name, built in checks)
+    controllers = listed((('MPI', hvd.mpi_built), ('Gloo', hvd.gloo_built)))
+    operations = listed((('NCCL', hvd.nccl_built), ('DDL', hvd.ddl_built), ('CCL', hvd.ccl_built),
+                         ('MPI', hvd.mpi_built), ('Gloo', hvd.gloo_built)))
+    runner = shutil.which('horovodrun')
+    return '%s for MXNet; controllers: %s; tensor operations: %s; horovodrun %s' % (
+        version, controllers, operations, runner or 'not on PATH')
+
+
 def table_rows(contexts=1):
     """The ``(name, value)`` rows of the table (imports mxnet)."""
     import mxnet as mx
@@ -129,7 +158,8 @@ def table_rows(contexts=1):
                                                       settings['physical_cores'])),
              ('threads', '%s (for %d CPU context%s)' % (threads, contexts, '' if contexts == 1 else 's')),
              ('bfloat16', '%s: %s' % ('yes' if bf16_ok else 'no', bf16_reason)),
-             ('--amp', amp_plan(gpu_count, bf16_ok))]
+             ('--amp', amp_plan(gpu_count, bf16_ok)),
+             ('horovod', horovod_status())]
     return rows
 
 

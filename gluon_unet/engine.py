@@ -48,7 +48,7 @@ from .parallel import DataParallelStep, MirroredStep, split_batch
 from .recorder import RunRecorder, RunState
 from .scale import median_diameter
 from .reporting import setup_logging
-from .runtime import configure_runtime
+from .runtime import configure_runtime, process_gpus
 from .tblog import require_tensorboardx
 
 
@@ -683,7 +683,7 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     """
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
-    ctxs = make_contexts(cfg.gpus, cfg.cpus)
+    ctxs = make_contexts(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus)  # Horovod: this process's share
     # What was asked for is checked before what this machine can do: a request that
     # cannot work anywhere must say so on every CPU, not only on those with bfloat16.
     if net is not None and cfg.amp:
@@ -701,7 +701,8 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     # minutes of a decode; released - and removed if still empty - on any error.
     with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:
         cfg.output = folder.path
-        history = _train(cfg, ctxs, strategy, (train_ds, val_ds), verbose, callbacks, net)
+        with strategy.reporting_failures():  # another process of the job failed: one line
+            history = _train(cfg, ctxs, strategy, (train_ds, val_ds), verbose, callbacks, net)
     return FitResult(history, output=cfg.output, is_main=strategy.is_main)
 
 

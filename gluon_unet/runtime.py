@@ -36,6 +36,7 @@ when you did not, and never as a side effect of ``import gluon_unet``:
 the job, and each ``bin/train`` there chooses for its own host.
 """
 import os
+import re
 import sys
 import warnings
 
@@ -72,11 +73,109 @@ def physical_cores():
 TEMP_COPIES_PER_CONTEXT = 32
 # Set by bin/launch for each worker: how many worker processes share this machine's cores.
 LOCAL_WORKERS = 'GLUON_UNET_LOCAL_WORKERS'
+# What the launchers of a Horovod job tell each process about its place on its host:
+# (local rank, local size) variables, first match wins. horovodrun's Gloo mode, Open MPI's
+# mpirun (also under horovodrun --mpi and the Kubernetes MPI Operator), MPICH and Intel
+# MPI (hydra). srun sets SLURM_LOCALID; its local size is read off
+# SLURM_STEP_TASKS_PER_NODE (:func:`_slurm_local_size`).
+LAUNCHER_LOCAL_VARS = (('HOROVOD_LOCAL_RANK', 'HOROVOD_LOCAL_SIZE'),
+                       ('OMPI_COMM_WORLD_LOCAL_RANK', 'OMPI_COMM_WORLD_LOCAL_SIZE'),
+                       ('MPI_LOCALRANKID', 'MPI_LOCALNRANKS'))
+
+
+def _slurm_local_size(env):
+    """Tasks of this step on this node, from ``SLURM_STEP_TASKS_PER_NODE`` (``'4(x2),3'``
+    = 4, 4, 3 tasks on the step's nodes 0, 1, 2) and ``SLURM_NODEID``; None if unreadable."""
+    counts = []
+    for part in env.get('SLURM_STEP_TASKS_PER_NODE', env.get('SLURM_TASKS_PER_NODE', '')).split(','):
+        m = re.fullmatch(r'\s*(\d+)(?:\(x(\d+)\))?\s*', part)
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    try:
+        return counts[int(env.get('SLURM_NODEID', 0))]
+    except (ValueError, IndexError):
+        return None
+
+
+def local_process(environ=None):
+    """``(local_rank, local_size)`` of this process among those its launcher started on
+    this host (horovodrun, mpirun, srun: :data:`LAUNCHER_LOCAL_VARS`), or None when no
+    launcher said (a process started by hand, or by ``bin/launch``)."""
+    env = os.environ if environ is None else environ
+    pairs = [(env.get(r), env.get(s)) for r, s in LAUNCHER_LOCAL_VARS]
+    if env.get('SLURM_LOCALID') is not None:
+        size = _slurm_local_size(env)
+        pairs.append((env.get('SLURM_LOCALID'), None if size is None else str(size)))
+    for rank, size in pairs:
+        try:
+            rank, size = int(rank), int(size)
+        except (TypeError, ValueError):
+            continue
+        if 0 <= rank < size:
+            return rank, size
+    return None
+
+
+def local_workers(environ=None):
+    """Processes of this job sharing this host's cores: ``GLUON_UNET_LOCAL_WORKERS``
+    (``bin/launch``), else the launcher's local size (:func:`local_process`), else 1."""
+    env = os.environ if environ is None else environ
+    try:
+        return max(1, int(env[LOCAL_WORKERS]))
+    except (KeyError, ValueError):
+        pass
+    local = local_process(env)
+    return local[1] if local else 1
+
+
+def process_gpus(gpus, kvstore, environ=None):
+    """This process's share of ``--gpus`` (a ``--gpus`` value) in a Horovod job.
+
+    Horovod runs one process per GPU, all with the same command line, so under
+    ``--kvstore horovod`` ``--gpus`` names the GPUs of the *host*, dealt in order to its
+    processes by local rank (:func:`local_process`): ``--gpus 0-7`` with 8 processes per
+    host gives local rank 3 GPU 3, with 4 processes GPUs 6,7 to local rank 3;
+    ``--gpus all`` is GPU ``<local rank>``. Unchanged for other kvstores, CPU runs, a
+    process no launcher placed, and when the user's ``CUDA_VISIBLE_DEVICES`` already
+    shows each process fewer GPUs than there are processes on the host (the launcher
+    bound one to each: SLURM ``--gpus-per-task``, the Kubernetes device plugin).
+
+    Raises
+    ------
+    UserError
+        The GPUs cannot be dealt evenly to the host's processes.
+    """
+    from .devices import parse_gpu_list
+    from .errors import UserError
+    env = os.environ if environ is None else environ
+    if kvstore != 'horovod':
+        return gpus
+    try:
+        ids = parse_gpu_list(gpus)
+    except UserError:
+        return gpus  # make_contexts names the bad part
+    local = local_process(env)
+    if ids == [] or local is None or local[1] == 1:
+        return gpus
+    rank, size = local
+    visible = env.get(CUDA_VISIBLE)
+    shown = [v for v in (visible or '').split(',') if v.strip()]
+    if visible is not None and not is_default(CUDA_VISIBLE) and len(shown) < size:
+        return gpus
+    if ids is None:
+        return str(rank)
+    if len(ids) % size:
+        raise UserError('--gpus %s with --kvstore horovod: %d GPU(s) cannot be dealt evenly to the %d processes '
+                        'on this host (one process per GPU: give as many GPUs as processes)'
+                        % (gpus, len(ids), size))
+    k = len(ids) // size
+    return ','.join(str(i) for i in ids[rank * k:(rank + 1) * k])
 
 
 def recommended_settings(contexts=1, environ=None, gpus=False, memory='speed'):
     """The values :func:`apply_runtime_defaults` chooses for ``contexts`` CPU contexts
-    (reading ``GLUON_UNET_LOCAL_WORKERS`` from ``environ``), whoever set what: a dict of
+    (the processes sharing the host from ``environ``: :func:`local_workers`), whoever set what: a dict of
     ``OMP_NUM_THREADS`` and, for 2 or more contexts, ``MXNET_CPU_TEMP_COPY``, as strings.
     Empty when training on GPUs (``gpus``): MXNet's own thread choice keeps cores free for
     feeding them (module docstring). With one context and ``memory`` (``--memory``) other
@@ -85,11 +184,7 @@ def recommended_settings(contexts=1, environ=None, gpus=False, memory='speed'):
         return {}
     env = os.environ if environ is None else environ
     contexts = max(1, contexts)
-    try:
-        local_workers = max(1, int(env.get(LOCAL_WORKERS, 1)))
-    except ValueError:
-        local_workers = 1
-    wanted = {'OMP_NUM_THREADS': str(max(1, physical_cores() // (contexts * local_workers)))}
+    wanted = {'OMP_NUM_THREADS': str(max(1, physical_cores() // (contexts * local_workers(env))))}
     if contexts > 1:
         wanted['MXNET_CPU_TEMP_COPY'] = str(TEMP_COPIES_PER_CONTEXT * contexts)
     elif memory != 'speed':
@@ -107,7 +202,8 @@ def apply_runtime_defaults(environ=None, contexts=1, gpus=False, memory='speed')
     never.
 
     ``OMP_NUM_THREADS`` = physical cores / contexts (and / the worker processes that
-    ``bin/launch`` started on this machine, ``GLUON_UNET_LOCAL_WORKERS``). Without it,
+    ``bin/launch``, horovodrun, mpirun or srun started on this machine:
+    :func:`local_workers`). Without it,
     MXNet 1.9 assumes two hyper-threads per core and runs operators on ``cores / 2``
     OpenMP threads (``src/engine/openmp.cc`` halves ``omp_get_num_procs()``): without SMT
     (most cloud VMs) oneDNN would use half the cores. Each CPU context has its own

@@ -9,7 +9,7 @@ import pytest
 from gluon_unet import doctor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', '--amp')
+ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', '--amp', 'horovod')
 
 
 def _doctor(*args):

@@ -56,6 +56,25 @@ def test_constraints_pin_every_requirement_exactly():
         assert '-c constraints.txt' in f.read()
 
 
+def test_horovod_is_pinned_and_ci_builds_it_as_the_file_says():
+    # Horovod 0.28.1 is its last release; the build needs mxnet installed, no build
+    # isolation and the framework flags: .ci/run must run the command the file documents.
+    assert _requirements('requirements-horovod.txt') == ['horovod==0.28.1']
+    with open(os.path.join(ROOT, 'requirements-horovod.txt')) as f:
+        documented = f.read()
+    with open(os.path.join(ROOT, '.ci', 'run')) as f:
+        ci = f.read()
+    command = '\n'.join(line for line in documented.splitlines() if line.startswith('#   '))  # indented: the command
+    flags = re.findall(r'HOROVOD_WITH\w*=1', command)
+    assert set(flags) == {'HOROVOD_WITH_MXNET=1', 'HOROVOD_WITH_GLOO=1', 'HOROVOD_WITHOUT_MPI=1',
+                          'HOROVOD_WITHOUT_TENSORFLOW=1', 'HOROVOD_WITHOUT_PYTORCH=1'}
+    assert all(flag in ci for flag in flags) and '--no-build-isolation' in ci
+    assert ci.index('requirements-dev.txt') < ci.index('-r requirements-horovod.txt')  # mxnet first
+    assert 'export GLUON_UNET_REQUIRE_HOROVOD=1' in ci  # its tests may not skip in CI
+    pins = dict(line.split('==') for line in _requirements('constraints.txt'))
+    assert pins['horovod'] == '0.28.1'
+
+
 @pytest.mark.skipif(subprocess.run([sys.executable, '-c', 'import build'], capture_output=True).returncode,
                     reason='needs the build package (pip install build)')
 def test_sdist_builds_and_holds_what_installing_needs(tmp_path):
