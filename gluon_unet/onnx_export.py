@@ -162,10 +162,12 @@ def convert(symbol_file, params_file, in_channels, multiple):
                                                                    mxnet_message(exc, limit=160))) from None
         finally:
             logging.getLogger().setLevel(level)
-    return _for_serving(model, onnx)
+    # The converter leaves every output axis unknown; the channels are not.
+    _, shapes, _ = mx.sym.load(symbol_file).infer_shape_partial(data=(1, in_channels, side, side))
+    return _for_serving(model, onnx, in_channels, int(shapes[0][1]))
 
 
-def _for_serving(model, onnx):
+def _for_serving(model, onnx, in_channels, out_channels):
     graph = model.graph
     weights = {t.name for t in graph.initializer}
     inputs = [i for i in graph.input if i.name not in weights]
@@ -181,11 +183,12 @@ def _for_serving(model, onnx):
         node.output[:] = [OUTPUT if o == old else o for o in node.output]
         node.input[:] = [OUTPUT if i == old else i for i in node.input]
     graph.output[0].name = OUTPUT
-    for value in (graph.input[0], graph.output[0]):
+    for value, channels in ((graph.input[0], in_channels), (graph.output[0], out_channels)):
         dims = value.type.tensor_type.shape.dim
         for index, name in zip((0, 2, 3), AXES):
             dims[index].ClearField('dim_value')
             dims[index].dim_param = name
+        dims[1].dim_value = channels
     del model.opset_import[:]
     model.opset_import.add(domain='', version=OPSET)
     model.ir_version = IR_VERSION
