@@ -63,6 +63,16 @@ def import_onnx():
     return onnx
 
 
+def onnx_available():
+    """``(True, '')`` when :func:`write_onnx` can run here, else ``(False, why)``: what an
+    export that writes model.onnx by default says in one line instead of failing."""
+    try:
+        import_onnx()
+    except UserError as exc:
+        return False, str(exc)
+    return True, ''
+
+
 def parity_shapes(in_channels, multiple):
     """The input shapes the export-time parity check runs: a square, a wide batch of two
     and a tall one, each side at least 32 px and a multiple of ``multiple``."""
