@@ -18,16 +18,15 @@ import sys
 import tempfile
 import time
 
-import mxnet as mx
 import numpy as np
 
+# mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
+# them: bin/predict on an ONNX export reads sidecars through this module without mxnet.
 from . import __version__, add_version_flag
-from .checkpoint import earlier_good_checkpoint, list_checkpoints, load_checkpoint
 from .config import TrainConfig
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
 from .errors import DamagedFile, OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
-from .model import build_model
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
@@ -63,6 +62,10 @@ def model_from_checkpoint(checkpoint, ctxs=None):
     (net, cfg, meta)
         The block, its :class:`TrainConfig` and the checkpoint's record.
     """
+    import mxnet as mx
+
+    from .checkpoint import load_checkpoint
+    from .model import build_model
     ctxs = ctxs or [mx.cpu()]
     meta = load_checkpoint(checkpoint)
     cfg = TrainConfig.from_dict(meta['config'])
@@ -259,6 +262,7 @@ def model_card(cfg, meta):
     """Where a model came from, for whoever finds it on disk in a year: versions, date,
     training data (path, image counts, a digest of the decoded pixels), the best epoch's
     metrics and the post-processing settings."""
+    import mxnet as mx
     data = meta.get('data') or {}
     metrics = meta.get('metrics') or {}
     return {
@@ -303,6 +307,7 @@ def card_summary(meta):
 
 
 def _dummy_input(cfg, ctx):
+    import mxnet as mx
     side = cfg.crop or cfg.size
     return mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctx)
 
@@ -378,6 +383,7 @@ def load_exported(prefix_or_dir, ctx=None):
     (SymbolBlock, dict)
         The network and its sidecar metadata.
     """
+    import mxnet as mx
     prefix = find_export(prefix_or_dir)
     folder = os.path.dirname(prefix)
     symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
@@ -408,6 +414,7 @@ def load_exported(prefix_or_dir, ctx=None):
 
 def _load_export_file(path, load, what):
     """``load(path)``, or a one-line error naming the damaged file and what is wrong."""
+    import mxnet as mx
     try:
         return load(path)
     except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
@@ -606,6 +613,7 @@ def main(argv=None, retune=None):
     try:
         net, cfg, meta = model_from_checkpoint(ckpt)
     except DamagedFile as exc:
+        from .checkpoint import earlier_good_checkpoint
         earlier = earlier_good_checkpoint(ckpt)
         if earlier is not None:
             exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
@@ -666,6 +674,7 @@ def keep_searched(stage, folders, run):
         A line for the user: what was kept, or why nothing was ('' when no earlier export
         had searched settings).
     """
+    import mxnet as mx
     new, note, seen = None, '', set()
     for folder in folders:
         path = os.path.join(folder, SIDECAR)
@@ -716,6 +725,7 @@ def weights_digest(prefix):
                     digest.update(chunk)
                     left -= len(chunk)
                 return digest.hexdigest()
+    import mxnet as mx
     arrays = mx.nd.load(params)
     for name in sorted(arrays):
         a = arrays[name].asnumpy()
@@ -777,6 +787,7 @@ def _stops_on_sigterm(what, out, installed):
 
 def _resolve_run(run, output):
     """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
+    from .checkpoint import list_checkpoints
     if os.path.isdir(run):
         folder = os.path.join(run, 'checkpoints')
         ckpt = os.path.join(folder, 'best.ckpt')

@@ -13,11 +13,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-import mxnet as mx
 import numpy as np
 
 from .errors import UserError
-from .model import probability_maps
 from .postprocess import DEFAULT_MARKER
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
@@ -105,6 +103,9 @@ class _Scheduler:
         self.forwards_per_device = [0] * len(self.ctxs)
 
     def submit(self, jobs, finishers):
+        import mxnet as mx  # here, not at the top: bin/predict on ONNX runs without mxnet (onnx_runner)
+
+        from .model import probability_maps
         n = len(self.ctxs)
         used = min(len(jobs), n)
         x = np.stack([j.input for j in jobs])
@@ -162,7 +163,8 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
     _Scheduler
         Its ``jobs_per_device`` / ``forwards_per_device`` say how the work was spread.
     """
-    runner = _Scheduler(net, ctxs, second)
+    # A network that brings its own scheduler (onnx_runner.OnnxNetwork) runs the batches itself.
+    runner = net.scheduler(ctxs, second) if hasattr(net, 'scheduler') else _Scheduler(net, ctxs, second)
     batch, finishers = [], []
     for job in jobs:
         if isinstance(job, _Done):
@@ -306,12 +308,18 @@ def load_model(model, ctxs):
 
     net, meta = load_exported(model, ctx=ctxs)
     net.hybridize(static_alloc=True)
+    return loaded_model(net, meta, ctxs, model_channels(net, meta))
+
+
+def loaded_model(net, meta, ctxs, channels):
+    """The :class:`LoadedModel` of a loaded network and its sidecar ``meta`` (see
+    :func:`load_model`); also for :func:`gluon_unet.onnx_runner.load_onnx_model`."""
     # Exports from before --normalize existed have no key: they were trained without it.
     normalize = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
     # Settings tuned on the validation split after training win over the training threshold.
     tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
     second = second_map(meta)
-    return LoadedModel(net, meta, list(ctxs), model_channels(net, meta),
+    return LoadedModel(net, meta, list(ctxs), channels,
                        float(tuned.get('threshold') or meta.get('threshold') or 0.5), normalize,
                        int(tuned.get('min_size') or 0), float(tuned.get('h') or 0.5),
                        float(tuned.get('marker') or DEFAULT_MARKER.get(second, 0.5)), second,

@@ -554,9 +554,12 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         is listed in ``failures``, and the submission has the good images.
     """
     from .devices import make_contexts
+    from .onnx_runner import load_onnx_model, predict_runtime, runtime_line
 
     config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
-    ctxs = make_contexts(config.gpus, config.cpus)
+    # onnxruntime where mxnet cannot be imported (issue 48); ``--providers`` will also choose it.
+    runtime, why = predict_runtime(None)
+    ctxs = make_contexts(config.gpus, config.cpus) if runtime == 'mxnet' else None
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):
         raise UserError('--output %s: is a file, not a folder' % output_dir)
@@ -570,7 +573,12 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     check_writable(output_dir, '--output')
     if config.rle:
         check_writable(config.rle, '--rle', is_file=True)
-    loaded = load_model(model, ctxs)
+    if runtime == 'mxnet':
+        loaded = load_model(model, ctxs)
+    else:
+        loaded = load_onnx_model(model, config.gpus, config.cpus, why=why)
+        ctxs = loaded.ctxs
+        print(runtime_line(loaded, why), file=sys.stderr)
     check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)
     run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)

@@ -1,7 +1,23 @@
 """Data: datasets, sampling, loaders, generated nuclei and readers for user layouts."""
-from .dataset import SegmentationDataset, EpochSampler, make_loader, set_loader_epoch, split_indices
-from .synthetic import synthetic_dataset, synthetic_nuclei
-from .io import read_image, read_mask, read_binary_mask
-from .layouts import discover, detect_layout
-from .augment import Augment, make_transform
-from .readers import LoadOptions, load_dataset
+import importlib
+
+# The names are imported on first use (PEP 562), not here: the datasets import mxnet, and
+# bin/predict on an ONNX export reads images through .io where mxnet is not installed.
+_EXPORTS = {'SegmentationDataset': 'dataset', 'EpochSampler': 'dataset', 'make_loader': 'dataset',
+            'set_loader_epoch': 'dataset', 'split_indices': 'dataset', 'synthetic_dataset': 'synthetic',
+            'synthetic_nuclei': 'synthetic', 'read_image': 'io', 'read_mask': 'io', 'read_binary_mask': 'io',
+            'discover': 'layouts', 'detect_layout': 'layouts', 'Augment': 'augment', 'make_transform': 'augment',
+            'LoadOptions': 'readers', 'load_dataset': 'readers'}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError('module %r has no attribute %r' % (__name__, name))
+    value = getattr(importlib.import_module('.' + _EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

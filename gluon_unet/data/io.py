@@ -186,14 +186,16 @@ def _finite(arr, path):
 def _cv2_decode(data):
     """OpenCV decode to RGB(A) order, or None."""
     # OpenCV logs its own warnings to stderr for bad files; we raise one clear line instead.
-    level = cv2.getLogLevel()
-    cv2.setLogLevel(0)  # 0 = silent
+    # OpenCV 5 keeps the log level in cv2.utils.logging only (4.x: cv2.getLogLevel).
+    log = cv2 if hasattr(cv2, 'getLogLevel') else cv2.utils.logging
+    level = log.getLogLevel()
+    log.setLogLevel(0)  # 0 = silent
     try:
         arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     except cv2.error:
         arr = None
     finally:
-        cv2.setLogLevel(level)
+        log.setLogLevel(level)
     if arr is not None and arr.ndim == 3 and arr.shape[2] >= 3:
         arr = arr[..., [2, 1, 0] + list(range(3, arr.shape[2]))]  # BGR(A) -> RGB(A)
     return arr
