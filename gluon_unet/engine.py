@@ -800,6 +800,9 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     try:
         _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
+        # The loader's workers end here, not at some later garbage collection or at exit:
+        # the search and the export need none, and their memory is freed for them.
+        loader.close()
         recorder.close()
     tuned = None
     if _will_tune(cfg, run.val_ds) and state.history:
