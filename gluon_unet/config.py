@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import UserError
+from .limits import safe_sides, unet_crash
 
 _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
@@ -258,6 +259,8 @@ class TrainConfig:
         if side % (2 ** m.depth):
             raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'
                             % ('crop' if self.crop else 'size', side, 2 ** m.depth, m.depth, 2 ** m.depth))
+        if not self.gpus:
+            self._check_cpu_shape(side)
         for key, allowed in _CHOICES.items():
             value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
             if value not in allowed:
@@ -292,6 +295,20 @@ class TrainConfig:
                 raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %r)"
                                 % self.lr_steps)
         return self
+
+
+    def _check_cpu_shape(self, side):
+        """Refuse a side whose network MXNet 1.9.1's CPU build dies on (:mod:`.limits`):
+        validation and the first forward run it in inference mode."""
+        m = self.model
+        unet = dict(width_=m.width, depth=m.depth, bf16=self.amp)
+        crash = unet_crash(side, side, outputs=m.outputs, **unet)
+        if crash:
+            below, above = safe_sides(side, 2 ** m.depth, outputs=m.outputs, **unet)
+            flag = '--crop' if self.crop else '--size'
+            raise UserError('%s %d: MXNet 1.9.1 on CPU dies (SIGFPE, a division by zero in oneDNN) building %s; '
+                            'use %s%s, or train on GPUs' % (flag, side, crash, '%s %d or ' % (flag, below)
+                                                           if below else '', '%s %d' % (flag, above)))
 
 
 #: Settings added after runs were saved whose default is not what those runs did: the
