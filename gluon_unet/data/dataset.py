@@ -410,7 +410,7 @@ class LoaderWorkers:
         self.sent += 1
 
     def receive(self, timeout):
-        """The next ``(key, pickled batch, error)`` any worker sends; raises
+        """``(worker index, (key, pickled batch, error))``: the next answer of any worker; raises
         :class:`WorkerDied` for a worker that ended with tasks unanswered and
         ``multiprocessing.TimeoutError`` when none answers within ``timeout`` s."""
         waiting = [i for i, n in enumerate(self.outstanding) if n]
@@ -431,7 +431,7 @@ class LoaderWorkers:
                 except (EOFError, OSError):
                     break
                 self.outstanding[i] -= 1
-                return message
+                return i, message
         raise WorkerDied(i, self.procs[i])
 
 
@@ -588,13 +588,16 @@ class _Loader:
             if wanted == sent:
                 return
             while wanted not in ready:
-                (at, k), data, error = pool.receive(BATCH_TIMEOUT_SECONDS)
+                i, ((at, k), data, error) = pool.receive(BATCH_TIMEOUT_SECONDS)
                 if error is not None and at == epoch:
                     raise error
                 if data is not None:
                     # Unpickled even when stale (an abandoned pass): that fetches the shared
                     # memory from the worker, which holds it until someone does.
-                    batch = pickle.loads(data)
+                    try:
+                        batch = pickle.loads(data)
+                    except OSError:  # the worker died before the batch's memory was fetched
+                        raise WorkerDied(i, pool.procs[i]) from None
                     if at == epoch:
                         ready[k] = batch
             yield ready.pop(wanted)
@@ -617,7 +620,7 @@ def _shm_free_text():
 def check_shared_memory(dataset, batch_size, prefetch):
     """Warn when /dev/shm cannot hold the batches the loader's workers prefetch.
 
-    Gluon's worker processes hand batches over in shared memory; when it runs out (64 MB
+    The loader's worker processes hand batches over in shared memory; when it runs out (64 MB
     is Docker's default) the loader stalls until its 120 s time-out.
 
     Returns
