@@ -9,6 +9,7 @@ the sampler, so the same seed gives the same batches with any number of loader w
 import gc
 import logging
 import multiprocessing
+import pickle
 import multiprocessing.connection
 import multiprocessing.util
 import os
@@ -17,7 +18,9 @@ import time
 import weakref
 
 import numpy as np
-from mxnet import gluon
+from mxnet import context, gluon, nd
+from mxnet.gluon.data import dataloader as gluon_loader
+from mxnet.util import is_np_array, is_np_shape
 
 from ..errors import UserError
 from .targets import make_target, separate_touching
@@ -352,8 +355,6 @@ class LoaderWorkers:
 
     def __init__(self, dataset, count):
         ctx = multiprocessing.get_context('fork')  # the workers share the dataset's pages
-        from mxnet import nd
-        from mxnet.util import is_np_array, is_np_shape
         # Gluon's DataLoader does the same before it forks: no operation in flight, and
         # dead loaders' workers collected first.
         nd.waitall()
@@ -484,7 +485,6 @@ def _worker_main(dataset, conn, parent, np_flags):
     """A loader worker: answer ``(key, samples)`` tasks with ``(key, pickled batch, None)``
     (or ``(key, None, exception)``) until a ``None`` task, a closed pipe or the end of the
     main process ``parent``."""
-    from mxnet.gluon.data import dataloader as gluon_loader
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -515,9 +515,8 @@ def _worker_main(dataset, conn, parent, np_flags):
 
 def _portable(exc):
     """``exc`` with its traceback, picklable (else a RuntimeError holding its text)."""
-    import pickle
     import traceback
-    from multiprocessing.pool import ExceptionWithTraceback
+    from multiprocessing.pool import ExceptionWithTraceback  # what Pool sends: raised with the worker's traceback
     wrapped = ExceptionWithTraceback(exc, exc.__traceback__)
     try:
         pickle.dumps(wrapped)
@@ -545,16 +544,13 @@ class _Loader:
             self.pool.close()
 
     def __iter__(self):
-        from mxnet.gluon.data import dataloader as gluon_loader
         batches = self._in_process() if self.pool is None else self._from_workers()
         for batch in batches:
             if self.pin_device is not None:
-                from mxnet import context
                 batch = gluon_loader._as_in_context(batch, context.cpu_pinned(self.pin_device))
             yield batch
 
     def _in_process(self):
-        from mxnet.gluon.data import dataloader as gluon_loader
         for samples in self.batch_sampler:
             yield gluon_loader.default_batchify_fn([self.dataset[i] for i in samples])
 
@@ -575,7 +571,6 @@ class _Loader:
 
     def _passes(self, pool, epoch):
         """One pass over the batch sampler: up to ``prefetch`` tasks out, batches in order."""
-        import pickle
         tasks = iter(self.batch_sampler)
         ready, sent, wanted = {}, 0, 0
         while True:
