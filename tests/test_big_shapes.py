@@ -53,6 +53,13 @@ def test_whole_images_reach_the_network_in_a_shape_it_runs_both_ways(h, w, multi
     assert plan.to_image(np.zeros((1, th, tw), np.float32)).shape == (1, h, w)
 
 
+def test_bucketed_whole_images_too():
+    # 2040 px is bucketed up to 2048 (bin/predict --buckets), which the network dies on.
+    meta = {'multiple': 8, 'train_size': 256, 'resize_mode': 'crop', 'classes': 1}
+    th, tw = plan_image(_image(2040, 2040), meta, mode='whole', buckets=True).tile
+    assert (th, tw) in ((2048, 2056), (2056, 2048))
+
+
 def test_windows_the_network_runs_are_left_as_they_are():
     assert safe_window(2040, 2040, 8) == (2040, 2040)
     assert safe_window(2064, 2048, 16) == (2064, 2048)
