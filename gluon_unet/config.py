@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import UserError
+from .limits import safe_sides, unet_crash
 
 _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
@@ -265,6 +266,8 @@ class TrainConfig:
         if side % (2 ** m.depth):
             raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'
                             % ('crop' if self.crop else 'size', side, 2 ** m.depth, m.depth, 2 ** m.depth))
+        if not self.gpus:
+            self._check_cpu_shape(side)
         for key, allowed in _CHOICES.items():
             value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
             if value not in allowed:
@@ -301,40 +304,175 @@ class TrainConfig:
         return self
 
 
+    def _check_cpu_shape(self, side):
+        """Refuse a side whose network MXNet 1.9.1's CPU build dies on (:mod:`.limits`):
+        validation and the first forward run it in inference mode."""
+        m = self.model
+        unet = dict(width_=m.width, depth=m.depth, bf16=self.amp)
+        crash = unet_crash(side, side, outputs=m.outputs, **unet)
+        if crash:
+            below, above = safe_sides(side, 2 ** m.depth, outputs=m.outputs, **unet)
+            flag = '--crop' if self.crop else '--size'
+            raise UserError('%s %d: MXNet 1.9.1 on CPU dies (SIGFPE, a division by zero in oneDNN) building %s; '
+                            'use %s%s, or train on GPUs' % (flag, side, crash, '%s %d or ' % (flag, below)
+                                                           if below else '', '%s %d' % (flag, above)))
+
+
 #: Settings added after runs were saved whose default is not what those runs did: the
 #: denoise before the percentile stretch (runs before it had none).
 BEFORE_IT_EXISTED = {'denoise': 0.0}
 
 
-# What a resumed run must share with the checkpoint: the optimizer state and the LR
-# schedule's position only mean something for the same optimizer and schedule, and the
-# position inside an interrupted epoch only for the same batches (batch size, seed, split).
-# Devices may change: weights and optimizer state move to the new ones (the gradient is
-# the same mean over the global batch; only per-device BatchNorm statistics differ, as
-# with any device count). --epochs may change under the constant schedule only: the
-# others are shaped by the run's length.
-RESUME_FIXED = ('optimizer', 'lr', 'momentum', 'nesterov', 'weight_decay', 'lr_schedule', 'warmup_epochs',
-                'lr_steps', 'batch_size', 'seed', 'size', 'crop', 'val_split', 'amp', 'amp_dtype', 'balance', 'ema')
+@dataclass(frozen=True)
+class ResumeRule:
+    """What ``--resume`` does when one setting changed since the checkpoint.
+
+    ``kind``: ``'refuse'`` - the setting shapes the run (``shapes``: the model, the
+    batches, the input pixels, the update or which checkpoint is chosen as the best), so a
+    change is refused, naming the flag; ``'data'`` - it says where or how the data is
+    read, so it may change while the data does not (the data's fingerprint - image
+    counts, names, pixels - is compared, and when that differs the changed settings of
+    this kind are named with it); ``'allow'`` - it shapes none of these (``shapes`` says
+    why not). ``key(cfg)``, for a setting that counts only in some runs (``when`` says
+    which), is what is compared: None where it does not count.
+    """
+    kind: str
+    shapes: str
+    when: str = ''
+    key: typing.Any = None
 
 
-def resume_conflicts(saved, current):
-    """Flags whose values differ between a checkpoint's config and this run's, as
-    ``['--batch-size 16 (now 8)', ...]``; empty when the run can be resumed."""
+def _refuse(shapes, when='', key=None):
+    return ResumeRule('refuse', shapes, when, key)
+
+
+def _allow(why):
+    return ResumeRule('allow', why)
+
+
+_MODEL, _BATCHES, _PIXELS, _UPDATE, _BEST = ('the model', 'the batches', 'the input pixels', 'the update',
+                                             'the choice of the best checkpoint')
+_DATA = ResumeRule('data', 'where and how the data is read')
+
+
+def _if(condition, name):
+    """``key`` of a setting that counts where ``condition(cfg)`` holds."""
+    return lambda cfg: getattr(cfg, name) if condition(cfg) else None
+
+
+def _has_validation(cfg):
+    return cfg.val_split > 0 or cfg.val_data is not None
+
+
+#: Every setting and what ``--resume`` does when it changed: tests/test_resume_policy.py
+#: checks every field of TrainConfig and ModelConfig is here, and the docs' sentence is
+#: :func:`resume_policy_text`. The optimizer state and the LR schedule's position only
+#: mean something for the same optimizer and schedule, the position inside an
+#: interrupted epoch only for the same batches, the best value so far only for the same
+#: metric compared the same way. Devices may change: weights and optimizer state move to
+#: the new ones, and the gradient is the same mean over the same global batch (only
+#: BatchNorm's batch statistics pool other images, as with any device count - which
+#: --sync-bn changes too).
+RESUME_POLICY = {
+    # the model (ModelConfig)
+    'in_channels': _refuse(_MODEL), 'classes': _refuse(_MODEL), 'width': _refuse(_MODEL),
+    'depth': _refuse(_MODEL), 'batch_norm': _refuse(_MODEL), 'dropout': _refuse(_MODEL),
+    'upsample': _refuse(_MODEL), 'target': _refuse(_MODEL),
+    # data
+    'data': _DATA, 'masks': _DATA, 'val_data': _DATA, 'layout': _DATA, 'mask_suffix': _DATA,
+    'skip_unpaired': _DATA, 'synthetic_count': _DATA,
+    'size': _refuse(_BATCHES), 'crop': _refuse(_BATCHES), 'val_split': _refuse(_BATCHES),
+    'balance': _refuse(_BATCHES), 'augment': _refuse(_BATCHES), 'elastic': _refuse(_BATCHES),
+    'seed': _refuse(_BATCHES), 'batch_size': _refuse(_BATCHES),
+    'normalize': _refuse(_PIXELS),
+    'denoise': _refuse(_PIXELS, 'with --normalize percentile, auto or stain',
+                       _if(lambda c: c.normalize in ('percentile', 'auto', 'stain'), 'denoise')),
+    'workers': _allow('the same batches with any number of loader workers'),
+    'cache_dir': _allow('only where decoded arrays are kept'),
+    # the update
+    'optimizer': _refuse(_UPDATE), 'lr': _refuse(_UPDATE),
+    'momentum': _refuse(_UPDATE, 'with --optimizer sgd', _if(lambda c: c.optimizer == 'sgd', 'momentum')),
+    'nesterov': _refuse(_UPDATE, 'with --optimizer sgd', _if(lambda c: c.optimizer == 'sgd', 'nesterov')),
+    'weight_decay': _refuse(_UPDATE), 'clip_grad': _refuse(_UPDATE), 'ema': _refuse(_UPDATE),
+    'lr_schedule': _refuse(_UPDATE), 'warmup_epochs': _refuse(_UPDATE),
+    'lr_steps': _refuse(_UPDATE, 'with --lr-schedule step', _if(lambda c: c.lr_schedule == 'step', 'lr_steps')),
+    # The other schedules are shaped by the run's length.
+    'epochs': _refuse(_UPDATE, 'unless --lr-schedule constant without --warmup-epochs',
+                      _if(lambda c: c.lr_schedule != 'constant' or c.warmup_epochs > 0, 'epochs')),
+    'loss': _refuse(_UPDATE),
+    'dice_weight': _refuse(_UPDATE, 'with --loss bce_dice, wbce_dice or bce_lovasz',
+                           _if(lambda c: c.loss in ('bce_dice', 'wbce_dice', 'bce_lovasz'), 'dice_weight')),
+    'weight_on': _refuse(_UPDATE, 'with --loss wbce or wbce_dice',
+                         _if(lambda c: c.loss in ('wbce', 'wbce_dice'), 'weight_on')),
+    'amp': _refuse(_UPDATE), 'amp_dtype': _refuse(_UPDATE, 'with --amp', _if(lambda c: c.amp, 'amp_dtype')),
+    # ps-lite's asynchronous servers apply each worker's gradient on its own: another update.
+    'kvstore': _refuse(_UPDATE, 'from or to dist_async', lambda c: c.kvstore == 'dist_async'),
+    'update_on_kvstore': _allow('the same update, computed on the kvstore or not'),
+    'gpus': _allow('devices may change'), 'cpus': _allow('devices may change'),
+    'sync_bn': _allow('like the device count, it only changes which images BatchNorm\'s statistics pool'),
+    'hybridize': _allow('the same computation'), 'memory': _allow('the same computation'),
+    'time_budget': _allow('the run is planned again from the epochs it has measured'),
+    # which checkpoint is the best, and when training stops
+    'monitor': _refuse(_BEST, 'with validation images', _if(_has_validation, 'monitor')),
+    'min_delta': _refuse(_BEST),
+    'threshold': _refuse(_BEST, 'with --monitor val_dsb',
+                         _if(lambda c: c.monitor == 'val_dsb' and _has_validation(c), 'threshold')),
+    'patience': _allow('only when training stops early'),
+    'keep_last': _allow('only how many checkpoints are kept'),
+    # after the last epoch, and bookkeeping
+    'tune_postprocess': _allow('after the last epoch'), 'tune_mode': _allow('after the last epoch'),
+    'tune_tta': _allow('after the last epoch'),
+    'output': _allow('the run folder'), 'resume': _allow('the checkpoint itself'),
+    'overwrite': _allow('not used with --resume'), 'benchmark': _allow('no training'),
+    'progress': _allow('display only'), 'tensorboard': _allow('logs only'),
+}
+_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _setting(cfg, name):
+    return getattr(cfg.model, name) if name in _MODEL_FIELDS else getattr(cfg, name)
+
+
+#: The TrainConfig settings a resumed run must share with its checkpoint in every run.
+RESUME_FIXED = tuple(k for k, r in RESUME_POLICY.items() if r.kind == 'refuse' and r.key is None
+                     and k not in _MODEL_FIELDS)
+
+
+def resume_conflicts(saved, current, kind='refuse'):
+    """The settings of ``kind`` (see :class:`ResumeRule`) that differ between a
+    checkpoint's config and this run's, as ``['--batch-size 16 (now 8)', ...]``: for
+    ``'refuse'``, empty when the run can be resumed."""
     out = []
-    keys = list(RESUME_FIXED)
-    if current.lr_schedule != 'constant' or current.warmup_epochs:
-        keys.append('epochs')
-    if saved.optimizer != 'sgd':
-        keys = [k for k in keys if k not in ('momentum', 'nesterov')]
-    for key in keys:
-        if getattr(saved, key) != getattr(current, key):
-            out.append('%s %s (now %s)' % (flag_name(key), getattr(saved, key), getattr(current, key)))
-    if saved.model != current.model:
-        for f in dataclasses.fields(ModelConfig):
-            if getattr(saved.model, f.name) != getattr(current.model, f.name):
-                out.append('%s %s (now %s)' % (flag_name(f.name), getattr(saved.model, f.name),
-                                               getattr(current.model, f.name)))
+    for name, rule in RESUME_POLICY.items():
+        if rule.kind != kind:
+            continue
+        compared = rule.key or (lambda cfg: _setting(cfg, name))
+        # A conditional setting left as it was is not named when its condition changed:
+        # the setting that changed is.
+        if compared(saved) != compared(current) and _setting(saved, name) != _setting(current, name):
+            out.append('%s %s (now %s)' % (flag_name(name), _setting(saved, name), _setting(current, name)))
     return out
+
+
+def resume_policy_text():
+    """The docs' paragraph on what ``--resume`` refuses and allows, made from
+    :data:`RESUME_POLICY` (so the two cannot disagree)."""
+    def flag(name):
+        rule = RESUME_POLICY[name]
+        return '`%s`%s' % (flag_name(name), ' ' + rule.when if rule.when else '')
+
+    groups = {}
+    for name, rule in RESUME_POLICY.items():
+        if rule.kind == 'refuse':
+            groups.setdefault(rule.shapes, []).append(flag(name))
+    shaped = '; '.join('%s (%s)' % (what, ', '.join(flags)) for what, flags in groups.items())
+    data = ', '.join(flag(n) for n, r in RESUME_POLICY.items() if r.kind == 'data')
+    allowed = ', '.join(flag(n) for n, r in RESUME_POLICY.items()
+                        if r.kind == 'allow' and n not in ('resume', 'overwrite', 'benchmark'))
+    return ('`--resume` refuses, in one line naming each changed flag with its old value, any change of what '
+            'shaped the run: %s. The data may be read from elsewhere (%s) but must be the same images - the '
+            'same count, names and pixels - and, with `bin/launch`, the same number of workers. Anything else '
+            'may change: %s.' % (shaped, data, allowed))
 
 
 def check_types(values, cls, where=None):

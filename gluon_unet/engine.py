@@ -84,7 +84,7 @@ def data_fingerprint(train_ds, val_ds, num_workers=1):
 
 def check_resumable(path, meta, cfg, data_id):
     """Refuse, in one line, to resume ``meta`` (a checkpoint's record) with settings or
-    data it cannot continue exactly (see ``config.RESUME_FIXED``)."""
+    data it cannot continue exactly (``config.RESUME_POLICY``)."""
     saved = TrainConfig.from_dict(meta['config'])
     conflicts = resume_conflicts(saved, cfg)
     if conflicts:
@@ -93,9 +93,11 @@ def check_resumable(path, meta, cfg, data_id):
     old = meta.get('data')
     keys = ('train', 'val', 'names_sha1', 'content_sha1')
     if old and any(k in old and old[k] != data_id[k] for k in keys):
+        read = resume_conflicts(saved, cfg, kind='data')
         raise UserError('--resume %s: the data changed since the checkpoint (it trained on %d images and '
-                        'validated on %d, now %d and %d, or other files or pixels); resume with the same --data'
-                        % (path, old['train'], old['val'], data_id['train'], data_id['val']))
+                        'validated on %d, now %d and %d, or other files or pixels%s); resume with the same data'
+                        % (path, old['train'], old['val'], data_id['train'], data_id['val'],
+                           '; read with %s' % ', '.join(read) if read else ''))
     if old and old.get('workers', 1) != data_id['workers']:
         raise UserError('--resume %s: the run had %d worker(s), now %d: the global batch would change; '
                         'resume with bin/launch -n %d' % (path, old.get('workers', 1), data_id['workers'],
@@ -809,6 +811,9 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         with _on_write_error(cfg, complete=False):
             _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
+        # The loader's workers end here, not at some later garbage collection or at exit:
+        # the search and the export need none, and their memory is freed for them.
+        loader.close()
         recorder.close()
     tuned = None
     with _AfterTraining(cfg, recorder, state) as after, _on_write_error(cfg, complete=True):

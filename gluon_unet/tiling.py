@@ -27,6 +27,11 @@ the image - following one of three modes:
 ``auto`` tiles images larger than the training size and treats smaller ones like
 training did: resized, or padded whole for models trained on native-resolution crops.
 
+Every mode keeps the network's input shapes clear of those MXNet 1.9.1's CPU build dies
+on (:mod:`gluon_unet.limits`: a whole image 2048 px high and 1024 or 2048 wide, tiles of
+2048 px): it pads a little further (a few multiples of ``2**depth`` more of reflected
+border, cropped away like the rest).
+
 A U-Net pools by ``2**depth``, so it is only shift-equivariant by multiples of that: every
 window must start at a multiple of it in image coordinates, or its pooling grid differs
 from that of its neighbours (and of a whole-image pass), which shows as seams and a
@@ -39,6 +44,7 @@ import cv2
 import numpy as np
 
 from .errors import UserError
+from .limits import safe_square, safe_window
 
 MODES = ('auto', 'resize', 'tile', 'whole')
 #: The 8 symmetries of the square: (quarter turns, horizontal flip).
@@ -165,13 +171,20 @@ class WindowPlan:
             yield y, x, window
 
 
+def head_channels(meta):
+    """Output channels of an export's network (its last, 1x1, convolution)."""
+    outputs = meta.get('outputs') or ['foreground']
+    return int(meta.get('classes') or 1) + len(outputs) - 1
+
+
 def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
     """The :class:`WindowPlan` of an (H, W) or (H, W, C) uint8 image.
 
     Parameters
     ----------
     meta : dict
-        Export sidecar: ``train_size``, ``multiple`` (``2**depth``), ``resize_mode``.
+        Export sidecar: ``train_size``, ``multiple`` (``2**depth``), ``resize_mode``
+        (and ``classes``, ``outputs``).
     mode : {'auto', 'resize', 'tile', 'whole'}
     overlap : float
         Tile mode: fraction of the tile shared with its neighbour.
@@ -182,36 +195,44 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
         image = image[..., None]
     h, w = image.shape[:2]
     mode = choose_mode(mode, h, w, meta)
+    outputs, multiple = head_channels(meta), pooling_multiple(meta)
     if mode == 'resize':
-        return _plan_resize(image, tile_size(meta))
+        return _plan_resize(image, tile_size(meta), multiple, outputs)
     x = image.transpose(2, 0, 1)  # stays uint8 until a window is cut out
     if mode == 'whole':
-        return _plan_whole(x, pooling_multiple(meta), buckets)
-    return _plan_tiles(x, tile_size(meta), pooling_multiple(meta), overlap)
+        return _plan_whole(x, multiple, buckets, outputs)
+    return _plan_tiles(x, safe_square(tile_size(meta), multiple, outputs), multiple, overlap)
 
 
-def _plan_resize(image, size):
-    """One window: the image resized to ``size`` x ``size``, the result resized back."""
+def _plan_resize(image, size, multiple=1, outputs=1):
+    """One window: the image resized to ``size`` x ``size``, the result resized back (the
+    window reflect-padded further if the network cannot run on that size)."""
     h, w = image.shape[:2]
     # INTER_AREA on the uint8 image, as the training loader resized it.
     small = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
     source = small.transpose(2, 0, 1).astype(np.float32) / 255
+    side = safe_square(size, multiple, outputs)
+    if side != size:  # the network runs on a larger window: the border is reflected, then cut away
+        source = reflect_pad(source, 0, side - size, 0, side - size)
 
     def to_image(maps):  # (K, size, size) or one (size, size) map
+        maps = maps[..., :size, :size]
         if maps.ndim == 2:
             return cv2.resize(maps, (w, h), interpolation=cv2.INTER_LINEAR)
         return np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps])
-    return WindowPlan('resize', source, [(0, 0)], (size, size), 1.0, to_image)
+    return WindowPlan('resize', source, [(0, 0)], (side, side), 1.0, to_image)
 
 
-def _plan_whole(x, multiple, buckets=False):
+def _plan_whole(x, multiple, buckets=False, outputs=1):
     """One window: the (C, H, W) image reflect-padded to sides that are multiples of
-    ``multiple`` (with ``buckets``, to :func:`bucket_side`)."""
+    ``multiple`` (with ``buckets``, to :func:`bucket_side`), and further where the network
+    could not run on those (:func:`~gluon_unet.limits.safe_window`)."""
     if buckets:
         pad_h, pad_w = (bucket_side(n, multiple) - n for n in x.shape[1:])
     else:
         pad_h, pad_w = padding_to_multiple(x.shape[1], multiple), padding_to_multiple(x.shape[2], multiple)
-    return _padded_plan('whole', x, pad_h, pad_w, 0, multiple, None, 1.0)
+    height, width = safe_window(x.shape[1] + pad_h, x.shape[2] + pad_w, multiple, outputs)
+    return _padded_plan('whole', x, height - x.shape[1], width - x.shape[2], 0, multiple, None, 1.0)
 
 
 def _plan_tiles(x, size, multiple, overlap):

@@ -255,8 +255,8 @@ def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):
     # A "loader" that leaves a child behind which ignores SIGTERM, and never returns.
     _fake_package(tmp_path / 'hangs', '    if os.fork() == 0:\n        signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
                                       '    time.sleep(3600)\n')
-    assert stress_loader_exit.run_once(str(tmp_path / 'ok'), timeout=60)[0] is False
-    hung, err = stress_loader_exit.run_once(str(tmp_path / 'hangs'), timeout=8)
+    assert stress_loader_exit.run_once(str(tmp_path / 'ok'), timeout=60)[:2] == (False, 0)
+    hung, code, err = stress_loader_exit.run_once(str(tmp_path / 'hangs'), timeout=8)
     assert hung and 'make_loader' in err  # the stack it was asked for at the time-out
     left = pids_with(str(tmp_path / 'hangs'))
     assert not left, 'processes left behind: %s' % left
