@@ -289,7 +289,9 @@ def trainer_state(trainer):
         'layout': layout,
         'num_update': int(opt.num_update),
         'begin_num_update': int(opt.begin_num_update),
-        # Per-device update counts (Adam's bias correction reads them), by device id.
+        # Per-device update counts (Adam's bias correction reads them), by device id as
+        # MXNet keeps them; load_trainer_state gives every device of the resumed run its
+        # parameter's count, whichever ids these are.
         'index_update_counts': {str(dev): {_index_key(i): int(n) for i, n in counts.items()}
                                 for dev, counts in opt._all_index_update_counts.items()},
         'lr_scheduler': None if sched is None else {
@@ -321,9 +323,23 @@ def load_trainer_state(trainer, arrays, record, path='checkpoint'):
         raise UserError('checkpoint %s is damaged: optimizer state %s is missing' % (path, exc)) from None
     opt.num_update = record['num_update']
     opt.begin_num_update = record['begin_num_update']
-    opt._all_index_update_counts = {int(dev): {_index_from_key(k): n for k, n in counts.items()}
-                                    for dev, counts in record['index_update_counts'].items()}
-    opt._all_index_update_counts.setdefault(0, {})
+    # MXNet counts each parameter's updates per device id (Updater.__call__ ->
+    # Optimizer._set_current_context(weight.context.device_id)), and Adam's bias
+    # correction reads that count: a device id the checkpoint lacks would restart at t=1
+    # and its weight copy drift from the others. Which ids count depends on the device
+    # count - one per device without update_on_kvstore; with it, the merge buffer's GPU
+    # of each key (CommDevice::InitMergeBuffer spreads keys over the GPUs) or
+    # cpu_pinned(0) on CPU - so the saved ids need not be this run's. Every device
+    # updates every parameter at every step, so a parameter has one true count (the
+    # largest saved, also in checkpoints a resume onto more devices wrote before this
+    # fix): every device id this trainer can update on gets it.
+    counts = {}
+    for per_device in record['index_update_counts'].values():
+        for k, n in per_device.items():
+            index = _index_from_key(k)
+            counts[index] = max(int(n), counts.get(index, 0))
+    device_ids = {0} | {ctx.device_id for ctx in trainer._contexts}
+    opt._all_index_update_counts = {dev: dict(counts) for dev in sorted(device_ids)}
     opt._index_update_count = opt._all_index_update_counts[0]
     if sched is not None:
         for k in _SCHEDULER_PROGRESS:

@@ -284,3 +284,68 @@ def check_loader_pins_memory(pin_device):
     batch = next(iter(loader))
     assert all(a.context == mx.Context('cpu_pinned', pin_device) for a in batch), [a.context for a in batch]
     return batch
+
+
+# -- resume on another number of devices ----------------------------------------------------
+
+RESUME_STEPS = 6  # the unbroken run; the broken one stops after half and resumes
+RESUME_MODES = {  # name -> (update_on_kvstore, clip_grad)
+    'kvstore': (True, 0.0),
+    'local': (False, 0.0),
+    'clip': (False, 1e-3),  # clipping needs the update off the kvstore; 1e-3 always bites
+}
+
+
+def _resume_batches():
+    rng = np.random.RandomState(0)
+    x = rng.rand(RESUME_STEPS, 6, 1, 8, 8).astype(np.float32)  # 6 over 4 devices: 2, 2, 1, 1
+    y = (rng.rand(RESUME_STEPS, 6, 1, 8, 8) > 0.5).astype(np.float32)
+    return x, y
+
+
+def tiny_conv_net(ctxs):
+    """Two 3x3 convolutions (1 -> 4 -> 1 channels), the same initial weights every time."""
+    mx.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Conv2D(4, 3, padding=1, in_channels=1, activation='relu'),
+            mx.gluon.nn.Conv2D(1, 3, padding=1, in_channels=4))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    return net
+
+
+def resume_run(ctxs, optimizer, mode, steps, resume=None, save=None):
+    """Train :func:`tiny_conv_net` on ``ctxs`` over batches ``steps`` (numbers), from the
+    checkpoint ``resume`` if given, writing ``save`` at the end if given; the replicas'
+    parameters ``{name: [array per device]}``."""
+    from gluon_unet.checkpoint import load_checkpoint, save_checkpoint
+    update_on_kvstore, clip = RESUME_MODES[mode]
+    net = tiny_conv_net(ctxs)
+    trainer = make_trainer(net.collect_params(), optimizer, 0.01, ctxs, update_on_kvstore=update_on_kvstore,
+                           weight_decay=1e-2)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs, clip_grad=clip)
+    if resume:
+        load_checkpoint(resume, net, trainer, ctx=ctxs)
+    x, y = _resume_batches()
+    for s in steps:
+        step(mx.nd.array(x[s]), mx.nd.array(y[s]), mx.nd.ones(y[s].shape))
+    if save:
+        save_checkpoint(save, net, trainer, {'epoch': 1})
+    return {k: [d.asnumpy() for d in p.list_data()] for k, p in net._collect_params_with_prefix().items()}
+
+
+def check_resume_across_device_counts(make_ctxs, before, after, optimizer, mode, folder, tol=1e-6,
+                                      unbroken=None):
+    """``RESUME_STEPS // 2`` steps on ``before`` devices, checkpointed and resumed on
+    ``after`` for the rest: every device's parameters equal those of the unbroken run on
+    ``before`` devices (``unbroken``: its result, when the caller keeps it). Returns the
+    largest difference."""
+    path = os.path.join(str(folder), 'half.ckpt')
+    half = RESUME_STEPS // 2
+    resume_run(make_ctxs(before), optimizer, mode, range(half), save=path)
+    got = resume_run(make_ctxs(after), optimizer, mode, range(half, RESUME_STEPS), resume=path)
+    expected = unbroken or resume_run(make_ctxs(before), optimizer, mode, range(RESUME_STEPS))
+    worst = max(float(np.abs(d - expected[k][0]).max()) for k, datas in got.items() for d in datas)
+    print('%s %s, %d -> %d devices: max |resumed - unbroken| over every device = %.2e'
+          % (optimizer, mode, before, after, worst))
+    assert worst <= tol, 'a device drifted from the unbroken run by %.2e' % worst
+    return worst
