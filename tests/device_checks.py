@@ -147,15 +147,16 @@ def check_running_stats_match_imperative(make_ctxs, ndev, tiny, tol=CPU_TOL, ste
 
 # -- SyncBatchNorm --------------------------------------------------------------------------
 
-def sync_bn_params(cfg, ctxs, x, y, steps=2):
-    """Parameters (running statistics included) after ``steps`` SGD steps on ``ctxs``."""
+def sync_bn_params(cfg, ctxs, x, y, steps=2, outputs=False):
+    """Parameters (running statistics included) after ``steps`` SGD steps on ``ctxs``
+    (and the step's results, with ``outputs``)."""
     net = build_network(cfg, ctxs)
     trainer = make_trainer(net.collect_params(), 'sgd', 0.5, ctxs, momentum=0.0)
     step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs, sync_bn=cfg.sync_bn)
-    for _ in range(steps):
-        step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape))
+    outs = [step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape)) for _ in range(steps)]
     mx.nd.waitall()
-    return {k: p.list_data()[0].asnumpy() for k, p in net._collect_params_with_prefix().items()}
+    params = {k: p.list_data()[0].asnumpy() for k, p in net._collect_params_with_prefix().items()}
+    return (params, outs) if outputs else params
 
 
 def check_sync_bn_matches_whole_batch(make_ctxs, tiny, tol=1e-4):
@@ -173,6 +174,30 @@ def check_sync_bn_matches_whole_batch(make_ctxs, tiny, tol=1e-4):
     print('sync-bn vs whole-batch BN: %.2e; per-device BN vs whole-batch BN: %.2e' % (diff, gap))
     assert diff <= tol
     assert gap > 10 * max(diff, 1e-6), 'per-device BN must differ, or this test proves nothing'
+
+
+def check_sync_bn_uneven_batch_matches_one_device(make_ctxs, tiny, ndev=3, n=8, tol=1e-4):
+    """SyncBatchNorm averages the devices' statistics with equal weights
+    (``sync_batch_norm-inl.h``, ``SharedND::MeanReady``), so a batch of ``n`` that does not
+    divide over ``ndev`` devices (8 on 3: 3, 3, 2) would get wrong statistics. The step
+    trains on the largest multiple of ``ndev`` (6) and says so; that equals BatchNorm over
+    those samples on one device - weights and running statistics, after two steps."""
+    images, masks, _ = synthetic_nuclei(n, size=32, seed=5)
+    x = images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    y = masks[:, None].astype(np.float32)
+    used = n - n % ndev
+    assert 0 < used < n, 'the batch must not divide, or this test proves nothing'
+    synced, outs = sync_bn_params(tiny(batch_norm=True, sync_bn=True), make_ctxs(ndev), x, y, outputs=True)
+    whole = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(1), x[:used], y[:used])
+    all_n = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(1), x, y)
+    diff, gap = max_diff(synced, whole), max_diff(all_n, whole)
+    print('sync-bn, %d of %d samples on %d devices vs one device on them: %.2e (on all %d: %.2e)'
+          % (used, n, ndev, diff, n, gap))
+    assert diff <= tol
+    assert gap > 10 * max(diff, 1e-6), 'the left-out samples must matter, or this test proves nothing'
+    assert [o['samples'] for o in outs] == [used, used] and [o['dropped'] for o in outs] == [n - used] * 2
+    assert [sum(o['per_device']) for o in outs] == [used, used]
+    return diff
 
 
 # -- mixed precision ------------------------------------------------------------------------

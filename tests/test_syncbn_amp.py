@@ -8,7 +8,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from device_checks import check_amp_trains_and_exports_float32, check_sync_bn_matches_whole_batch, cpu_contexts
+from device_checks import (check_amp_trains_and_exports_float32, check_sync_bn_matches_whole_batch,
+                           check_sync_bn_uneven_batch_matches_one_device, cpu_contexts)
+from gluon_unet.engine import fit
+from gluon_unet.errors import UserError
 
 
 # The assertions live in device_checks, shared with the GPU lane (tests/test_gpu.py).
@@ -18,8 +21,20 @@ def test_sync_bn_on_two_devices_equals_batchnorm_over_the_whole_batch(tiny):
     check_sync_bn_matches_whole_batch(cpu_contexts, tiny, tol=1e-4)
 
 
+def test_sync_bn_on_3_devices_with_a_batch_of_8_equals_one_device_on_the_samples_it_trains(tiny):
+    # 3, 3, 2 would weigh the third device's statistics as much as the others'.
+    check_sync_bn_uneven_batch_matches_one_device(cpu_contexts, tiny, ndev=3, n=8)
+
+
+def test_sync_bn_refuses_a_batch_size_that_does_not_divide_over_the_devices(tiny):
+    with pytest.raises(UserError, match=r'^--batch-size 8 does not divide over the 3 devices: .* use --batch-size '
+                                        r'6 or 9, or train without --sync-bn$'):
+        fit(tiny(batch_norm=True, sync_bn=True, cpus=3, batch_size=8), verbose=False)
+    assert not os.path.exists(tiny().output)
+
+
 def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(tmp_path):
-    # 10 training images, batch 4 on 3 devices: the last batch has 2 samples < 3 devices.
+    # 10 training images, batch 3 on 3 devices: the last batch has 1 sample < 3 devices.
     # A regression deadlocks inside MXNet (SyncBatchNorm's barrier has no timeout), so it
     # runs in a child process with a time limit: a hang fails the test, not the CI job.
     script = textwrap.dedent('''
@@ -28,7 +43,7 @@ def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(
         from conftest import tiny_config
         from gluon_unet.engine import fit
         cfg = tiny_config(pathlib.Path(sys.argv[1]), batch_norm=True, sync_bn=True, cpus=3,
-                          synthetic_count=11, val_split=0.1, batch_size=4, epochs=1)
+                          synthetic_count=11, val_split=0.1, batch_size=3, epochs=1)
         print(json.dumps([r['train_loss'] for r in fit(cfg, verbose=False)]))
     ''')
     try:
@@ -39,6 +54,8 @@ def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(
     assert done.returncode == 0, done.stderr[-2000:]
     losses = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(losses) == 1 and np.isfinite(losses[0])
+    log = (tmp_path / 'run' / 'train.log').read_text()
+    assert 'epoch 1: 1 sample(s) of the last batch left out: with --sync-bn each of the 3 devices' in log
 
 
 @pytest.mark.usefixtures('requires_bf16')
