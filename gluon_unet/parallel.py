@@ -111,6 +111,8 @@ class DataParallelStep:
         self.workers = max(1, int(workers))
         self._params = None
         self._watch = sync_bn  # the first step with SyncBatchNorm runs under a watchdog
+        # SyncBatchNorm on CPU contexts: each step waits for the previous one (see __call__).
+        self._serialize = sync_bn and len(self.ctxs) > 1 and any(c.device_type == 'cpu' for c in self.ctxs)
         self._first_update = True
 
     def usable(self, batch_samples):
@@ -143,6 +145,18 @@ class DataParallelStep:
                              'needs an equal share); check runnable() first' % (given, len(self.ctxs)))
         if n < given:
             arrays = [a[:n] for a in arrays]
+        if self._serialize:
+            # SyncBatchNorm's operators wait at a barrier inside the engine, holding what
+            # they hold, and on CPU contexts much is shared between the devices: one pool of
+            # scratch buffers for all of them (MXNET_CPU_TEMP_COPY copies, src/resource.cc;
+            # an operator holds its buffer from the moment the buffer is free, also while it
+            # still waits for its inputs), and the worker of cpu(0), which runs every copy
+            # out of the batch and every wait of the host (ThreadedEngine::WaitForVar pushes
+            # onto Context::CPU()). With the next step queued behind the unfinished one, a
+            # device could wait at the barrier for another that waits for it: fit(sync_bn=True,
+            # cpus=3) with MXNET_CPU_TEMP_COPY=1 hung 6 runs of 6, with this wait none of
+            # many (tests/test_syncbn_amp.py). GPUs have a pool and workers each: no wait.
+            mx.nd.waitall()
         # Samples behind the summed gradient: every worker's batch has the same size
         # (EpochSampler pads the shards to whole batches).
         total = n * self.workers
