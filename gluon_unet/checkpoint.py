@@ -36,7 +36,11 @@ def save_checkpoint(path, net, trainer, meta, average=None):
         arrays = {'param:' + name: w for name, w in weights.items()}
     else:
         arrays = {'train:' + name: w for name, w in weights.items()}
-        arrays.update({'param:' + name: a for name, a in average.arrays.items()})
+        # From the CPU: the average lives on the first training device, and mx.nd.load puts
+        # an array saved from a GPU back on that GPU id whenever one is visible
+        # (NDArray::Load, src/ndarray/ndarray.cc) - in export or predict, a CUDA context on
+        # whatever card has that number there.
+        arrays.update({'param:' + name: a.as_in_context(mx.cpu()) for name, a in average.arrays.items()})
     meta = dict(meta, format=FORMAT)
     if trainer is not None:
         opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
@@ -213,7 +217,7 @@ def resolve_resume(resume, output):
 
 
 def _bytes_array(b):
-    return mx.nd.array(np.frombuffer(b, dtype=np.uint8), dtype=np.uint8)
+    return mx.nd.array(np.frombuffer(b, dtype=np.uint8), ctx=mx.cpu(), dtype=np.uint8)
 
 
 # -- optimizer state without pickle ---------------------------------------------------------

@@ -374,3 +374,70 @@ def check_resume_across_device_counts(make_ctxs, before, after, optimizer, mode,
           % (optimizer, mode, before, after, worst))
     assert worst <= tol, 'a device drifted from the unbroken run by %.2e' % worst
     return worst
+
+
+# -- what a checkpoint file holds -----------------------------------------------------------
+
+def saved_contexts(path):
+    """``{name: (device_type, device_id)}`` of every array in an ``mx.nd.save`` file, read
+    from the file itself: ``mx.nd.load`` cannot tell (it puts a CPU array on cpu(0) and a
+    GPU array on CPU when no GPU is visible). The layout is ``NDArray::Save`` of MXNet 1.9.1
+    (src/ndarray/ndarray.cc): list magic 0x112, reserved, count, then per array magic,
+    storage type, shape (int32 ndim, int64 dims), context (int32 type, int32 id: 1 cpu,
+    2 gpu, 3 cpu_pinned, 5 cpu_shared), dtype, data; then the names."""
+    import struct
+    sizes = {0: 4, 1: 8, 2: 2, 3: 1, 4: 4, 5: 1, 6: 8, 7: 1, 12: 2}
+    with open(path, 'rb') as f:
+        buf = f.read()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        values = struct.unpack_from('<' + fmt, buf, pos)
+        pos += struct.calcsize('<' + fmt)
+        return values
+
+    header, _, count = take('QQQ')
+    assert header == 0x112, 'not an mx.nd.save file: %s' % path
+    contexts = []
+    for _ in range(count):
+        magic, stype = take('Ii')
+        assert magic in (0xF993FAC9, 0xF993FACA) and stype == 0, (hex(magic), stype)  # dense arrays only
+        ndim, = take('i')
+        shape = take('%dq' % ndim) if ndim > 0 else ()
+        dev_type, dev_id, dtype = take('iii')
+        contexts.append((dev_type, dev_id))
+        pos += int(np.prod(shape)) * sizes[dtype]
+    names = []
+    n_names, = take('Q')
+    for _ in range(n_names):
+        length, = take('Q')
+        names.append(buf[pos:pos + length].decode())
+        pos += length
+    assert pos == len(buf) and len(names) == count
+    return dict(zip(names, contexts))
+
+
+def check_ema_checkpoint_holds_only_cpu_arrays(ctxs, folder):
+    """A checkpoint of an ``--ema`` run on ``ctxs`` (the average lives on ``ctxs[0]``)
+    holds every array as saved from cpu(0): weights, average, optimizer state, record."""
+    from gluon_unet.averaging import WeightAverage
+    from gluon_unet.checkpoint import save_checkpoint
+    from gluon_unet.config import ModelConfig
+    from gluon_unet.model import build_model
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2, batch_norm=True))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    net(mx.nd.zeros((1, 1, 32, 32), ctx=ctxs[0]))
+    trainer = make_trainer(net.collect_params(), 'adam', 1e-3, ctxs, update_on_kvstore=False)
+    average = WeightAverage(net, ctxs, 0.9)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs)
+    x, y = uneven_batches()[0]
+    step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape))
+    average.update(1)
+    path = os.path.join(str(folder), 'ema.ckpt')
+    save_checkpoint(path, net, trainer, {'epoch': 1}, average=average)
+    found = saved_contexts(path)
+    assert any(k.startswith('opt:') for k in found) and any(k.startswith('train:') for k in found)
+    elsewhere = {k: v for k, v in found.items() if v != (1, 0)}
+    assert not elsewhere, 'saved from another device than cpu(0): %s' % sorted(elsewhere.items())[:3]
+    return found
