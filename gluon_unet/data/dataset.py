@@ -19,6 +19,7 @@ import numpy as np
 from mxnet import gluon
 
 from ..errors import UserError
+from .pinned import PinnedRing
 from .targets import make_target, separate_touching
 
 
@@ -296,8 +297,11 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
 
     Call :func:`set_loader_epoch` before each epoch to reshuffle. With ``pin_device``
     (a GPU id), batches arrive in page-locked memory, which the copies to the GPUs read
-    without a staging copy. Batches are ``(image, target)`` or, when the dataset has a
-    ``weight_fn``, ``(image, target, weight)``.
+    without a staging copy: a few buffers reused batch after batch
+    (:class:`~gluon_unet.data.pinned.PinnedRing`; a batch is valid until 3 more were
+    drawn), not Gluon's ``pin_memory``, which locks and frees new memory every batch.
+    Batches are ``(image, target)`` or, when the dataset has a ``weight_fn``,
+    ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
                            block=batch_size, groups=groups, power=power, epoch_length=epoch_length)
@@ -308,14 +312,12 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         # release it; processes with a small prefetch keep memory bounded.
         kwargs = dict(num_workers=workers, prefetch=2 * workers)
         check_shared_memory(dataset, batch_size, 2 * workers)
-    if pin_device is not None:
-        kwargs.update(pin_memory=True, pin_device_id=pin_device)
     shutdown = _WorkerShutdown() if workers > 0 else None
     with _workers_survive_sigterm(shutdown):  # Gluon forks the workers right here
         loader = gluon.data.DataLoader(dataset, batch_sampler=batches, **kwargs)
     if shutdown is not None:
         shutdown.guard(getattr(loader, '_worker_pool', None))
-    return _Loader(loader, sampler, workers)
+    return _Loader(loader, sampler, workers, pin=PinnedRing(pin_device) if pin_device is not None else None)
 
 
 class _WorkerShutdown:
@@ -404,8 +406,9 @@ def _workers_survive_sigterm(shutdown):
 class _Loader:
     """The DataLoader, with its sampler at hand and its worker time-out said plainly."""
 
-    def __init__(self, loader, epoch_sampler, workers):
+    def __init__(self, loader, epoch_sampler, workers, pin=None):
         self.loader, self.epoch_sampler, self.workers = loader, epoch_sampler, workers
+        self.pin = pin  # a PinnedRing, or None
 
     def __len__(self):
         return len(self.loader)
@@ -422,7 +425,7 @@ class _Loader:
                                 'through shared memory (/dev/shm, %s): in Docker start the container with '
                                 '--shm-size=2g or more, or lower --workers or --batch-size (--workers 0 loads in '
                                 'the main process)' % (self.workers, _shm_free_text())) from None
-            yield batch
+            yield batch if self.pin is None else self.pin(batch)
 
 
 def _shm_free():
