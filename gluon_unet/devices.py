@@ -505,7 +505,11 @@ def probe_gpu(device_id):
     """
     import mxnet as mx
     try:
-        _probe_kernels(mx.gpu(device_id))
+        with _native_stderr_silenced():  # the C++ side logs a failure there too; the line below says it
+            try:
+                _probe_kernels(mx.gpu(device_id))
+            finally:
+                _clear_engine_errors()
         return None
     except (mx.base.MXNetError, RuntimeError) as exc:
         cause = mxnet_message(exc, limit=300)
@@ -523,6 +527,21 @@ def probe_gpu(device_id):
     elif 'CUDNN' in cause.upper():
         hint = ' (cuDNN: check that the cuDNN libraries match %s)' % _build_name()
     return '%s failed a test kernel: %s%s' % (label, cause, hint)
+
+
+def _clear_engine_errors():
+    """Take the errors of failed operators out of MXNet's engine.
+
+    Reading one failed array rethrows its error, but the engine keeps every failed
+    operator's error until the next ``waitall`` (``ThreadedEngine::WaitForAll``,
+    ``global_exception_refs_``), and the one at exit (``MXNotifyShutdown``) would print
+    it as "Exception ignored in atexit callback: _notify_shutdown ...": a second
+    message after the probe's one line. Their message is the one already caught."""
+    import mxnet as mx
+    try:
+        mx.nd.waitall()
+    except mx.base.MXNetError:
+        pass
 
 
 def _reset_gpu_caches():
@@ -645,11 +664,8 @@ def cpu_bfloat16_support():
                 # The probe's other failed operators keep their errors in the engine, which
                 # rethrows one at exit ('Exception ignored in atexit callback:
                 # _notify_shutdown ... could not create a primitive descriptor iterator', seen
-                # under doctor on Zen 3): a waitall rethrows and clears them, here.
-                try:
-                    mx.nd.waitall()
-                except mx.base.MXNetError:
-                    pass
+                # under doctor on Zen 3).
+                _clear_engine_errors()
     except mx.base.MXNetError as exc:
         return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:

@@ -13,6 +13,7 @@ so the one-line messages a user with a GPU would read are tested here.
 import ctypes
 import os
 import subprocess
+import sys
 
 import mxnet as mx
 import pytest
@@ -292,3 +293,44 @@ def test_context_names_without_renumbering():
     assert devices.context_names([mx.cpu(0), mx.cpu(1)]) == 'cpu(0),cpu(1)'
     if 'CUDA_VISIBLE_DEVICES' not in os.environ:
         assert devices.context_names([mx.gpu(0), mx.gpu(1)]) == 'gpu(0),gpu(1)'
+
+
+# A GPU that fails the probe, on this CPU machine: the fakes of fake_gpus, and probe kernels
+# whose operators fail inside MXNet's engine (LAPACK refuses a matrix that is not positive
+# definite), the first read rethrowing one error and the other failed operator left behind,
+# as on a GPU without kernels for this build.
+PROBE_FAILS_IN_THE_ENGINE = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import mxnet as mx
+from gluon_unet import devices
+from gluon_unet.cli import train_main
+
+def failing_kernels(ctx):
+    bad = mx.nd.array([[-1.0]])
+    first = mx.nd.linalg.potrf(bad)
+    second = mx.nd.linalg.potrf(bad * 2)
+    first.asnumpy()
+
+devices._cuda_enabled = lambda: True
+devices._mxnet_gpu_count = lambda: 1
+devices.gpu_properties = lambda i: ('NVIDIA H100 80GB HBM3', (9, 0))
+devices._mxnet_distribution = lambda: 'mxnet-cu117'
+devices._probe_kernels = failing_kernels
+sys.exit(train_main(['--gpus', '0', '--output', sys.argv[2], '--no-progress']))
+'''
+
+
+def test_a_failed_probe_prints_one_line_and_leaves_no_error_in_the_engine(tmp_path):
+    # The failed operators' errors stayed in the engine, and the waitall at exit printed
+    # one of them again: "Exception ignored in atexit callback: _notify_shutdown ...".
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop('CUDA_VISIBLE_DEVICES', None)
+    done = subprocess.run([sys.executable, '-c', PROBE_FAILS_IN_THE_ENGINE, root, str(tmp_path / 'run')],
+                          capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith('error: --gpus 0: GPU 0 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run this MXNet '
+                               'build: Check failed: ret == 0')
+    assert not (tmp_path / 'run').exists()
