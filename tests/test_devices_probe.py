@@ -81,8 +81,7 @@ def test_a_gpu_without_kernels_in_this_build_stops_gpus_in_one_line(fake_gpus):
     assert _error('3') == (
         '--gpus 3: GPU 3 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run this MXNet build: no kernel image is '
         'available for execution on the device (mxnet-cu117 has kernels for compute 5.0-8.6 only: Maxwell to '
-        'Ada; Hopper (compute 9.0) and newer GPUs need MXNet built from source with CUDA >= 11.8 and their '
-        'compute capability in MXNET_CUDA_ARCH)')
+        'Ada; Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8 and 9.0 in MXNET_CUDA_ARCH)')
     # In a list, the first GPU that fails is named.
     assert _error('0-7').startswith('--gpus 0-7: GPU 3 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run')
 
@@ -93,7 +92,20 @@ def test_the_message_does_without_name_and_capability(fake_gpus, monkeypatch):
     fake_gpus['fail'][0] = NO_KERNEL_IMAGE
     msg = _error('0')
     assert msg.startswith('--gpus 0: GPU 0 cannot run this MXNet build: no kernel image is available')
-    assert 'need MXNet built from source' in msg
+    assert 'Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8' in msg
+    assert 'Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8' in msg
+
+
+def test_a_blackwell_gpu_is_not_sent_to_cuda_11_8(fake_gpus):
+    # CUDA 11.8 compiles for compute 9.0 at most; sm_100 / sm_120 need CUDA 12.8, which
+    # MXNet 1.9.1 does not build with.
+    fake_gpus['props'][0] = ('NVIDIA B200', (10, 0))
+    fake_gpus['fail'][0] = NO_KERNEL_IMAGE
+    msg = _error('0')
+    assert msg.startswith('--gpus 0: GPU 0 (NVIDIA B200, compute 10.0) cannot run this MXNet build: no kernel image')
+    assert msg.endswith('Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8, which MXNet 1.9.1 does not build '
+                        'with: no MXNet 1.9.1 runs on it (train with --cpus))')
+    assert '11.8' not in msg
 
 
 def test_other_probe_failures_name_the_gpu_and_the_cause(fake_gpus):
