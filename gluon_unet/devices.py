@@ -460,14 +460,18 @@ def _arch_advice(cc):
         parts.append('%s has kernels for compute %d.%d-%d.%d only: %s to %s' % (
             _build_name(), lo[0], lo[1], hi[0], hi[1], _GENERATIONS.get(lo[0], '?').split('/')[0],
             _GENERATIONS.get(hi[0], '?').split('/')[-1]))
-    if cc is None or cc[0] == 9:
-        parts.append('Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8 and 9.0 in '
-                     'MXNET_CUDA_ARCH')
-    if cc is None or cc[0] >= 10:
-        # CUDA 11.8 compiles for compute 9.0 at most; Blackwell needs CUDA 12.8, which MXNet
-        # 1.9.1 does not build with (apache/mxnet#21190).
-        parts.append('Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8, which MXNet 1.9.1 does not build '
-                     'with: no MXNet 1.9.1 runs on it (train with --cpus)')
+    hopper = ('Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8 and 9.0 in '
+              'MXNET_CUDA_ARCH')
+    # CUDA 11.8 compiles for compute 9.0 at most; Blackwell needs CUDA 12.8, which MXNet
+    # 1.9.1 does not build with (apache/mxnet#21190).
+    blackwell = ('Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8, which MXNet 1.9.1 does not build '
+                 'with: no MXNet 1.9.1 runs on it (train with --cpus)')
+    if cc is None:
+        parts += [hopper, blackwell]
+    elif cc[0] == 9:
+        parts.append(hopper)
+    elif cc[0] >= 10:
+        parts.append(blackwell)
     elif not archs:
         parts.append('rebuild MXNet with %d.%d in MXNET_CUDA_ARCH' % cc)
     elif cc[0] < archs[0][0]:
