@@ -154,8 +154,10 @@ class DataParallelStep:
             # out of the batch and every wait of the host (ThreadedEngine::WaitForVar pushes
             # onto Context::CPU()). With the next step queued behind the unfinished one, a
             # device could wait at the barrier for another that waits for it: fit(sync_bn=True,
-            # cpus=3) with MXNET_CPU_TEMP_COPY=1 hung 6 runs of 6, with this wait none of
-            # many (tests/test_syncbn_amp.py). GPUs have a pool and workers each: no wait.
+            # cpus=3) with MXNET_CPU_TEMP_COPY=1 hung 6 runs of 6, and width 16 at 128 px with
+            # the 96 buffers bin/train sets for 3 contexts 2 of 2; with this wait none of
+            # many (tests/test_syncbn_amp.py), at the same speed (3 contexts: 6.01 against
+            # 6.06 images/s). GPUs have a pool and workers each: no wait.
             mx.nd.waitall()
         # Samples behind the summed gradient: every worker's batch has the same size
         # (EpochSampler pads the shards to whole batches).
