@@ -23,7 +23,7 @@ from .devices import cpu_description
 from .devices import make_contexts
 from .losses import WEIGHTED
 from .model import flops_per_image
-from .parallel import split_batch
+from .parallel import check_sync_bn_batch, split_batch
 
 WARMUP_STEPS = 2       # the first steps create oneDNN primitives and allocate memory
 REPEATS = 5            # timed repetitions; the median is reported
@@ -109,6 +109,8 @@ def run_benchmark(cfg, warmup=None, repeats=None):
     init_amp(cfg, ctxs)
     n_dev = min(len(ctxs), cfg.batch_size)
     ctxs = ctxs[:n_dev]
+    if cfg.sync_bn:
+        check_sync_bn_batch(cfg.batch_size, n_dev)
     batch = synthetic_batch(cfg)
     step = make_training_step(cfg, ctxs)
     result = measure(step, batch, warmup, repeats)

@@ -39,7 +39,11 @@ def save_checkpoint(path, net, trainer, meta, average=None):
         arrays = {'param:' + name: w for name, w in weights.items()}
     else:
         arrays = {'train:' + name: w for name, w in weights.items()}
-        arrays.update({'param:' + name: a for name, a in average.arrays.items()})
+        # From the CPU: the average lives on the first training device, and mx.nd.load puts
+        # an array saved from a GPU back on that GPU id whenever one is visible
+        # (NDArray::Load, src/ndarray/ndarray.cc) - in export or predict, a CUDA context on
+        # whatever card has that number there.
+        arrays.update({'param:' + name: a.as_in_context(mx.cpu()) for name, a in average.arrays.items()})
     meta = dict(meta, format=FORMAT)
     if trainer is not None:
         opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
@@ -325,7 +329,7 @@ def damaged_resume(exc, resume):
 
 
 def _bytes_array(b):
-    return mx.nd.array(np.frombuffer(b, dtype=np.uint8), dtype=np.uint8)
+    return mx.nd.array(np.frombuffer(b, dtype=np.uint8), ctx=mx.cpu(), dtype=np.uint8)
 
 
 # -- optimizer state without pickle ---------------------------------------------------------
@@ -401,7 +405,9 @@ def trainer_state(trainer):
         'layout': layout,
         'num_update': int(opt.num_update),
         'begin_num_update': int(opt.begin_num_update),
-        # Per-device update counts (Adam's bias correction reads them), by device id.
+        # Per-device update counts (Adam's bias correction reads them), by device id as
+        # MXNet keeps them; load_trainer_state gives every device of the resumed run its
+        # parameter's count, whichever ids these are.
         'index_update_counts': {str(dev): {_index_key(i): int(n) for i, n in counts.items()}
                                 for dev, counts in opt._all_index_update_counts.items()},
         'lr_scheduler': None if sched is None else {
@@ -433,9 +439,23 @@ def load_trainer_state(trainer, arrays, record, path='checkpoint'):
         raise UserError('checkpoint %s is damaged: optimizer state %s is missing' % (path, exc)) from None
     opt.num_update = record['num_update']
     opt.begin_num_update = record['begin_num_update']
-    opt._all_index_update_counts = {int(dev): {_index_from_key(k): n for k, n in counts.items()}
-                                    for dev, counts in record['index_update_counts'].items()}
-    opt._all_index_update_counts.setdefault(0, {})
+    # MXNet counts each parameter's updates per device id (Updater.__call__ ->
+    # Optimizer._set_current_context(weight.context.device_id)), and Adam's bias
+    # correction reads that count: a device id the checkpoint lacks would restart at t=1
+    # and its weight copy drift from the others. Which ids count depends on the device
+    # count - one per device without update_on_kvstore; with it, the merge buffer's GPU
+    # of each key (CommDevice::InitMergeBuffer spreads keys over the GPUs) or
+    # cpu_pinned(0) on CPU - so the saved ids need not be this run's. Every device
+    # updates every parameter at every step, so a parameter has one true count (the
+    # largest saved, also in checkpoints a resume onto more devices wrote before this
+    # fix): every device id this trainer can update on gets it.
+    counts = {}
+    for per_device in record['index_update_counts'].values():
+        for k, n in per_device.items():
+            index = _index_from_key(k)
+            counts[index] = max(int(n), counts.get(index, 0))
+    device_ids = {0} | {ctx.device_id for ctx in trainer._contexts}
+    opt._all_index_update_counts = {dev: dict(counts) for dev in sorted(device_ids)}
     opt._index_update_count = opt._all_index_update_counts[0]
     if sched is not None:
         for k in _SCHEDULER_PROGRESS:

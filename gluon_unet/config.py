@@ -148,7 +148,8 @@ class TrainConfig:
                                  'its outlines are drawn as bce_dice draws them)')
     amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
     amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
-    sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices')
+    sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices (--batch-size must divide '
+                                'over them; an epoch\'s last batch is cut to a multiple of the device count)')
     hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
     memory: str = _opt('speed', 'training memory against speed, same results: speed (hybridized, static '
                                 'buffers), balanced (a bound graph recomputing BatchNorm and ReLU in backward: '

@@ -254,8 +254,9 @@ def gpu_status():
     """
     import mxnet as mx
     if not _cuda_enabled():
-        return 0, ('this mxnet build has no CUDA support (available: cpu); install mxnet-cu117 '
-                   'for GPUs, or drop --gpus and use --cpus N')
+        return 0, ('this mxnet build has no CUDA support (available: cpu); for GPUs install mxnet-cu117 '
+                   'and the CUDA 11.7 runtime, cuDNN 8 and NCCL 2 it loads (the wheel holds libmxnet.so '
+                   'only), or drop --gpus and use --cpus N')
     try:
         count = _mxnet_gpu_count()
     except mx.base.MXNetError as exc:
@@ -459,9 +460,18 @@ def _arch_advice(cc):
         parts.append('%s has kernels for compute %d.%d-%d.%d only: %s to %s' % (
             _build_name(), lo[0], lo[1], hi[0], hi[1], _GENERATIONS.get(lo[0], '?').split('/')[0],
             _GENERATIONS.get(hi[0], '?').split('/')[-1]))
-    if cc is None or cc[0] >= 9:
-        parts.append('Hopper (compute 9.0) and newer GPUs need MXNet built from source with CUDA >= 11.8 '
-                     'and their compute capability in MXNET_CUDA_ARCH')
+    hopper = ('Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8 and 9.0 in '
+              'MXNET_CUDA_ARCH')
+    # CUDA 11.8 compiles for compute 9.0 at most; Blackwell needs CUDA 12.8, which MXNet
+    # 1.9.1 does not build with (apache/mxnet#21190).
+    blackwell = ('Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8, which MXNet 1.9.1 does not build '
+                 'with: no MXNet 1.9.1 runs on it (train with --cpus)')
+    if cc is None:
+        parts += [hopper, blackwell]
+    elif cc[0] == 9:
+        parts.append(hopper)
+    elif cc[0] >= 10:
+        parts.append(blackwell)
     elif not archs:
         parts.append('rebuild MXNet with %d.%d in MXNET_CUDA_ARCH' % cc)
     elif cc[0] < archs[0][0]:
@@ -505,7 +515,11 @@ def probe_gpu(device_id):
     """
     import mxnet as mx
     try:
-        _probe_kernels(mx.gpu(device_id))
+        with _native_stderr_silenced():  # the C++ side logs a failure there too; the line below says it
+            try:
+                _probe_kernels(mx.gpu(device_id))
+            finally:
+                _clear_engine_errors()
         return None
     except (mx.base.MXNetError, RuntimeError) as exc:
         cause = mxnet_message(exc, limit=300)
@@ -523,6 +537,21 @@ def probe_gpu(device_id):
     elif 'CUDNN' in cause.upper():
         hint = ' (cuDNN: check that the cuDNN libraries match %s)' % _build_name()
     return '%s failed a test kernel: %s%s' % (label, cause, hint)
+
+
+def _clear_engine_errors():
+    """Take the errors of failed operators out of MXNet's engine.
+
+    Reading one failed array rethrows its error, but the engine keeps every failed
+    operator's error until the next ``waitall`` (``ThreadedEngine::WaitForAll``,
+    ``global_exception_refs_``), and the one at exit (``MXNotifyShutdown``) would print
+    it as "Exception ignored in atexit callback: _notify_shutdown ...": a second
+    message after the probe's one line. Their message is the one already caught."""
+    import mxnet as mx
+    try:
+        mx.nd.waitall()
+    except mx.base.MXNetError:
+        pass
 
 
 def _reset_gpu_caches():
@@ -645,11 +674,8 @@ def cpu_bfloat16_support():
                 # The probe's other failed operators keep their errors in the engine, which
                 # rethrows one at exit ('Exception ignored in atexit callback:
                 # _notify_shutdown ... could not create a primitive descriptor iterator', seen
-                # under doctor on Zen 3): a waitall rethrows and clears them, here.
-                try:
-                    mx.nd.waitall()
-                except mx.base.MXNetError:
-                    pass
+                # under doctor on Zen 3).
+                _clear_engine_errors()
     except mx.base.MXNetError as exc:
         return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:

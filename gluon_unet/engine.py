@@ -44,7 +44,7 @@ from .losses import WEIGHTED, SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
 from .paths import check_apart
-from .parallel import DataParallelStep, MirroredStep, split_batch
+from .parallel import DataParallelStep, MirroredStep, check_sync_bn_batch, split_batch
 from .recorder import RunRecorder, RunState
 from .scale import median_diameter
 from .reporting import setup_logging
@@ -364,18 +364,19 @@ def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progres
                 on_loss(at, value / n)
 
     for batch in loader:  # (image, target) or (image, target, weight)
-        n = batch[0].shape[0]
-        if not step.runnable(n):
-            skipped += n
+        if not step.runnable(batch[0].shape[0]):
+            skipped += batch[0].shape[0]
             continue
         out = step(*batch)
+        n = out['samples']  # with SyncBatchNorm, a multiple of the device count
+        skipped += out.get('dropped', 0)
         steps += 1
         images += n
         per_device[:len(out['per_device'])] += out['per_device']
         pending.append((steps, out['loss_sums'], n))
         drain(lookahead)
         if progress is not None:
-            progress.update(n)
+            progress.update(batch[0].shape[0])
             if steps % 5 == 0 and loss_total:
                 progress.set_postfix(loss='%.4f' % (loss_total / max(1, images - sum(p[2] for p in pending))),
                                      img_s='%.1f' % (images / (time.time() - t0)))
@@ -686,6 +687,8 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
     cfg.validate()
     ctxs = make_contexts(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus)  # Horovod: this process's share
+    if cfg.sync_bn:
+        check_sync_bn_batch(cfg.batch_size, len(ctxs))
     # What was asked for is checked before what this machine can do: a request that
     # cannot work anywhere must say so on every CPU, not only on those with bfloat16.
     if net is not None and cfg.amp:
@@ -1140,8 +1143,10 @@ def _run_epoch(run, epoch, state, stop, total):
         return None, []
     state.epoch, state.step_in_epoch = epoch, 0
     if stats['skipped']:
-        run.recorder.log.info('epoch %d: %d sample(s) of a batch smaller than the device count were '
-                              'skipped (SyncBatchNorm needs every device)', epoch, stats['skipped'])
+        run.recorder.log.info('epoch %d: %d sample(s) of the last batch left out: with --sync-bn each of the %d '
+                              'devices takes an equal share of a batch (SyncBatchNorm weighs every device\'s '
+                              'statistics equally); the epoch shuffles, so other samples are left out next time',
+                              epoch, stats['skipped'], len(run.ctxs))
     row = {'epoch': epoch, 'lr': run.step.trainer.learning_rate, 'train_loss': stats['train_loss'],
            'images_per_s': stats['images_per_s'], 'seconds': stats['seconds']}
     for i, n in enumerate(stats['per_device_images']):

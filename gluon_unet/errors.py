@@ -14,9 +14,11 @@ import contextlib
 import errno as _errno
 import functools
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 
 
 class UserError(Exception):
@@ -136,7 +138,48 @@ def reports_errors(main):
             print('interrupted' if signum == signal.SIGINT else 'interrupted by %s' % signal.Signals(signum).name,
                   file=sys.stderr)
             return 128 + signum
+        except OSError as exc:
+            message = library_load_error(exc)
+            if message is None:
+                raise
+            print('error: %s' % message, file=sys.stderr)
+            return 1
     return wrapper
+
+
+_MISSING_LIBRARY = re.compile(r'(lib[\w.+-]+?\.so[\d.]*): cannot open shared object file')
+# What provides the shared libraries libmxnet.so of a CUDA wheel loads (MXNet 1.9.x
+# CMakeLists.txt: CUDA::cudart, cublas, cufft, cusolver, curand, nvrtc, nvToolsExt, the
+# driver's libcuda, cuDNN, NCCL); the wheel itself holds none of them (tools/pip/setup.py
+# packages libmxnet.so, and libgfortran / libopenblas where the build has them).
+_PROVIDERS = (
+    ('libcuda.', 'the NVIDIA driver, which a CUDA build of mxnet needs even to import: install the driver (in '
+                 'Docker: --gpus all with the NVIDIA Container Toolkit), or the CPU build (pip install mxnet==1.9.1)'),
+    ('libcudnn', 'cuDNN 8 for CUDA 11: the CUDA wheels of mxnet do not ship it; install it (README, GPUs), or the '
+                 'CPU build (pip install mxnet==1.9.1)'),
+    ('libnccl', 'NCCL 2 for CUDA 11: the CUDA wheels of mxnet do not ship it; install it (README, GPUs), or the '
+                'CPU build (pip install mxnet==1.9.1)'),
+    ('libcu', 'the CUDA 11 runtime libraries (11.7 for mxnet-cu117): the CUDA wheels of mxnet do not ship them; '
+              'install them (README, GPUs), or the CPU build (pip install mxnet==1.9.1)'),
+    ('libnv', 'the CUDA 11 runtime libraries (11.7 for mxnet-cu117): the CUDA wheels of mxnet do not ship them; '
+              'install them (README, GPUs), or the CPU build (pip install mxnet==1.9.1)'),
+    ('libquadmath', 'libquadmath, which the mxnet wheels need and may not ship (GPL): apt-get install libquadmath0 '
+                    '(yum install libquadmath)'),
+)
+
+
+def library_load_error(exc):
+    """One line for an ``OSError`` raised while ``import mxnet`` loads ``libmxnet.so``
+    and a library it needs is missing (``libcudnn.so.8: cannot open shared object
+    file``): which library, what provides it, what to do. None for any other OSError."""
+    match = _MISSING_LIBRARY.search(str(exc))
+    frames = traceback.extract_tb(exc.__traceback__)
+    if match is None or not any(os.path.basename(os.path.dirname(f.filename)) == 'mxnet' for f in frames):
+        return None
+    library = match.group(1)
+    provider = next((text for prefix, text in _PROVIDERS if library.startswith(prefix)),
+                    'install it with your system\'s package manager')
+    return 'mxnet cannot load: %s is missing; it comes with %s' % (library, provider)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -323,7 +323,11 @@ def export_in_subprocess(checkpoint, out_dir):
     goes first on the child's ``PYTHONPATH`` (an existing one is kept after it), since
     the package may be importable here only through the ``bin/`` shims' ``sys.path``.
     Its environment is the user's (not the thread counts this process chose for its
-    contexts) with the defaults for one context, as ``bin/export`` would choose.
+    contexts) with the defaults for one context, as ``bin/export`` would choose, and no
+    GPU: it exports on the CPU, and with GPUs visible MXNet would create a CUDA context
+    (a few hundred MB) on the first of them - from ``user_environ()``, which leaves out
+    the ``CUDA_VISIBLE_DEVICES`` ``--gpus`` chose, that is physical GPU 0, maybe another
+    job's - as soon as anything touched one (``mx.nd.load`` does, for an array a GPU saved).
 
     Raises
     ------
@@ -333,6 +337,7 @@ def export_in_subprocess(checkpoint, out_dir):
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = user_environ()
     apply_runtime_defaults(env, contexts=1)  # the child loads mxnet as it starts
+    env['CUDA_VISIBLE_DEVICES'] = ''  # no GPU for a CPU export (see above)
     env['PYTHONPATH'] = os.pathsep.join([package_root] + [p for p in [env.get('PYTHONPATH')] if p])
     cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

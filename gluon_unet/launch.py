@@ -249,8 +249,9 @@ class Job:
 LAUNCH_EXAMPLES = """examples:
   # two workers and one server on this machine (loopback)
   gluon-unet launch -n 2 -s 1 -- gluon-unet train --kvstore dist_sync --cpus 1 --batch-size 8
-  # four machines over ssh, four GPUs each; data and output on shared storage
-  gluon-unet launch -n 4 -s 4 --launcher ssh -H hosts -- gluon-unet train --kvstore dist_sync \\
+  # four machines over ssh, four GPUs each (dist_device_sync: each worker sums its GPUs'
+  # gradients on the GPUs first); data and output on shared storage
+  gluon-unet launch -n 4 -s 4 --launcher ssh -H hosts -- gluon-unet train --kvstore dist_device_sync \\
       --gpus 0-3 --batch-size 32 --data /shared/dsb --output /shared/runs/a
 
 Keep the parameter-server ports on a private network: ps-lite unpickles what it receives."""

@@ -75,6 +75,11 @@ def make_trainer(params, optimizer, lr, ctxs, kvstore='device', update_on_kvstor
     if kvstore == 'nccl' and not any(c.device_type == 'gpu' for c in ctxs):
         raise UserError('--kvstore nccl needs GPUs (NCCL is a GPU library); use --kvstore device '
                         'or local on CPU')
+    if update_on_kvstore and len(ctxs) == 1 and isinstance(kvstore, str) and 'dist' not in kvstore:
+        # One device in one process: Gluon creates no kvstore (model._create_kvstore), and
+        # Trainer._init_kvstore then asked None whether it can run an optimizer
+        # (AttributeError). The update is local either way.
+        update_on_kvstore = None
     opt_params = {'learning_rate': lr, 'wd': weight_decay}
     if lr_scheduler is not None:
         opt_params['lr_scheduler'] = lr_scheduler

@@ -48,6 +48,17 @@ def split_batch(arrays, ctxs):
     return list(zip(*parts))
 
 
+def check_sync_bn_batch(batch_size, ndev):
+    """Refuse, in one line, a ``--batch-size`` that ``--sync-bn`` cannot split into equal
+    shares over ``ndev`` devices (see :meth:`DataParallelStep.usable`)."""
+    if ndev > 1 and batch_size % ndev:
+        lower, upper = batch_size - batch_size % ndev, batch_size - batch_size % ndev + ndev
+        choices = ('%d or %d' % (lower, upper)) if lower else str(upper)
+        raise UserError('--batch-size %d does not divide over the %d devices: --sync-bn needs an equal share on '
+                        'each (SyncBatchNorm averages the devices\' statistics with equal weights); use '
+                        '--batch-size %s, or train without --sync-bn' % (batch_size, ndev, choices))
+
+
 class DataParallelStep:
     """Forward, backward and one optimizer update over all devices.
 
@@ -71,7 +82,8 @@ class DataParallelStep:
         cost a host synchronization every step.
     sync_bn : bool
         Each device's forward runs in its own thread: SyncBatchNorm waits at a barrier
-        for all devices, so no device may wait for another's Python code.
+        for all devices, so no device may wait for another's Python code. Batches are
+        cut to a multiple of the device count (:meth:`usable`).
     workers : int
         Processes whose equal-size batches a synchronous dist kvstore sums into one
         gradient (``dist_sync``: the number of workers; 1 otherwise, also for
@@ -79,7 +91,8 @@ class DataParallelStep:
         ``step(n)`` alone would make the update ``workers`` times too large.
 
     Calling the step with ``(image, target[, weight])`` NDArrays on the CPU returns
-    ``{'loss_sums': [NDArray per device], 'samples': int, 'per_device': [int]}``; the
+    ``{'loss_sums': [NDArray per device], 'samples': int, 'dropped': int, 'per_device':
+    [int]}`` (``samples`` trained on, ``dropped`` left out: see :meth:`usable`); the
     loss sums stay on their devices until someone reads them.
     """
 
@@ -98,18 +111,58 @@ class DataParallelStep:
         self.workers = max(1, int(workers))
         self._params = None
         self._watch = sync_bn  # the first step with SyncBatchNorm runs under a watchdog
+        # SyncBatchNorm on CPU contexts: each step waits for the previous one (see __call__).
+        self._serialize = sync_bn and len(self.ctxs) > 1 and any(c.device_type == 'cpu' for c in self.ctxs)
         self._first_update = True
 
+    def usable(self, batch_samples):
+        """How many samples of a batch of ``batch_samples`` the step trains on: all of
+        them, except with SyncBatchNorm on several devices, where the largest multiple
+        of the device count (0: the batch cannot run).
+
+        SyncBatchNorm averages the devices' means and variances with equal weights
+        (MXNet 1.9.1 ``src/operator/contrib/sync_batch_norm-inl.h``,
+        ``SharedND::MeanReady``: the sum over devices / ``num_devices``), and its
+        barrier needs every device. With equal slices that is BatchNorm over the whole
+        batch; with 3, 3, 2 it is not, so the remainder is left out (``'dropped'`` in
+        the step's result). ``fit`` refuses a ``--batch-size`` that does not divide, so
+        only an epoch's last batch loses samples (other ones each epoch: it shuffles).
+        """
+        if not self.sync_bn or len(self.ctxs) == 1:
+            return batch_samples
+        return batch_samples - batch_samples % len(self.ctxs)
+
     def runnable(self, batch_samples):
-        """SyncBatchNorm's barrier needs every device: smaller batches must be skipped."""
-        return not self.sync_bn or batch_samples >= len(self.ctxs)
+        """Whether a batch of ``batch_samples`` can run at all (see :meth:`usable`)."""
+        return self.usable(batch_samples) > 0
 
     def __call__(self, image, target, weight=None):
-        n = image.shape[0]
+        arrays = [image, target] + ([] if weight is None else [weight])
+        given = image.shape[0]
+        n = self.usable(given)
+        if n == 0:
+            raise ValueError('a batch of %d sample(s) cannot run on %d devices with SyncBatchNorm (every device '
+                             'needs an equal share); check runnable() first' % (given, len(self.ctxs)))
+        if n < given:
+            arrays = [a[:n] for a in arrays]
+        if self._serialize:
+            # SyncBatchNorm's operators wait at a barrier inside the engine, holding what
+            # they hold, and on CPU contexts much is shared between the devices: one pool of
+            # scratch buffers for all of them (MXNET_CPU_TEMP_COPY copies, src/resource.cc;
+            # an operator holds its buffer from the moment the buffer is free, also while it
+            # still waits for its inputs), and the worker of cpu(0), which runs every copy
+            # out of the batch and every wait of the host (ThreadedEngine::WaitForVar pushes
+            # onto Context::CPU()). With the next step queued behind the unfinished one, a
+            # device could wait at the barrier for another that waits for it: fit(sync_bn=True,
+            # cpus=3) with MXNET_CPU_TEMP_COPY=1 hung 6 runs of 6, and width 16 at 128 px with
+            # the 96 buffers bin/train sets for 3 contexts 2 of 2; with this wait none of
+            # many (tests/test_syncbn_amp.py), at the same speed (3 contexts: 6.01 against
+            # 6.06 images/s). GPUs have a pool and workers each: no wait.
+            mx.nd.waitall()
         # Samples behind the summed gradient: every worker's batch has the same size
         # (EpochSampler pads the shards to whole batches).
         total = n * self.workers
-        parts = split_batch([image, target] + ([] if weight is None else [weight]), self.ctxs)
+        parts = split_batch(arrays, self.ctxs)
         if self._watch and len(parts) > 1:
             self._watch = False
             losses = self._watch_first_step(parts)
@@ -134,7 +187,7 @@ class DataParallelStep:
             # rescale_grad = 1 / n: gradients are summed over devices, so this is the
             # mean over every sample of the global batch, whatever the split.
             self.trainer.step(total)
-        return {'loss_sums': [l.sum() for l in losses], 'samples': n,
+        return {'loss_sums': [l.sum() for l in losses], 'samples': n, 'dropped': given - n,
                 'per_device': [p[0].shape[0] for p in parts]}
 
     def _forward_backward(self, parts):

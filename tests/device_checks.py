@@ -147,15 +147,16 @@ def check_running_stats_match_imperative(make_ctxs, ndev, tiny, tol=CPU_TOL, ste
 
 # -- SyncBatchNorm --------------------------------------------------------------------------
 
-def sync_bn_params(cfg, ctxs, x, y, steps=2):
-    """Parameters (running statistics included) after ``steps`` SGD steps on ``ctxs``."""
+def sync_bn_params(cfg, ctxs, x, y, steps=2, outputs=False):
+    """Parameters (running statistics included) after ``steps`` SGD steps on ``ctxs``
+    (and the step's results, with ``outputs``)."""
     net = build_network(cfg, ctxs)
     trainer = make_trainer(net.collect_params(), 'sgd', 0.5, ctxs, momentum=0.0)
     step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs, sync_bn=cfg.sync_bn)
-    for _ in range(steps):
-        step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape))
+    outs = [step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape)) for _ in range(steps)]
     mx.nd.waitall()
-    return {k: p.list_data()[0].asnumpy() for k, p in net._collect_params_with_prefix().items()}
+    params = {k: p.list_data()[0].asnumpy() for k, p in net._collect_params_with_prefix().items()}
+    return (params, outs) if outputs else params
 
 
 def check_sync_bn_matches_whole_batch(make_ctxs, tiny, tol=1e-4):
@@ -173,6 +174,30 @@ def check_sync_bn_matches_whole_batch(make_ctxs, tiny, tol=1e-4):
     print('sync-bn vs whole-batch BN: %.2e; per-device BN vs whole-batch BN: %.2e' % (diff, gap))
     assert diff <= tol
     assert gap > 10 * max(diff, 1e-6), 'per-device BN must differ, or this test proves nothing'
+
+
+def check_sync_bn_uneven_batch_matches_one_device(make_ctxs, tiny, ndev=3, n=8, tol=1e-4):
+    """SyncBatchNorm averages the devices' statistics with equal weights
+    (``sync_batch_norm-inl.h``, ``SharedND::MeanReady``), so a batch of ``n`` that does not
+    divide over ``ndev`` devices (8 on 3: 3, 3, 2) would get wrong statistics. The step
+    trains on the largest multiple of ``ndev`` (6) and says so; that equals BatchNorm over
+    those samples on one device - weights and running statistics, after two steps."""
+    images, masks, _ = synthetic_nuclei(n, size=32, seed=5)
+    x = images.transpose(0, 3, 1, 2).astype(np.float32) / 255
+    y = masks[:, None].astype(np.float32)
+    used = n - n % ndev
+    assert 0 < used < n, 'the batch must not divide, or this test proves nothing'
+    synced, outs = sync_bn_params(tiny(batch_norm=True, sync_bn=True), make_ctxs(ndev), x, y, outputs=True)
+    whole = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(1), x[:used], y[:used])
+    all_n = sync_bn_params(tiny(batch_norm=True, sync_bn=False), make_ctxs(1), x, y)
+    diff, gap = max_diff(synced, whole), max_diff(all_n, whole)
+    print('sync-bn, %d of %d samples on %d devices vs one device on them: %.2e (on all %d: %.2e)'
+          % (used, n, ndev, diff, n, gap))
+    assert diff <= tol
+    assert gap > 10 * max(diff, 1e-6), 'the left-out samples must matter, or this test proves nothing'
+    assert [o['samples'] for o in outs] == [used, used] and [o['dropped'] for o in outs] == [n - used] * 2
+    assert [sum(o['per_device']) for o in outs] == [used, used]
+    return diff
 
 
 # -- mixed precision ------------------------------------------------------------------------
@@ -284,3 +309,135 @@ def check_loader_pins_memory(pin_device):
     batch = next(iter(loader))
     assert all(a.context == mx.Context('cpu_pinned', pin_device) for a in batch), [a.context for a in batch]
     return batch
+
+
+# -- resume on another number of devices ----------------------------------------------------
+
+RESUME_STEPS = 6  # the unbroken run; the broken one stops after half and resumes
+RESUME_MODES = {  # name -> (update_on_kvstore, clip_grad)
+    'kvstore': (True, 0.0),
+    'local': (False, 0.0),
+    'clip': (False, 1e-3),  # clipping needs the update off the kvstore; 1e-3 always bites
+}
+
+
+def _resume_batches():
+    rng = np.random.RandomState(0)
+    x = rng.rand(RESUME_STEPS, 6, 1, 8, 8).astype(np.float32)  # 6 over 4 devices: 2, 2, 1, 1
+    y = (rng.rand(RESUME_STEPS, 6, 1, 8, 8) > 0.5).astype(np.float32)
+    return x, y
+
+
+def tiny_conv_net(ctxs):
+    """Two 3x3 convolutions (1 -> 4 -> 1 channels), the same initial weights every time."""
+    mx.random.seed(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Conv2D(4, 3, padding=1, in_channels=1, activation='relu'),
+            mx.gluon.nn.Conv2D(1, 3, padding=1, in_channels=4))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    return net
+
+
+def resume_run(ctxs, optimizer, mode, steps, resume=None, save=None):
+    """Train :func:`tiny_conv_net` on ``ctxs`` over batches ``steps`` (numbers), from the
+    checkpoint ``resume`` if given, writing ``save`` at the end if given; the replicas'
+    parameters ``{name: [array per device]}``."""
+    from gluon_unet.checkpoint import load_checkpoint, save_checkpoint
+    update_on_kvstore, clip = RESUME_MODES[mode]
+    net = tiny_conv_net(ctxs)
+    trainer = make_trainer(net.collect_params(), optimizer, 0.01, ctxs, update_on_kvstore=update_on_kvstore,
+                           weight_decay=1e-2)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs, clip_grad=clip)
+    if resume:
+        load_checkpoint(resume, net, trainer, ctx=ctxs)
+    x, y = _resume_batches()
+    for s in steps:
+        step(mx.nd.array(x[s]), mx.nd.array(y[s]), mx.nd.ones(y[s].shape))
+    if save:
+        save_checkpoint(save, net, trainer, {'epoch': 1})
+    return {k: [d.asnumpy() for d in p.list_data()] for k, p in net._collect_params_with_prefix().items()}
+
+
+def check_resume_across_device_counts(make_ctxs, before, after, optimizer, mode, folder, tol=1e-6,
+                                      unbroken=None):
+    """``RESUME_STEPS // 2`` steps on ``before`` devices, checkpointed and resumed on
+    ``after`` for the rest: every device's parameters equal those of the unbroken run on
+    ``before`` devices (``unbroken``: its result, when the caller keeps it). Returns the
+    largest difference."""
+    path = os.path.join(str(folder), 'half.ckpt')
+    half = RESUME_STEPS // 2
+    resume_run(make_ctxs(before), optimizer, mode, range(half), save=path)
+    got = resume_run(make_ctxs(after), optimizer, mode, range(half, RESUME_STEPS), resume=path)
+    expected = unbroken or resume_run(make_ctxs(before), optimizer, mode, range(RESUME_STEPS))
+    worst = max(float(np.abs(d - expected[k][0]).max()) for k, datas in got.items() for d in datas)
+    print('%s %s, %d -> %d devices: max |resumed - unbroken| over every device = %.2e'
+          % (optimizer, mode, before, after, worst))
+    assert worst <= tol, 'a device drifted from the unbroken run by %.2e' % worst
+    return worst
+
+
+# -- what a checkpoint file holds -----------------------------------------------------------
+
+def saved_contexts(path):
+    """``{name: (device_type, device_id)}`` of every array in an ``mx.nd.save`` file, read
+    from the file itself: ``mx.nd.load`` cannot tell (it puts a CPU array on cpu(0) and a
+    GPU array on CPU when no GPU is visible). The layout is ``NDArray::Save`` of MXNet 1.9.1
+    (src/ndarray/ndarray.cc): list magic 0x112, reserved, count, then per array magic,
+    storage type, shape (int32 ndim, int64 dims), context (int32 type, int32 id: 1 cpu,
+    2 gpu, 3 cpu_pinned, 5 cpu_shared), dtype, data; then the names."""
+    import struct
+    sizes = {0: 4, 1: 8, 2: 2, 3: 1, 4: 4, 5: 1, 6: 8, 7: 1, 12: 2}
+    with open(path, 'rb') as f:
+        buf = f.read()
+    pos = 0
+
+    def take(fmt):
+        nonlocal pos
+        values = struct.unpack_from('<' + fmt, buf, pos)
+        pos += struct.calcsize('<' + fmt)
+        return values
+
+    header, _, count = take('QQQ')
+    assert header == 0x112, 'not an mx.nd.save file: %s' % path
+    contexts = []
+    for _ in range(count):
+        magic, stype = take('Ii')
+        assert magic in (0xF993FAC9, 0xF993FACA) and stype == 0, (hex(magic), stype)  # dense arrays only
+        ndim, = take('i')
+        shape = take('%dq' % ndim) if ndim > 0 else ()
+        dev_type, dev_id, dtype = take('iii')
+        contexts.append((dev_type, dev_id))
+        pos += int(np.prod(shape)) * sizes[dtype]
+    names = []
+    n_names, = take('Q')
+    for _ in range(n_names):
+        length, = take('Q')
+        names.append(buf[pos:pos + length].decode())
+        pos += length
+    assert pos == len(buf) and len(names) == count
+    return dict(zip(names, contexts))
+
+
+def check_ema_checkpoint_holds_only_cpu_arrays(ctxs, folder):
+    """A checkpoint of an ``--ema`` run on ``ctxs`` (the average lives on ``ctxs[0]``)
+    holds every array as saved from cpu(0): weights, average, optimizer state, record."""
+    from gluon_unet.averaging import WeightAverage
+    from gluon_unet.checkpoint import save_checkpoint
+    from gluon_unet.config import ModelConfig
+    from gluon_unet.model import build_model
+    net = build_model(ModelConfig(in_channels=1, width=4, depth=2, batch_norm=True))
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    net(mx.nd.zeros((1, 1, 32, 32), ctx=ctxs[0]))
+    trainer = make_trainer(net.collect_params(), 'adam', 1e-3, ctxs, update_on_kvstore=False)
+    average = WeightAverage(net, ctxs, 0.9)
+    step = DataParallelStep(net, SegmentationLoss('bce'), trainer, ctxs)
+    x, y = uneven_batches()[0]
+    step(mx.nd.array(x), mx.nd.array(y), mx.nd.ones(y.shape))
+    average.update(1)
+    path = os.path.join(str(folder), 'ema.ckpt')
+    save_checkpoint(path, net, trainer, {'epoch': 1}, average=average)
+    found = saved_contexts(path)
+    assert any(k.startswith('opt:') for k in found) and any(k.startswith('train:') for k in found)
+    elsewhere = {k: v for k, v in found.items() if v != (1, 0)}
+    assert not elsewhere, 'saved from another device than cpu(0): %s' % sorted(elsewhere.items())[:3]
+    return found

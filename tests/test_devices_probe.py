@@ -13,6 +13,7 @@ so the one-line messages a user with a GPU would read are tested here.
 import ctypes
 import os
 import subprocess
+import sys
 
 import mxnet as mx
 import pytest
@@ -80,8 +81,7 @@ def test_a_gpu_without_kernels_in_this_build_stops_gpus_in_one_line(fake_gpus):
     assert _error('3') == (
         '--gpus 3: GPU 3 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run this MXNet build: no kernel image is '
         'available for execution on the device (mxnet-cu117 has kernels for compute 5.0-8.6 only: Maxwell to '
-        'Ada; Hopper (compute 9.0) and newer GPUs need MXNet built from source with CUDA >= 11.8 and their '
-        'compute capability in MXNET_CUDA_ARCH)')
+        'Ada; Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8 and 9.0 in MXNET_CUDA_ARCH)')
     # In a list, the first GPU that fails is named.
     assert _error('0-7').startswith('--gpus 0-7: GPU 3 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run')
 
@@ -92,7 +92,20 @@ def test_the_message_does_without_name_and_capability(fake_gpus, monkeypatch):
     fake_gpus['fail'][0] = NO_KERNEL_IMAGE
     msg = _error('0')
     assert msg.startswith('--gpus 0: GPU 0 cannot run this MXNet build: no kernel image is available')
-    assert 'need MXNet built from source' in msg
+    assert 'Hopper (compute 9.0) needs MXNet 1.9.1 built from source with CUDA 11.8' in msg
+    assert 'Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8' in msg
+
+
+def test_a_blackwell_gpu_is_not_sent_to_cuda_11_8(fake_gpus):
+    # CUDA 11.8 compiles for compute 9.0 at most; sm_100 / sm_120 need CUDA 12.8, which
+    # MXNet 1.9.1 does not build with.
+    fake_gpus['props'][0] = ('NVIDIA B200', (10, 0))
+    fake_gpus['fail'][0] = NO_KERNEL_IMAGE
+    msg = _error('0')
+    assert msg.startswith('--gpus 0: GPU 0 (NVIDIA B200, compute 10.0) cannot run this MXNet build: no kernel image')
+    assert msg.endswith('Blackwell (compute 10.x, 12.x) needs CUDA >= 12.8, which MXNet 1.9.1 does not build '
+                        'with: no MXNet 1.9.1 runs on it (train with --cpus))')
+    assert '11.8' not in msg
 
 
 def test_other_probe_failures_name_the_gpu_and_the_cause(fake_gpus):
@@ -292,3 +305,44 @@ def test_context_names_without_renumbering():
     assert devices.context_names([mx.cpu(0), mx.cpu(1)]) == 'cpu(0),cpu(1)'
     if 'CUDA_VISIBLE_DEVICES' not in os.environ:
         assert devices.context_names([mx.gpu(0), mx.gpu(1)]) == 'gpu(0),gpu(1)'
+
+
+# A GPU that fails the probe, on this CPU machine: the fakes of fake_gpus, and probe kernels
+# whose operators fail inside MXNet's engine (LAPACK refuses a matrix that is not positive
+# definite), the first read rethrowing one error and the other failed operator left behind,
+# as on a GPU without kernels for this build.
+PROBE_FAILS_IN_THE_ENGINE = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+import mxnet as mx
+from gluon_unet import devices
+from gluon_unet.cli import train_main
+
+def failing_kernels(ctx):
+    bad = mx.nd.array([[-1.0]])
+    first = mx.nd.linalg.potrf(bad)
+    second = mx.nd.linalg.potrf(bad * 2)
+    first.asnumpy()
+
+devices._cuda_enabled = lambda: True
+devices._mxnet_gpu_count = lambda: 1
+devices.gpu_properties = lambda i: ('NVIDIA H100 80GB HBM3', (9, 0))
+devices._mxnet_distribution = lambda: 'mxnet-cu117'
+devices._probe_kernels = failing_kernels
+sys.exit(train_main(['--gpus', '0', '--output', sys.argv[2], '--no-progress']))
+'''
+
+
+def test_a_failed_probe_prints_one_line_and_leaves_no_error_in_the_engine(tmp_path):
+    # The failed operators' errors stayed in the engine, and the waitall at exit printed
+    # one of them again: "Exception ignored in atexit callback: _notify_shutdown ...".
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop('CUDA_VISIBLE_DEVICES', None)
+    done = subprocess.run([sys.executable, '-c', PROBE_FAILS_IN_THE_ENGINE, root, str(tmp_path / 'run')],
+                          capture_output=True, text=True, timeout=120, env=env)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith('error: --gpus 0: GPU 0 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run this MXNet '
+                               'build: Check failed: ret == 0')
+    assert not (tmp_path / 'run').exists()

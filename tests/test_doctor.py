@@ -46,8 +46,9 @@ def test_doctor_gpus_without_gpu_is_one_line_and_non_zero():
     done = _doctor('--gpus', '0')
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        'doctor: --gpus 0: this mxnet build has no CUDA support (available: cpu); install mxnet-cu117 '
-        'for GPUs, or drop --gpus and use --cpus N']
+        'doctor: --gpus 0: this mxnet build has no CUDA support (available: cpu); for GPUs install mxnet-cu117 '
+        'and the CUDA 11.7 runtime, cuDNN 8 and NCCL 2 it loads (the wheel holds libmxnet.so only), or drop '
+        '--gpus and use --cpus N']
 
 
 def test_doctor_usage_errors_are_one_line_exit_2():

@@ -53,3 +53,43 @@ def test_mxnet_message_limit_and_empty():
     assert mxnet_message(ValueError('x' * 500), limit=120) == 'x' * 120
     assert mxnet_message(KeyError()) == 'KeyError'
     assert mxnet_message(mx.MXNetError('Traceback (most recent call last):\n  File "a", line 1')) == 'MXNetError'
+
+
+# The CUDA wheels of mxnet hold libmxnet.so, not the CUDA runtime, cuDNN or NCCL it loads
+# (tools/pip/setup.py; apache/mxnet#20279): installed without them, `import mxnet` raises
+# OSError from ctypes in mxnet/base.py. A stand-in mxnet package does exactly that here.
+FAKE_MXNET_BASE = '''
+import ctypes
+_LIB = ctypes.CDLL('%s', ctypes.RTLD_LOCAL)
+'''
+
+
+@pytest.mark.parametrize('library, provider', [
+    ('libcudnn.so.8', 'cuDNN 8 for CUDA 11: the CUDA wheels of mxnet do not ship it'),
+    ('libnvrtc.so.11.2', 'the CUDA 11 runtime libraries (11.7 for mxnet-cu117)'),
+    ('libcuda.so.1', 'the NVIDIA driver, which a CUDA build of mxnet needs even to import'),
+])
+def test_a_library_mxnet_cannot_load_is_one_line_naming_it(tmp_path, library, provider):
+    import os
+    import subprocess
+    import sys
+    fake = tmp_path / 'site' / 'mxnet'
+    fake.mkdir(parents=True)
+    (fake / '__init__.py').write_text('from .base import _LIB\n')
+    (fake / 'base.py').write_text(FAKE_MXNET_BASE % library)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / 'site'), root]))
+    done = subprocess.run([sys.executable, '-m', 'gluon_unet', 'train', '--width', '4', '--depth', '2',
+                           '--size', '32', '--output', str(tmp_path / 'run')],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert done.returncode == 1 and done.stderr.count('\n') == 1, done.stderr
+    assert done.stderr.startswith('error: mxnet cannot load: %s is missing; it comes with %s' % (library, provider))
+
+
+def test_other_os_errors_are_not_taken_for_a_missing_library():
+    @reports_errors
+    def main(argv=None):
+        raise OSError('libfoo.so.1: cannot open shared object file')  # not raised inside mxnet
+
+    with pytest.raises(OSError):
+        main([])

@@ -69,3 +69,20 @@ def test_export_in_subprocess_failure_is_one_line_with_the_childs_error(tmp_path
     assert '\n' not in message and 'not a gluon_unet checkpoint' in message, message
     assert str(junk) in message and 'Traceback' not in message and 'error: error:' not in message
     assert not (tmp_path / 'exported').exists()
+
+
+def test_the_export_child_sees_no_gpu(tmp_path, monkeypatch):
+    # It exports on the CPU. With bin/train --gpus 4-7 this process runs with
+    # CUDA_VISIBLE_DEVICES=4,5,6,7, which user_environ() leaves out, so a child that saw
+    # GPUs would create its CUDA context on physical GPU 0.
+    import gluon_unet.export as export
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen.update(kwargs['env'])
+        return subprocess.CompletedProcess(cmd, 0, '', '')
+
+    monkeypatch.setattr(export.subprocess, 'run', fake_run)
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')
+    export_in_subprocess(str(tmp_path / 'best.ckpt'), str(tmp_path / 'out'))
+    assert seen['CUDA_VISIBLE_DEVICES'] == ''

@@ -19,9 +19,12 @@ import mxnet as mx
 import pytest
 
 from device_checks import (GPU_TOL, check_amp_trains_and_exports_float32, check_benchmark_json,
-                           check_clipping_device_invariant, check_devices_equivalent, check_export_predicts_like_cpu,
-                           check_loader_pins_memory, check_running_stats_match_imperative,
-                           check_sync_bn_matches_whole_batch, child_env, engine_step_trainer, gpu_contexts)
+                           check_clipping_device_invariant, check_devices_equivalent,
+                           check_ema_checkpoint_holds_only_cpu_arrays, check_export_predicts_like_cpu,
+                           check_loader_pins_memory, check_resume_across_device_counts,
+                           check_running_stats_match_imperative, check_sync_bn_matches_whole_batch,
+                           check_sync_bn_uneven_batch_matches_one_device, child_env, engine_step_trainer,
+                           gpu_contexts)
 from gluon_unet import devices
 
 
@@ -126,3 +129,46 @@ def test_gpu_context_reads_back_what_it_computed():
     x = mx.nd.arange(6, ctx=mx.gpu(0)).reshape((2, 3))
     assert (x * 2).asnumpy().tolist() == [[0, 2, 4], [6, 8, 10]]
     assert os.environ.get('NVIDIA_TF32_OVERRIDE') == '0'
+
+
+@pytest.mark.gpu(min_gpus=2)
+@pytest.mark.parametrize('before, after', [(1, 2), (2, 1)])
+@pytest.mark.parametrize('mode', ['kvstore', 'local'])
+def test_adam_resumed_on_another_gpu_count_matches_an_unbroken_run(tmp_path, before, after, mode):
+    # With update_on_kvstore the device kvstore updates each key on its merge buffer's GPU
+    # (CommDevice::InitMergeBuffer) and counts Adam's steps under that GPU's id; another
+    # GPU count moves keys between GPUs. tests/test_resume_devices.py runs the CPU matrix.
+    check_resume_across_device_counts(gpu_contexts, before, after, 'adam', mode, tmp_path, tol=GPU_TOL)
+
+
+@pytest.mark.gpu(min_gpus=3)
+def test_sync_bn_on_3_gpus_with_a_batch_of_8_equals_one_gpu_on_the_samples_it_trains(tiny):
+    check_sync_bn_uneven_batch_matches_one_device(gpu_contexts, tiny, ndev=3, n=8, tol=1e-3)
+
+
+@pytest.mark.gpu
+def test_an_ema_checkpoint_of_a_gpu_run_holds_only_cpu_arrays(tmp_path):
+    # mx.nd.load would put an array saved from gpu(k) back on gpu(k) wherever one is visible.
+    check_ema_checkpoint_holds_only_cpu_arrays(gpu_contexts(min(2, _gpus())), tmp_path)
+
+
+@pytest.mark.gpu
+def test_the_pinned_memory_benchmark_prints_the_three_ways():
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                        'benchmarks', 'bench_pinned.py'),
+                           '--batch', '4', '--side', '64', '--batches', '3', '--rounds', '1'],
+                          capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(record) == {'batch_mb', 'pageable_ms', 'per-batch_ms', 'ring_ms'}
+    assert all(v > 0 for v in record.values())
+
+
+@pytest.mark.gpu
+def test_probing_a_gpu_leaves_nothing_for_exit():
+    # probe_gpu waits for the engine after its kernels: nothing is rethrown at exit.
+    code = ('from gluon_unet import devices\n'
+            'print(devices.probe_gpu(0))\n')
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=child_env())
+    assert done.returncode == 0 and done.stdout.strip() == 'None' and not done.stderr.strip(), done.stderr

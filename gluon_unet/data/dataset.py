@@ -23,6 +23,7 @@ from mxnet.gluon.data import dataloader as gluon_loader
 from mxnet.util import is_np_array, is_np_shape
 
 from ..errors import UserError
+from .pinned import PinnedRing
 from .targets import make_target, separate_touching
 
 
@@ -302,8 +303,11 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
     Call :func:`set_loader_epoch` before each epoch to reshuffle, and ``close()`` when
     done (it ends the workers; also done when the loader is collected and at exit). With
     ``pin_device`` (a GPU id), batches arrive in page-locked memory, which the copies to
-    the GPUs read without a staging copy. Batches are ``(image, target)`` or, when the
-    dataset has a ``weight_fn``, ``(image, target, weight)``.
+    the GPUs read without a staging copy: a few buffers reused batch after batch
+    (:class:`~gluon_unet.data.pinned.PinnedRing`; a batch is valid until 3 more were
+    drawn), not Gluon's ``pin_memory``, which locks and frees new memory every batch.
+    Batches are ``(image, target)`` or, when the dataset has a ``weight_fn``,
+    ``(image, target, weight)``.
     """
     sampler = EpochSampler(len(dataset), shuffle=shuffle, seed=seed, num_shards=num_shards, shard=shard,
                            block=batch_size, groups=groups, power=power, epoch_length=epoch_length)
@@ -314,7 +318,8 @@ def make_loader(dataset, batch_size, shuffle, seed, workers=0, num_shards=1, sha
         # serialize; a prefetch of 2 per worker keeps memory bounded.
         check_shared_memory(dataset, batch_size, 2 * workers)
         pool = LoaderWorkers(dataset, workers)
-    return _Loader(dataset, batches, sampler, pool, prefetch=2 * workers, pin_device=pin_device)
+    pin = PinnedRing(pin_device) if pin_device is not None else None
+    return _Loader(dataset, batches, sampler, pool, prefetch=2 * workers, pin=pin)
 
 
 #: Seconds a worker waits for a task before it checks that its main process still lives.
@@ -529,9 +534,10 @@ class _Loader:
     """Batches of a dataset in the order of an :class:`EpochSampler`, made in this
     process or by :class:`LoaderWorkers`."""
 
-    def __init__(self, dataset, batch_sampler, epoch_sampler, workers=None, prefetch=0, pin_device=None):
+    def __init__(self, dataset, batch_sampler, epoch_sampler, workers=None, prefetch=0, pin=None):
         self.dataset, self.batch_sampler, self.epoch_sampler = dataset, batch_sampler, epoch_sampler
-        self.pool, self.prefetch, self.pin_device = workers, max(1, prefetch), pin_device
+        self.pool, self.prefetch = workers, max(1, prefetch)
+        self.pin = pin  # a PinnedRing, or None
         self.workers = len(workers) if workers is not None else 0
         self._epoch = 0  # tags each pass's tasks: answers to an abandoned pass are dropped
 
@@ -546,9 +552,7 @@ class _Loader:
     def __iter__(self):
         batches = self._in_process() if self.pool is None else self._from_workers()
         for batch in batches:
-            if self.pin_device is not None:
-                batch = gluon_loader._as_in_context(batch, context.cpu_pinned(self.pin_device))
-            yield batch
+            yield batch if self.pin is None else self.pin(batch)
 
     def _in_process(self):
         for samples in self.batch_sampler:

@@ -1,0 +1,62 @@
+"""Resuming on another number of devices continues the run exactly, on every device.
+
+MXNet counts each parameter's updates per device id (``Optimizer._set_current_context``,
+called by ``Updater.__call__`` with the weight's device id) and Adam's bias correction
+reads that count. A device id missing from the restored state restarted at t=1, so its
+weight copy drifted from the others'. Tiny network, direct API, CPU contexts (the GPU
+lane runs the same check: tests/test_gpu.py).
+"""
+import functools
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from device_checks import (RESUME_MODES, RESUME_STEPS, check_resume_across_device_counts, cpu_contexts,
+                           resume_run, tiny_conv_net)
+from gluon_unet.checkpoint import load_checkpoint
+from gluon_unet.optim import make_trainer
+
+
+@functools.lru_cache(maxsize=None)
+def _unbroken(ndev, optimizer, mode):
+    return resume_run(cpu_contexts(ndev), optimizer, mode, range(RESUME_STEPS))
+
+
+@pytest.mark.parametrize('mode', sorted(RESUME_MODES))
+@pytest.mark.parametrize('before, after', [(1, 2), (2, 1), (1, 4), (4, 3)])
+@pytest.mark.parametrize('optimizer', ['sgd', 'adam', 'adamw'])
+def test_resume_on_another_device_count_matches_an_unbroken_run(tmp_path, optimizer, before, after, mode):
+    check_resume_across_device_counts(cpu_contexts, before, after, optimizer, mode, tmp_path,
+                                      unbroken=_unbroken(before, optimizer, mode))
+    if mode == 'clip':  # the clipped cases must clip, or they test nothing more
+        clipped, unclipped = _unbroken(before, optimizer, 'clip'), _unbroken(before, optimizer, 'local')
+        assert max(np.abs(unclipped[k][0] - clipped[k][0]).max() for k in clipped) > 1e-4
+
+
+def test_resume_gives_every_device_the_count_of_keys_a_gpu_kvstore_spread(tmp_path):
+    """With ``update_on_kvstore`` on GPUs each key is counted under the GPU holding its
+    merge buffer (``CommDevice::InitMergeBuffer`` balances keys over the GPUs), so a
+    checkpoint from 2 GPUs has half the keys under device 0 and half under device 1. CPU
+    contexts count every key under ``cpu_pinned(0)``, so the record is laid out here as
+    2 GPUs would write it, and resumed on 3 devices."""
+    path = str(tmp_path / 'half.ckpt')
+    resume_run(cpu_contexts(1), 'adam', 'local', range(RESUME_STEPS // 2), save=path)
+    arrays = mx.nd.load(path)
+    meta = json.loads(arrays['meta'].asnumpy().tobytes().decode())
+    counts = meta['optimizer_state']['index_update_counts']['0']
+    spread = {'0': {}, '1': {}}
+    for i, (key, n) in enumerate(sorted(counts.items())):
+        spread[str(i % 2)][key] = n
+    meta['optimizer_state']['index_update_counts'] = spread
+    arrays['meta'] = mx.nd.array(np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), dtype=np.uint8)
+    mx.nd.save(path, arrays)
+
+    ctxs = cpu_contexts(3)
+    net = tiny_conv_net(ctxs)
+    trainer = make_trainer(net.collect_params(), 'adam', 0.01, ctxs, update_on_kvstore=False)
+    load_checkpoint(path, net, trainer, ctx=ctxs)
+    assert set(counts.values()) == {RESUME_STEPS // 2}
+    for dev in (0, 1, 2):
+        assert trainer.optimizer._all_index_update_counts[dev] == {int(k[1:]): n for k, n in counts.items()}, dev
