@@ -382,8 +382,9 @@ def macro_mean(scores, groups):
     return np.mean([scores[:, groups == g].mean(axis=1) for g in sorted(set(groups.tolist()))], axis=0)
 
 
-def _read_evaluate_csv(path):
-    """``{image_id: dsb}`` of one ``bin/evaluate --csv`` file; one-line errors."""
+def _read_evaluate_csv(path, shown=None):
+    """``{image_id: dsb}`` of one ``bin/evaluate --csv`` file (``shown``: the name to warn
+    with); one-line errors."""
     if not os.path.isfile(path):
         raise SystemExit('error: %s: no such file (bin/evaluate --csv writes it)' % path)
     with open(path, newline='') as f:
@@ -392,14 +393,19 @@ def _read_evaluate_csv(path):
         if missing:
             raise SystemExit('error: %s: not a bin/evaluate --csv file (no column %s)'
                              % (path, ', '.join(sorted(missing))))
-        out = {}
+        out, missing = {}, []
         for line, row in enumerate(reader, start=2):
             try:
                 out[row['image_id']] = float(row['dsb'])
             except (TypeError, ValueError):
                 raise SystemExit('error: %s line %d: dsb %r is not a number' % (path, line, row['dsb'])) from None
+            if row.get('status') == 'missing':
+                missing.append(row['image_id'])
     if not out:
         raise SystemExit('error: %s: scores no image' % path)
+    if missing:  # bin/evaluate's rule (and the challenge's): no prediction scores 0; said, not hidden
+        print('warning: %s: %d images have no prediction and score 0 (e.g. %s)' % (shown or path, len(missing),
+                                                                                   missing[0]), file=sys.stderr)
     return out
 
 
@@ -463,7 +469,7 @@ def _evaluate_folder(folder, truth, groups):
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ['exit %d' % done.returncode])[-1]
             raise SystemExit('error: bin/evaluate on %s failed: %s' % (folder, last))
-        return _read_evaluate_csv(out)
+        return _read_evaluate_csv(out, shown=folder)
 
 
 def read_run(spec, groups, truth=None):
