@@ -19,9 +19,9 @@ Groups (first rule that matches; the kind is :func:`dsb_split.image_kind`)::
 
 The median area is over the image's nuclei (its merged masks, as training reads them); a
 nucleus *touches* another when one of its pixels is 8-adjacent to a pixel of the other.
-700 px (a disc of 30 px across) falls in the gap of the fluorescence areas (only 6 of 541
-images between 700 and 1,000 px); 250 px splits the sparse small nuclei (mostly 256x256
-frames) from the medium ones (mostly 696x520); 30 % touching marks the images whose
+700 px (a disc of 30 px across) is where the fluorescence areas thin out (26 images between
+600 and 700 px, 6 between 700 and 900); 250 px splits the sparse small nuclei (mostly 256x256
+frames) from the medium ones (half of them 696x520); 30 % touching marks the images whose
 nuclei come in clumps, the kind the unseen test set saw merged.
 
 Folds (each group held out in exactly one; training always keeps fluorescence and colour
