@@ -23,7 +23,8 @@ from .errors import DamagedFile, UserError, mxnet_message
 from .utils import DIGEST, atomic_path, crc32_of, write_errors, write_point
 
 # 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
-FORMAT = 2
+# 3: that state keyed by the parameter's structural name, not the Trainer's index.
+FORMAT = 3
 _EPOCH_FILE = re.compile(r'epoch(\d+)(?:-step(\d+))?\.ckpt$')
 
 
@@ -46,7 +47,7 @@ def save_checkpoint(path, net, trainer, meta, average=None):
         arrays.update({'param:' + name: a.as_in_context(mx.cpu()) for name, a in average.arrays.items()})
     meta = dict(meta, format=FORMAT)
     if trainer is not None:
-        opt_arrays, meta['optimizer_state'] = trainer_state(trainer)
+        opt_arrays, meta['optimizer_state'] = trainer_state(trainer, net)
         arrays.update(opt_arrays)
     arrays['meta'] = _bytes_array(json.dumps(meta).encode())
     arrays[DIGEST_KEY] = _bytes_array(json.dumps({DIGEST: '%08x' % arrays_crc32(arrays)}).encode())
@@ -167,7 +168,7 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
                             '(gluon_unet < 0.2), which can run code when loaded; refusing to resume from it '
                             '(bin/export still reads its weights)' % path)
         if 'optimizer_state' in meta:
-            load_trainer_state(trainer, arrays, meta['optimizer_state'], path)
+            load_trainer_state(trainer, arrays, meta['optimizer_state'], path, net=net)
     return meta
 
 
@@ -358,13 +359,62 @@ def _updaters(trainer):
     return trainer._updaters
 
 
-def _index_key(index):
-    # Trainer indexes states by parameter position (int); a kvstore may use str keys.
-    return ('i%d' % index) if isinstance(index, int) else 's' + str(index)
+# Why states are keyed by the parameter's structural name ('n' + '0.weight'), not the
+# Trainer's index: gluon.Trainer numbers a ParameterDict's parameters in the order of their
+# *sorted global names* (trainer.py: ``for key in sorted(params.keys())``), and those names
+# carry process-wide counters ('hybridsequential9_conv0_weight'). A run resumed in a
+# process that built another number of blocks first (a notebook, a test session, a
+# search) numbers them differently once a counter crosses a power of ten ('conv10' sorts
+# before 'conv9'), and index-keyed moments would land on the wrong weights - silently
+# where two shapes agree. Format-2 checkpoints ('i' keys) still load, shape-checked.
+
+def _state_names(trainer, net):
+    """{Trainer index: structural name} for ``trainer``'s parameters found in ``net``."""
+    if net is None:
+        return {}
+    structural = {p.name: name for name, p in net._collect_params_with_prefix().items()}
+    return {i: structural[p.name] for i, p in enumerate(trainer._params) if p.name in structural}
 
 
-def _index_from_key(key):
-    return int(key[1:]) if key[0] == 'i' else key[1:]
+def _index_key(index, names):
+    if isinstance(index, int):
+        return ('n' + names[index]) if index in names else ('i%d' % index)
+    return 's' + str(index)  # a kvstore's own string key: kept as it is
+
+
+def _index_from_key(key, indices, path):
+    """The Trainer index a saved state key belongs to (``indices``: structural name -> index)."""
+    if key[0] == 'n':
+        if key[1:] not in indices:
+            raise UserError('--resume %s: the checkpoint holds optimizer state for parameter %s, which this '
+                            'model lacks' % (path, key[1:]))
+        return indices[key[1:]]
+    if key[0] == 'i':
+        return int(key[1:])
+    return key[1:]
+
+
+def _check_state_shapes(trainer, states, path):
+    """Refuse states whose arrays do not match their parameter's shape (format-2 index
+    keys from a process that numbered the parameters another way)."""
+    for index, state in states.items():
+        if not isinstance(index, int) or index >= len(trainer._params):
+            continue
+        want = trainer._params[index].shape
+        for arr in _state_arrays(state):
+            if arr.shape != want:
+                raise UserError('--resume %s: optimizer state %s has shape %s, its parameter %s has %s (a format-2 '
+                                'checkpoint, keyed by position, resumed in a Python session that numbered the '
+                                'parameters otherwise); resume it with bin/train'
+                                % (path, index, arr.shape, trainer._params[index].name, want))
+
+
+def _state_arrays(state):
+    if isinstance(state, mx.nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [a for s in state for a in _state_arrays(s)]
+    return []
 
 
 def _flatten_state(state, name, arrays):
@@ -387,17 +437,19 @@ def _unflatten_state(layout, name, arrays):
     return tuple(_unflatten_state(s, '%s.%d' % (name, k), arrays) for k, s in enumerate(layout))
 
 
-def trainer_state(trainer):
+def trainer_state(trainer, net=None):
     """``trainer``'s optimizer state as ``(arrays, record)``: NDArrays and a JSON-able dict.
 
     Devices share one optimizer and apply the same summed gradient, so their states are
-    equal; like ``Trainer.save_states``, the first device's are stored.
+    equal; like ``Trainer.save_states``, the first device's are stored. With ``net`` (the
+    block ``trainer`` trains), states are keyed by structural parameter name.
     """
     updater = _updaters(trainer)[0]
     opt = updater.optimizer
+    names = _state_names(trainer, net)
     arrays, layout = {}, {}
     for index, state in updater.states.items():
-        key = _index_key(index)
+        key = _index_key(index, names)
         layout[key] = _flatten_state(state, 'opt:' + key, arrays)
     sched = opt.lr_scheduler
     record = {
@@ -408,7 +460,7 @@ def trainer_state(trainer):
         # Per-device update counts (Adam's bias correction reads them), by device id as
         # MXNet keeps them; load_trainer_state gives every device of the resumed run its
         # parameter's count, whichever ids these are.
-        'index_update_counts': {str(dev): {_index_key(i): int(n) for i, n in counts.items()}
+        'index_update_counts': {str(dev): {_index_key(i, names): int(n) for i, n in counts.items()}
                                 for dev, counts in opt._all_index_update_counts.items()},
         'lr_scheduler': None if sched is None else {
             'class': type(sched).__name__,
@@ -417,9 +469,11 @@ def trainer_state(trainer):
     return arrays, record
 
 
-def load_trainer_state(trainer, arrays, record, path='checkpoint'):
-    """Restore what :func:`trainer_state` saved into ``trainer`` (built from the same config)."""
+def load_trainer_state(trainer, arrays, record, path='checkpoint', net=None):
+    """Restore what :func:`trainer_state` saved into ``trainer`` (built from the same
+    config); ``net`` is the block it trains (needed for state keyed by structural name)."""
     updaters = _updaters(trainer)
+    indices = {name: i for i, name in _state_names(trainer, net).items()}
     opt = updaters[0].optimizer
     if record.get('optimizer') != type(opt).__name__.lower():
         raise UserError('--resume %s: the checkpoint holds %s optimizer state, this run uses %s; '
@@ -431,8 +485,9 @@ def load_trainer_state(trainer, arrays, record, path='checkpoint'):
                         'use the same --lr-schedule and --warmup-epochs' % path)
     try:
         for updater in updaters:
-            updater.states = {_index_from_key(k): _unflatten_state(v, 'opt:' + k, arrays)
+            updater.states = {_index_from_key(k, indices, path): _unflatten_state(v, 'opt:' + k, arrays)
                               for k, v in record['layout'].items()}
+            _check_state_shapes(trainer, updater.states, path)
             # Moved to each weight's device at its first update (Updater.sync_state_context).
             updater.states_synced = dict.fromkeys(updater.states, False)
     except KeyError as exc:
@@ -452,7 +507,7 @@ def load_trainer_state(trainer, arrays, record, path='checkpoint'):
     counts = {}
     for per_device in record['index_update_counts'].values():
         for k, n in per_device.items():
-            index = _index_from_key(k)
+            index = _index_from_key(k, indices, path)
             counts[index] = max(int(n), counts.get(index, 0))
     device_ids = {0} | {ctx.device_id for ctx in trainer._contexts}
     opt._all_index_update_counts = {dev: dict(counts) for dev in sorted(device_ids)}

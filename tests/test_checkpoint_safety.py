@@ -6,7 +6,7 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
+from gluon_unet.checkpoint import FORMAT, list_checkpoints, load_checkpoint
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 
@@ -39,7 +39,7 @@ def test_resume_matches_an_unbroken_run_for_every_optimizer(tiny, tmp_path, opti
     assert diff <= 1e-5, diff
     unbroken = load_checkpoint(str(tmp_path / 'a' / 'checkpoints' / 'epoch0003.ckpt'))
     assert [r['lr'] for r in history] == pytest.approx([r['lr'] for r in unbroken['history']])
-    assert unbroken['format'] == 2 and 'trainer_states' not in mx.nd.load(
+    assert unbroken['format'] == FORMAT and 'trainer_states' not in mx.nd.load(
         str(tmp_path / 'a' / 'checkpoints' / 'epoch0003.ckpt'))
 
 
