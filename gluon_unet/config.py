@@ -33,26 +33,38 @@ _CHOICES = {
 }
 
 
-def _opt(default, help, **extra):
-    """A dataclass field whose metadata carries the CLI help text."""
+def option(default, help, **extra):
+    """A config dataclass field whose metadata says how its command-line flag looks.
+
+    ``gluon_unet.cli.common`` makes one flag per field from it: ``help`` (the default is
+    added to it), and optionally ``flag`` (another name than the field's), ``short``
+    (``'-n'``), ``metavar``, ``choices`` (enforced by the parser), ``required``,
+    ``positional`` and ``rest`` (a positional taking everything after it, e.g. a command).
+    """
     meta = {'help': help, **extra}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+#: The help of ``--gpus`` and ``--cpus``, the same for every command that takes them.
+GPU_IDS = "'0-7', '0,2,5', '0-3,6', 'all'"
+GPUS_HELP = 'GPU ids: %s; empty = CPU' % GPU_IDS
+CPUS_HELP = 'number of CPU contexts when no GPU is used'
+
+
 @dataclass
 class ModelConfig:
     """Architecture of the U-Net; enough to rebuild it from a checkpoint."""
-    in_channels: int = _opt(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
+    in_channels: int = option(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
                             flag='channels')
-    classes: int = _opt(1, 'output classes; 1 = binary mask with a sigmoid')
-    width: int = _opt(32, 'filters of the first level; doubled at every pooling')
-    depth: int = _opt(4, 'number of poolings; image sides must be divisible by 2**depth')
-    batch_norm: bool = _opt(True, 'BatchNorm after every convolution')
-    dropout: float = _opt(0.0, 'dropout rate at the bottleneck (0 = off)')
-    upsample: str = _opt('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
-    target: str = _opt('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
+    classes: int = option(1, 'output classes; 1 = binary mask with a sigmoid')
+    width: int = option(32, 'filters of the first level; doubled at every pooling')
+    depth: int = option(4, 'number of poolings; image sides must be divisible by 2**depth')
+    batch_norm: bool = option(True, 'BatchNorm after every convolution')
+    dropout: float = option(0.0, 'dropout rate at the bottleneck (0 = off)')
+    upsample: str = option('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
+    target: str = option('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
                                '1 px background line where nuclei touch, so the map keeps them apart); or '
                                'mask+border (foreground and the nuclei\'s borders, a second output channel: '
                                'instances grow from the interiors, so touching nuclei come apart); or '
@@ -75,83 +87,83 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     # data
-    data: Optional[str] = _opt(None, 'training images: a folder (paired or DSB layout) or a CSV; '
+    data: Optional[str] = option(None, 'training images: a folder (paired or DSB layout) or a CSV; '
                                      'absent = generated demo nuclei')
-    masks: Optional[str] = _opt(None, 'mask folder for the paired layout')
-    val_data: Optional[str] = _opt(None, 'separate validation set (same layouts as --data)')
-    layout: str = _opt('auto', 'input layout (auto-detected by default)')
-    mask_suffix: str = _opt('_mask', 'paired layout: name.png <-> name<suffix>.png')
-    size: int = _opt(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
-    crop: int = _opt(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
-    val_split: float = _opt(0.1, 'fraction held out for validation (seeded shuffle)')
-    workers: Optional[int] = _opt(None, 'data loader worker processes (0 = in the main process); default: '
+    masks: Optional[str] = option(None, 'mask folder for the paired layout')
+    val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)')
+    layout: str = option('auto', 'input layout (auto-detected by default)')
+    mask_suffix: str = option('_mask', 'paired layout: name.png <-> name<suffix>.png')
+    size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
+    crop: int = option(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
+    val_split: float = option(0.1, 'fraction held out for validation (seeded shuffle)')
+    workers: Optional[int] = option(None, 'data loader worker processes (0 = in the main process); default: '
                                          '2 per GPU up to the CPU cores less one, or 2 for CPU training')
-    cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
+    cache_dir: Optional[str] = option(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
                                           'i.e. ~/.cache/gluon_unet; never inside your data)')
-    normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
+    normalize: str = option('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
                                   '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
                                   'stain (colour tissue: its hematoxylin channel, nuclei bright; grey images: '
                                   'auto), none')
-    denoise: float = _opt(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
+    denoise: float = option(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
                                '--normalize percentile, auto and stain, so a dim nucleus is not stretched into '
                                'specks; 0 = off (as before it existed); stored in the export')
-    balance: str = _opt('none', 'groups: draw every appearance group equally often per epoch (same epoch '
+    balance: str = option('none', 'groups: draw every appearance group equally often per epoch (same epoch '
                                 'length; rare groups repeat); sqrt: in proportion to the square root of its '
                                 'size (rare groups more often, common ones not starved); oversample: every '
                                 'group as often as the largest one (nothing is cut down; the epoch grows to '
                                 'groups x largest). Groups: the CSV\'s group column, else from the pixels '
                                 '(fluorescence, brightfield, colour); validation is not resampled')
-    skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
-    augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
-    elastic: bool = _opt(False, 'elastic deformation augmentation')
-    synthetic_count: int = _opt(192, 'number of generated demo images when --data is absent')
+    skip_unpaired: bool = option(False, 'warn about images without a mask instead of failing')
+    augment: bool = option(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
+    elastic: bool = option(False, 'elastic deformation augmentation')
+    synthetic_count: int = option(192, 'number of generated demo images when --data is absent')
 
     # devices and data-parallel step
-    gpus: str = _opt('', "GPU ids: '0-7', '0,2,5', '0-3,6', 'all'; empty = CPU (with --kvstore horovod: the "
-                         "host's GPUs, dealt to its processes by local rank; 'all' = GPU <local rank>)")
-    cpus: int = _opt(1, 'number of CPU contexts when no GPU is used')
-    kvstore: str = _opt('device', 'gradient aggregation across devices / machines')
-    update_on_kvstore: Optional[bool] = _opt(None, 'run the optimizer on the kvstore '
+    gpus: str = option('', GPUS_HELP + " (with --kvstore horovod: the host's GPUs, dealt to its processes by local "
+                                       "rank; 'all' = GPU <local rank>)")
+    cpus: int = option(1, CPUS_HELP)
+    kvstore: str = option('device', 'gradient aggregation across devices / machines')
+    update_on_kvstore: Optional[bool] = option(None, 'run the optimizer on the kvstore '
                                                   '(default: MXNet decides; off with --clip-grad/--amp)')
 
     # optimization
-    epochs: int = _opt(50, 'maximum number of epochs')
-    time_budget: float = _opt(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
+    epochs: int = option(50, 'maximum number of epochs')
+    time_budget: float = option(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
                                    'the post-processing search after the epochs is kept aside (estimated after '
                                    'the first epoch from a probe of its validation images); after each epoch, '
                                    'the run is cut to the epochs that fit and the LR schedule ends with the last '
                                    'of them')
-    batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
+    batch_size: int = option(16, 'batch size per process, split across its devices (with a dist '
                                 'kvstore or horovod: per worker process; the global batch is workers x this)')
-    optimizer: str = _opt('adam', 'optimizer')
-    lr: float = _opt(1e-3, 'peak learning rate')
-    momentum: float = _opt(0.9, 'SGD momentum')
-    nesterov: bool = _opt(True, 'Nesterov momentum for SGD')
-    weight_decay: float = _opt(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
+    optimizer: str = option('adam', 'optimizer')
+    lr: float = option(1e-3, 'peak learning rate')
+    momentum: float = option(0.9, 'SGD momentum')
+    nesterov: bool = option(True, 'Nesterov momentum for SGD')
+    weight_decay: float = option(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
                                  'biases and BatchNorm gamma/beta are not decayed)')
-    clip_grad: float = _opt(0.0, 'clip the global gradient norm (0 = off)')
-    ema: float = _opt(0.0, 'keep an exponential moving average of the weights with this decay per step '
+    clip_grad: float = option(0.0, 'clip the global gradient norm (0 = off)')
+    ema: float = option(0.0, 'keep an exponential moving average of the weights with this decay per step '
                            '(e.g. 0.99: about the last 100 steps; warmed up as (1+t)/(10+t)); validation, '
                            'the best checkpoint and the export use the average, training the raw weights; '
                            '0 = off')
-    lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
-    warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
-    lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
-    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
+    lr_schedule: str = option('constant', 'learning-rate schedule, stepped every iteration')
+    warmup_epochs: float = option(0.0, 'linear warmup length in epochs')
+    lr_steps: str = option('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
+    loss: str = option('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
                             'bce_lovasz (bce + lovasz), wbce (BCE weighted by the U-Net paper\'s map, heavy in '
                             'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
-    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
+    dice_weight: float = option(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
                                    'bce_lovasz')
-    weight_on: str = _opt('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
+    weight_on: str = option('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
                                  'second map of a two-map --target only: the foreground keeps the plain BCE, so '
                                  'its outlines are drawn as bce_dice draws them)')
-    amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
-    amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
-    sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices (--batch-size must divide '
+    amp: bool = option(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
+    amp_dtype: str = option('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
+    sync_bn: bool = option(False, 'synchronize BatchNorm statistics across devices (--batch-size must divide '
                                 'over them; an epoch\'s last batch is cut to a multiple of the device count)')
-    hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
-    memory: str = _opt('speed', 'training memory against speed, same results: speed (hybridized, static '
+    hybridize: bool = option(True, 'compile the network (static_alloc, static_shape)')
+    memory: str = option('speed', 'training memory against speed, same results: speed (hybridized, static '
                                 'buffers), balanced (a bound graph recomputing BatchNorm and ReLU in backward: '
                                 '-13 percent memory per image at width 64), low (recomputing each block but its '
                                 'output: -34 percent, about one more forward pass of compute). balanced '
@@ -159,29 +171,29 @@ class TrainConfig:
                                 'figures')
 
     # run bookkeeping
-    output: Optional[str] = _opt(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
+    output: Optional[str] = option(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
                                        'a new runs/unet, runs/unet-2, ... (runs/demo... for the demo). '
                                        'A folder holding another run is refused')
-    overwrite: bool = _opt(False, 'start over in an --output that holds a run: deletes its config, logs, '
+    overwrite: bool = option(False, 'start over in an --output that holds a run: deletes its config, logs, '
                                   'metrics, checkpoints and export (other files stay)')
-    seed: int = _opt(0, 'random seed (data split, initialization, augmentation)')
-    monitor: str = _opt('val_iou', 'metric that picks the best checkpoint and drives early stopping')
-    patience: int = _opt(20, 'early stopping: epochs without improvement (0 = off)')
-    min_delta: float = _opt(0.0, 'early stopping: smallest change that counts as improvement')
-    keep_last: int = _opt(2, 'how many recent checkpoints to keep besides the best')
-    resume: Optional[str] = _opt(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
+    seed: int = option(0, 'random seed (data split, initialization, augmentation)')
+    monitor: str = option('val_iou', 'metric that picks the best checkpoint and drives early stopping')
+    patience: int = option(20, 'early stopping: epochs without improvement (0 = off)')
+    min_delta: float = option(0.0, 'early stopping: smallest change that counts as improvement')
+    keep_last: int = option(2, 'how many recent checkpoints to keep besides the best')
+    resume: Optional[str] = option(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
                                        "--output; without --output, the newest runs/unet-N)")
-    threshold: float = _opt(0.5, 'probability threshold for masks')
-    tune_postprocess: bool = _opt(True, 'after training, choose the threshold, watershed h and minimum object '
+    threshold: float = option(0.5, 'probability threshold for masks')
+    tune_postprocess: bool = option(True, 'after training, choose the threshold, watershed h and minimum object '
                                         'size on the validation split; stored in the export for bin/predict')
-    tune_mode: str = _opt('auto', 'the bin/predict --mode the search predicts the validation images with '
+    tune_mode: str = option('auto', 'the bin/predict --mode the search predicts the validation images with '
                                   '(auto, tile, whole, resize): the one you will predict with')
-    tune_tta: bool = _opt(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
+    tune_tta: bool = option(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
                                  'quarter turns: 8x the search\'s prediction time), for a model you will run '
                                  'with bin/predict --tta')
-    benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
-    progress: bool = _opt(True, 'show progress bars')
-    tensorboard: bool = _opt(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
+    benchmark: bool = option(False, 'short synthetic speed run: images/s per device and scaling')
+    progress: bool = option(True, 'show progress bars')
+    tensorboard: bool = option(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
                                     'validation overlays per epoch (needs tensorboardX)')
 
     # -- (de)serialization -------------------------------------------------------------

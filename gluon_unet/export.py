@@ -5,7 +5,6 @@ The export is always an ordinary float32, single-device network with plain Batch
 whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt from
 the config and the checkpoint, not from the live training block.
 """
-import argparse
 import contextlib
 import hashlib
 import json
@@ -17,16 +16,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: bin/predict on an ONNX export reads sidecars through this module without mxnet.
-from . import __version__, add_version_flag
-from .config import TrainConfig
+from . import __version__
+from .config import TrainConfig, option
 from .data.io import NORMALIZE_MODES
 from .data.targets import OUTPUTS
-from .errors import DamagedFile, OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
+from .errors import DamagedFile, UserError, mxnet_message
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
 from .runtime import apply_runtime_defaults, user_environ
 from .tiling import MODES
@@ -339,7 +340,7 @@ def export_in_subprocess(checkpoint, out_dir):
     apply_runtime_defaults(env, contexts=1)  # the child loads mxnet as it starts
     env['CUDA_VISIBLE_DEVICES'] = ''  # no GPU for a CPU export (see above)
     env['PYTHONPATH'] = os.pathsep.join([package_root] + [p for p in [env.get('PYTHONPATH')] if p])
-    cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
+    cmd = [sys.executable, '-m', 'gluon_unet', 'export', checkpoint, '--output', out_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise ExportError('exporting %s in a subprocess failed (%s): %s'
@@ -572,47 +573,47 @@ def find_export(path):
     raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
 
 
-EXPORT_EXAMPLES = """examples:
-  # the run's best checkpoint (else its latest) to runs/a/export/
-  gluon-unet export runs/a
-  # one checkpoint, to another folder
-  gluon-unet export runs/a/checkpoints/epoch0040.ckpt --output models/a-epoch40"""
+@dataclass
+class ExportConfig:
+    """What ``bin/export`` exports, where, and whether it searches the post-processing
+    again; one field per flag (:mod:`gluon_unet.cli.export`)."""
+    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file',
+                      positional=True, metavar='RUN_DIR|CHECKPOINT')
+    output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR')
+    tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
+                                           "run's own validation split (its data must still be where it trained) "
+                                           "and store them in the export, as training does at its end")
+    mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
+                                       'bin/predict --mode (default auto), the one you will predict with',
+                                 choices=MODES)
+    tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
+                              "run with bin/predict --tta (8x the search's prediction time)")
+
+    def validate(self):
+        """Refuse, naming the flag, a search option without ``--tune-postprocess``."""
+        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
+            if given and not self.tune_postprocess:
+                raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
+                                'images)' % flag)
+        return self
 
 
-@reports_errors
-def main(argv=None, retune=None):
-    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess [--mode M] [--tta]]``:
-    export the best (or given) checkpoint. ``retune(checkpoint, export_dir, mode=, tta=)``: the search behind
-    ``--tune-postprocess`` (``engine.retune``, passed in by the CLI: the engine imports
-    this module)."""
-    parser = OneLineParser(
-        prog='export', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EXAMPLES,
-        description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
-                    '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
-    add_version_flag(parser)
-    parser.add_argument('run', metavar='RUN_DIR|CHECKPOINT',
-                        help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
-    parser.add_argument('--output', metavar='DIR', help='export folder (default: <run>/export)')
-    parser.add_argument('--tune-postprocess', action='store_true',
-                        help="choose the threshold, markers and minimum object size again on the run's own "
-                             "validation split (its data must still be where it trained) and store them in "
-                             "the export, as training does at its end")
-    parser.add_argument('--mode', choices=MODES, default=None,
-                        help='with --tune-postprocess: predict the validation images with this bin/predict '
-                             '--mode (default auto), the one you will predict with')
-    parser.add_argument('--tta', action='store_true',
-                        help='with --tune-postprocess: search on test-time-augmented maps, for a model you '
-                             'will run with bin/predict --tta (8x the search\'s prediction time)')
-    args = parser.parse_args(argv)
-    for flag, given in (('--mode', args.mode is not None), ('--tta', args.tta)):
-        if given and not args.tune_postprocess:
-            raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
-                            'images)' % flag)
-    if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
+def run_export(config, retune=None):
+    """``bin/export``: export the best (or given) checkpoint of ``config.run`` (an
+    :class:`ExportConfig`), searching the post-processing again with
+    ``--tune-postprocess``. ``retune(checkpoint, export_dir, mode=, tta=)``: the search
+    (``engine.retune``, passed in by the CLI: the engine imports this module).
+
+    Returns
+    -------
+    (str, str, dict or None)
+        The export prefix, a note for the user ('' when none) and the searched settings.
+    """
+    if config.tune_postprocess and retune is None:
         raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
-    ckpt, out = _resolve_run(args.run, args.output)
-    if args.output:
-        check_export_output(args.output, ckpt)
+    ckpt, out = resolve_run(config.run, config.output)
+    if config.output:
+        check_export_output(config.output, ckpt)
     check_export_folder(out)
     check_writable(out, '--output')
     try:
@@ -624,28 +625,21 @@ def main(argv=None, retune=None):
             exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
                         % (exc.args[0], earlier, earlier),)
         raise
-    if args.tune_postprocess:
+    if config.tune_postprocess:
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
                                           ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
     tuned, note = None, ''
     # The new export is built aside and only its last step replaces the old one: stopped
     # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
     installed = []
-    with _stops_on_sigterm('export %s' % args.run, out, installed):
+    with _stops_on_sigterm('export %s' % config.run, out, installed):
         with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
             write_export(net, cfg, stage, meta)
-            if args.tune_postprocess:
-                tuned = retune(ckpt, stage, mode=args.mode or 'auto', tta=args.tta)
+            if config.tune_postprocess:
+                tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
             else:
-                note = keep_searched(stage, [out, _resolve_run(args.run, None)[1]], args.run)
-    prefix = os.path.join(os.path.abspath(out), 'model')
-    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
-    if note:
-        print(note)
-    if tuned:
-        print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
-              % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
-    return 0
+                note = keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run)
+    return os.path.join(os.path.abspath(out), 'model'), note, tuned
 
 
 def check_export_output(output, checkpoint):
@@ -790,7 +784,7 @@ def _stops_on_sigterm(what, out, installed):
         signal.signal(signal.SIGTERM, previous)
 
 
-def _resolve_run(run, output):
+def resolve_run(run, output):
     """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
     from .checkpoint import list_checkpoints
     if os.path.isdir(run):
@@ -811,7 +805,3 @@ def _resolve_run(run, output):
         folder = os.path.dirname(folder)
     return run, output or os.path.join(folder, 'export')
 
-
-if __name__ == '__main__':  # export_in_subprocess: SIGTERM removes the temporary folder too
-    with signals_raise():
-        sys.exit(main())

@@ -81,15 +81,15 @@ def test_dispatcher_passes_argv_unchanged(monkeypatch):
 def test_every_config_field_has_one_help_group():
     names = [f.metadata.get('flag', f.name) for c in (TrainConfig, ModelConfig) for f in dataclasses.fields(c)
              if f.name != 'model']
-    grouped = [n for group in cli.FLAG_GROUPS.values() for n in group]
+    grouped = [n for group in cli.train.FLAG_GROUPS.values() for n in group]
     assert sorted(set(names)) == sorted(n for n in grouped if n in names), 'a field without a group'
     assert len(grouped) == len(set(grouped)), 'a field in two groups'
 
 
 def test_train_help_lists_choices_defaults_groups_and_examples():
-    parser = cli.train_parser()
+    parser = cli.train.train_parser()
     text = parser.format_help()
-    for title in cli.GROUP_TITLES.values():
+    for title in cli.train.GROUP_TITLES.values():
         assert '\n%s:\n' % title in text
     for key, allowed in _CHOICES.items():
         assert '%s {%s}' % (flag_name(key), ','.join(allowed)) in text, key

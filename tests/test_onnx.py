@@ -276,7 +276,7 @@ def _outputs(folder):
 @pytest.mark.parametrize('flags', [['--mode', 'tile', '--overlay'], ['--mode', 'whole', '--tta', '--cpus', '2'],
                                    ['--mode', 'tile', '--diameter', 'auto']])
 def test_predict_without_mxnet_writes_the_same_labels_as_mxnet(trained, flags):
-    from gluon_unet.predict import main as predict_main
+    from gluon_unet.cli import predict_main
     run, images, root = trained
     tag = '-'.join(f.strip('-') for f in flags)
     mx_out, ort_out = str(root / ('mx-' + tag)), str(root / ('ort-' + tag))

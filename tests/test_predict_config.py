@@ -79,7 +79,7 @@ def test_old_import_paths_of_predict_keep_working():
 def test_bin_predict_whole_mode_spreads_images_over_the_devices_and_buckets_keep_masks(tmp_path, capsys):
     import cv2
     from conftest import export_brightness_model, nuclei_png
-    from gluon_unet.predict import main
+    from gluon_unet.cli import predict_main as main
 
     model = export_brightness_model(str(tmp_path / 'model'))
     (tmp_path / 'in').mkdir()

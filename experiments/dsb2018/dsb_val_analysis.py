@@ -68,8 +68,8 @@ def validation_set(run):
     import mxnet as mx
 
     from gluon_unet.engine import build_datasets
-    from gluon_unet.export import _resolve_run, geometry, model_from_checkpoint
-    ckpt, export_dir = _resolve_run(run, None)
+    from gluon_unet.export import geometry, model_from_checkpoint, resolve_run
+    ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
     net.hybridize(static_alloc=True, static_shape=True)
     cfg.progress = False
