@@ -55,7 +55,7 @@ class RunRecorder:
     monitor : str
         The metric that picks the best checkpoint (``train_loss`` without validation).
     data_id : dict
-        The data fingerprint stored in every checkpoint (see ``engine.data_fingerprint``).
+        The data fingerprint stored in every checkpoint (see ``data.prepare.data_fingerprint``).
     enabled : bool
         False: write nothing (keep score, log to the console only).
     verbose : bool

@@ -130,7 +130,8 @@ def test_the_search_is_kept_aside_and_probed_once(tiny, tmp_path, clock, monkeyp
 def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     import mxnet as mx
 
-    from gluon_unet.engine import build_datasets, build_network, search_images, search_seconds
+    from gluon_unet.data.prepare import build_datasets
+    from gluon_unet.engine import build_network, search_images, search_seconds
     from gluon_unet.export import geometry
     from gluon_unet.postprocess import search_labelings
     cfg = tiny(synthetic_count=40, val_split=0.25)

@@ -67,7 +67,7 @@ def validation_set(run):
     validation split its config builds."""
     import mxnet as mx
 
-    from gluon_unet.engine import build_datasets
+    from gluon_unet.data.prepare import build_datasets
     from gluon_unet.export import geometry, model_from_checkpoint, resolve_run
     ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
