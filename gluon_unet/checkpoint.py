@@ -19,7 +19,9 @@ import re
 import mxnet as mx
 import numpy as np
 
+from .config import TrainConfig
 from .errors import DamagedFile, UserError, mxnet_message
+from .model import build_model
 from .utils import DIGEST, atomic_path, crc32_of, write_errors, write_point
 
 # 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
@@ -169,6 +171,32 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
         if 'optimizer_state' in meta:
             load_trainer_state(trainer, arrays, meta['optimizer_state'], path)
     return meta
+
+
+def model_from_checkpoint(checkpoint, ctxs=None):
+    """The U-Net of ``checkpoint``'s config with its weights, on ``ctxs`` (default the
+    CPU), not hybridized.
+
+    Returns
+    -------
+    (net, cfg, meta)
+        The block, its :class:`TrainConfig` and the checkpoint's record.
+    """
+    ctxs = ctxs or [mx.cpu()]
+    meta = load_checkpoint(checkpoint)
+    cfg = TrainConfig.from_dict(meta['config'])
+    net = build_model(cfg.model)
+    net.initialize(ctx=ctxs)
+    net(dummy_input(cfg, ctxs[0]))  # resolves the deferred parameter shapes before loading
+    load_checkpoint(checkpoint, net=net)
+    return net, cfg, meta
+
+
+def dummy_input(cfg, ctx):
+    """A zero batch of one image of ``cfg``'s training shape, on ``ctx``: one forward of it
+    resolves a network's deferred parameter shapes (and builds a hybridized graph)."""
+    side = cfg.crop or cfg.size
+    return mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctx)
 
 
 class CheckpointSaver:

@@ -33,7 +33,8 @@ from .data.prepare import BALANCE_POWER, balanced_epoch_length, build_datasets, 
 from .data.targets import OUTPUTS
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import DamagedFile, UserError, WriteError
-from .export import ExportError, geometry
+from .export import ExportError
+from .sidecar import geometry
 from .inference import predict_image, second_map
 from .losses import SegmentationLoss
 from .model import build_model, probability_maps
@@ -401,7 +402,7 @@ def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=SEARCH_
     weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
 
     The validation images are scored whole, predicted the way ``bin/predict`` predicts
-    them (``meta``: :func:`export.geometry`; a model trained on crops sees blended tiles),
+    them (``meta``: :func:`sidecar.geometry`; a model trained on crops sees blended tiles),
     not as the training-time crops validation uses: crops cut nuclei at their edges and
     lack the tiles' context, and the settings they choose need not suit whole images
     (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
@@ -530,7 +531,8 @@ def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
     dict
         :func:`tune_postprocessing`'s result (also written to the export's sidecar).
     """
-    from .export import model_from_checkpoint, update_sidecar
+    from .checkpoint import model_from_checkpoint
+    from .sidecar import update_sidecar
     ctxs = ctxs or [mx.cpu()]
     net, cfg, _ = model_from_checkpoint(checkpoint, ctxs)
     if cfg.model.classes != 1:

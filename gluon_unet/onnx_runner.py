@@ -278,7 +278,7 @@ def onnx_path(model):
     with it) and match the CRC-32 stored there: a later export of other weights into the
     same folder leaves an older ``model.onnx`` behind, which must not be run.
     """
-    from .export import SIDECAR, find_export, read_sidecar, verify_export
+    from .sidecar import SIDECAR, find_export, read_sidecar, verify_export
     prefix = find_export(model)
     folder = os.path.dirname(os.path.abspath(prefix))
     path = os.path.join(folder, ONNX_FILE)

@@ -35,7 +35,7 @@ from .config import CPUS_HELP, GPUS_HELP, option
 from .data.io import IMAGE_TYPES, input_image, is_image_file, read_image
 from .data.layouts import dsb_image, is_dsb_sample
 from .errors import UserError
-from .export import card_summary, find_export, weights_digest
+from .sidecar import card_summary, find_export, weights_digest
 from .inference import _Done, load_model, match_channels
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
 from .scale import estimate_diameter, rescale_factor
@@ -461,7 +461,7 @@ class _Run:
 
 def model_record(prefix, model):
     """Which model predictions come from, for the manifest: the export folder, a digest of
-    its weights (:func:`~gluon_unet.export.weights_digest`: the same for every export of
+    its weights (:func:`~gluon_unet.sidecar.weights_digest`: the same for every export of
     the same weights), what its sidecar does to the inputs, and its card's epoch and date."""
     card = model.meta.get('card') if isinstance(model.meta.get('card'), dict) else {}
     return {'export': os.path.dirname(os.path.abspath(prefix)), 'weights_sha256': weights_digest(prefix),

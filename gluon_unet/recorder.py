@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointSaver, load_checkpoint
 from .errors import WriteError
-from .export import export_block, export_checkpoint, export_in_subprocess, update_sidecar
+from .export import export_block, export_checkpoint, export_in_subprocess
+from .sidecar import update_sidecar
 from .reporting import MetricsTable, plot_curves, setup_logging
 from .tblog import TensorBoardLog
 from .utils import atomic_open

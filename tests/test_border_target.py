@@ -206,7 +206,7 @@ def test_bad_target_values_are_one_line(tmp_path):
 
 def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.export import read_sidecar
+    from gluon_unet.sidecar import read_sidecar
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
                        ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
                        ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'"),

@@ -131,7 +131,7 @@ def test_the_search_tunes_the_centre_marker_and_names_it():
 
 def test_a_sidecar_whose_markers_do_not_match_its_outputs_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.export import read_sidecar
+    from gluon_unet.sidecar import read_sidecar
     for extra, words in (({'outputs': ['foreground', 'border'], 'postprocess': {'markers': 'centre'}},
                           "'markers' is \"centre\", but the model's outputs are [\"foreground\", \"border\"]"),
                          ({'postprocess': {'markers': 'centre'}},

@@ -8,7 +8,7 @@ from gluon_unet.checkpoint import load_checkpoint
 from gluon_unet.data.prepare import build_datasets, prepare_data
 from gluon_unet.engine import fit, validate
 from gluon_unet.errors import UserError
-from gluon_unet.export import model_from_checkpoint
+from gluon_unet.checkpoint import model_from_checkpoint
 from gluon_unet.losses import SegmentationLoss
 
 

@@ -132,7 +132,7 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
 
     from gluon_unet.data.prepare import build_datasets
     from gluon_unet.engine import build_network, search_images, search_seconds
-    from gluon_unet.export import geometry
+    from gluon_unet.sidecar import geometry
     from gluon_unet.postprocess import search_labelings
     cfg = tiny(synthetic_count=40, val_split=0.25)
     _, val_ds = build_datasets(cfg)

@@ -174,7 +174,7 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch
     import mxnet as mx
     from gluon_unet.data.synthetic import synthetic_dataset
     from gluon_unet.engine import build_network, tune_postprocessing
-    from gluon_unet.export import geometry
+    from gluon_unet.sidecar import geometry
     cfg = tiny(size=64, crop=32)
     net = build_network(cfg, [mx.cpu()])
     val_ds = synthetic_dataset(5, 64, channels=1, seed=2)
@@ -248,7 +248,7 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
 
 def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.export import read_sidecar
+    from gluon_unet.sidecar import read_sidecar
     for bad, words in (({'tta': 'yes'}, "'postprocess' 'tta' must be true or false"),
                        ({'mode': 'tiles'}, "'postprocess' 'mode' must be one of auto, resize, tile, whole")):
         folder = export_brightness_model(str(tmp_path / next(iter(bad))), dict(BRIGHTNESS_SIDECAR, postprocess=bad))

@@ -68,7 +68,9 @@ def validation_set(run):
     import mxnet as mx
 
     from gluon_unet.data.prepare import build_datasets
-    from gluon_unet.export import geometry, model_from_checkpoint, resolve_run
+    from gluon_unet.checkpoint import model_from_checkpoint
+    from gluon_unet.export import resolve_run
+    from gluon_unet.sidecar import geometry
     ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
     net.hybridize(static_alloc=True, static_shape=True)
