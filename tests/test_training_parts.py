@@ -9,13 +9,14 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet.checkpoint import CheckpointSaver, list_checkpoints, load_checkpoint, save_checkpoint
+from gluon_unet.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from gluon_unet.config import ModelConfig
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.losses import SegmentationLoss
 from gluon_unet.model import build_model
 from gluon_unet.optim import make_lr_scheduler, make_trainer
+from gluon_unet.recorder import CheckpointSaver
 
 
 def _loss(kind, logits, target, weight=None, **kw):
