@@ -157,7 +157,7 @@ def _mx_infer(spec):
     apply_runtime_defaults()
     import mxnet as mx
     from gluon_unet.config import ModelConfig
-    from gluon_unet.export import load_exported
+    from gluon_unet.inference import load_exported
     from gluon_unet.model import build_model
     from gluon_unet.runtime import configure_runtime
     configure_runtime(1)

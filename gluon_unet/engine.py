@@ -25,17 +25,16 @@ from . import distributed
 from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
-from .budget import epoch_estimate, planned_epochs, search_estimate
+from .budget import epoch_estimate, planned_epochs
 from .checkpoint import damaged_resume, list_checkpoints, load_checkpoint, resolve_resume
 from .config import TrainConfig, resume_conflicts
 from .data.dataset import default_workers, make_loader, set_loader_epoch
-from .data.prepare import BALANCE_POWER, balanced_epoch_length, build_datasets, log_groups, prepare_data
+from .data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
 from .data.targets import OUTPUTS
 from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
 from .errors import DamagedFile, UserError, WriteError
 from .export import ExportError
 from .sidecar import geometry
-from .inference import predict_image, second_map
 from .losses import SegmentationLoss
 from .model import build_model, probability_maps
 from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
@@ -43,6 +42,7 @@ from .paths import check_apart
 from .parallel import DataParallelStep, MirroredStep, check_sync_bn_batch, split_batch
 from .recorder import RunRecorder, RunState
 from .reporting import setup_logging
+from .search import search_seconds, tune_postprocessing
 from .runtime import configure_runtime, process_gpus
 from .tblog import require_tensorboardx
 
@@ -353,7 +353,7 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
     gap_target = getattr(dataset, 'target', 'mask') == 'mask-gap'
     second = _second(getattr(dataset, 'target', 'mask'))
     # The search after training chooses a two-map model's markers between its second map
-    # and the distance watershed (postprocess.tune_postprocess), so the epoch it is given
+    # and the distance watershed (search.tune_postprocess), so the epoch it is given
     # is picked by the better of the two: scored by the second map's markers alone, a
     # centre model's val_dsb peaked early while the distance watershed, which the search
     # then chose, kept improving (experiments/dsb2018/log.md, the centre map at depth 5).
@@ -388,164 +388,6 @@ def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_me
 
 
 KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
-
-
-SEARCH_MAX_IMAGES = 64  # the post-processing search's validation images, at most
-SEARCH_MAX_PIXELS = 16 * 2 ** 20  # ... and their pixels
-SEARCH_PROBE_FRACTION = 0.25  # --time-budget times the search's prediction on this share of its pixels
-
-
-def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=SEARCH_MAX_IMAGES,
-                        max_pixels=SEARCH_MAX_PIXELS, mode='auto', tta=False):
-    """Search the post-processing settings (``postprocess.TUNE_GRID``) that give the best
-    DSB score on the validation split with ``net`` as it is (the best checkpoint's
-    weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
-
-    The validation images are scored whole, predicted the way ``bin/predict`` predicts
-    them (``meta``: :func:`sidecar.geometry`; a model trained on crops sees blended tiles),
-    not as the training-time crops validation uses: crops cut nuclei at their edges and
-    lack the tiles' context, and the settings they choose need not suit whole images
-    (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
-    validation images, where the distance watershed scored 0.529). ``mode`` and ``tta`` are
-    ``bin/predict``'s ``--mode`` and ``--tta``: tiles blend overlapping windows and TTA
-    averages 8 flips, both smooth the maps, and the threshold and h that suit them can
-    differ (on a DSB run's 60 validation images predicted with ``--mode tile --tta``: 0.547
-    with the setting chosen on ``auto`` maps, 0.556 with the one chosen on those maps -
-    but 0.596 against 0.587 on the hold-out the other way round: 60 images do not tell
-    such settings apart).
-
-    At most ``max_images`` images, and no more once ``max_pixels`` are gathered (an image
-    larger than that alone is cut to its central ``max_pixels``): the maps are kept
-    (float16) and each setting is scored on all of them, so the search's memory and time
-    follow the pixel count (DSB's 60 validation images are 10.4 Mpx: about two minutes of
-    one core).
-
-    Returns
-    -------
-    dict
-        :func:`postprocess.tune_postprocess`'s result, plus ``seconds``.
-    """
-    t0 = time.time()
-    pairs = []
-    for image, labels in search_images(dataset, max_images, max_pixels):
-        maps = predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
-        pairs.append((maps.astype(np.float16), labels))
-    result = postprocess.tune_postprocess(pairs, second=second_map(meta))
-    result['seconds'] = time.time() - t0
-    if mode != 'auto' or tta:  # what bin/predict compares its own --mode / --tta with
-        result.update(mode=mode, tta=tta)
-    return result
-
-
-def search_images(dataset, max_images=SEARCH_MAX_IMAGES, max_pixels=SEARCH_MAX_PIXELS):
-    """The (uint8 image, instance labels) pairs :func:`tune_postprocessing` scores, in
-    order: the first ``max_images`` validation images, until ``max_pixels`` are gathered."""
-    pixels = 0
-    for i in range(min(len(dataset), max_images)):
-        image, _, labels = dataset.raw(i)
-        if labels.size > max_pixels:  # one huge image: its central part, at most the whole budget
-            window = _central_window(labels.shape, max_pixels)
-            image, labels = image[window], labels[window]
-        if pixels and pixels + labels.size > max_pixels:
-            return
-        pixels += labels.size
-        if image.dtype != np.uint8:  # float images given through the API (already scaled to 0..1)
-            image = np.clip(image * 255 + 0.5, 0, 255).astype(np.uint8)
-        yield image, labels
-
-
-def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False, second=None,
-                   probe_fraction=SEARCH_PROBE_FRACTION, clock=None):
-    """Estimated wall seconds of :func:`tune_postprocessing` on ``dataset``, for
-    ``--time-budget`` to keep aside.
-
-    The search predicts each of its images once, then labels them all once per setting
-    (:func:`postprocess.search_arms`: 28 for a one-map model; for a two-map model whose
-    ``second`` map is 'border', 'centre' or 'contact', 28 with its markers and 27 with the
-    distance watershed). So the probe predicts its first images up to ``probe_fraction``
-    of the pixels, as the search predicts them, and labels and scores all of them once
-    with each kind of markers, on their true masks (a network after one epoch draws no
-    nuclei like those the trained one will); :func:`budget.search_estimate` scales that
-    up. On DSB's 60 validation images the probe takes a twelfth of the search.
-
-    Returns
-    -------
-    (float, int, int)
-        The estimate, the images predicted by the probe and the images the search scores.
-    """
-    clock = clock or time.monotonic
-    images = list(search_images(dataset))
-    total = sum(labels.size for _, labels in images)
-    probe, pixels = [], 0
-    for image, labels in images:
-        if probe and pixels >= probe_fraction * total:
-            break
-        probe.append(image)
-        pixels += labels.size
-    if probe:  # untimed: the first prediction at the tiles' shapes builds their graph, once
-        predict_image(net, meta, probe[0], ctxs, mode=mode, tta=tta, batch_size=batch_size)
-    t0 = clock()
-    for image in probe:
-        predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
-    t1 = clock()
-    arms, seconds = postprocess.search_arms(second), []
-    for markers, _ in arms:  # what the search does for each setting: label, match, score
-        for _, labels in images:
-            fg = (labels > 0).astype(np.float32)
-            # A second map that seeds one marker per blob: a watershed's work, as the search does
-            found = postprocess.instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                                    markers=markers)
-            postprocess.cut_scores(found, fg, labels, [0.5])
-        seconds.append(clock())
-    spent = np.diff([t1] + seconds)
-    estimate = search_estimate(t1 - t0, pixels, total, [(float(s), n) for (_, n), s in zip(arms, spent)])
-    return estimate, len(probe), len(images)
-
-
-def _one_marker_map(fg, second):
-    """A stand-in second map for the search probe: no border or contact line (every blob's
-    interior is its marker), or a centre map high on the whole foreground."""
-    return fg if second == 'centre' else np.zeros_like(fg)
-
-
-def _central_window(shape, max_pixels):
-    """Slices of the central part of an image of ``shape`` (H, W, ...) with at most
-    ``max_pixels`` pixels and the image's aspect ratio."""
-    scale = min(1.0, (max_pixels / float(shape[0] * shape[1])) ** 0.5)
-    h, w = max(1, int(shape[0] * scale)), max(1, int(shape[1] * scale))
-    y, x = (shape[0] - h) // 2, (shape[1] - w) // 2
-    return slice(y, y + h), slice(x, x + w)
-
-
-def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
-    """Search the post-processing again for a trained run, on its own validation split,
-    and store the result in its export (``bin/export --tune-postprocess``): for exports
-    made before the search (or before it knew a setting), without retraining.
-
-    The run's data and split are rebuilt from the checkpoint's config (the same
-    validation images the run used; never a hold-out), scored whole as at the end of
-    training, predicted with ``mode`` and ``tta`` (``--tune-mode``, ``--tune-tta``).
-
-    Returns
-    -------
-    dict
-        :func:`tune_postprocessing`'s result (also written to the export's sidecar).
-    """
-    from .checkpoint import model_from_checkpoint
-    from .sidecar import update_sidecar
-    ctxs = ctxs or [mx.cpu()]
-    net, cfg, _ = model_from_checkpoint(checkpoint, ctxs)
-    if cfg.model.classes != 1:
-        raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
-    cfg.progress = False
-    _, val_ds = build_datasets(cfg)
-    if val_ds is None or not len(val_ds):
-        raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
-                        '--val-data) to choose the post-processing on')
-    net.hybridize(static_alloc=True, static_shape=True)
-    tuned = tune_postprocessing(net, ctxs, val_ds, geometry(cfg), cfg.batch_size, mode=mode, tta=tta)
-    update_sidecar(export_dir, {'postprocess': tuned})
-    return tuned
 
 
 def _val_batches(net, ctxs, dataset, batch_size, loss_fn):

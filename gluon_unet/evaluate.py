@@ -19,7 +19,6 @@ from .data.io import merge_object_masks, read_labels
 from .data.layouts import is_dsb, is_dsb_sample, list_images
 from .errors import UserError
 from .metrics import dsb_image_score, pixel_scores
-from .paths import check_apart, check_replaceable
 from .utils import atomic_open, check_writable
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',

@@ -18,12 +18,13 @@ from typing import Optional
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet (bin/predict on an ONNX export runs without it).
 from .config import option
-from .errors import DamagedFile, UserError, mxnet_message
+from .errors import DamagedFile, UserError
 from .paths import EXPORT_FILES, check_apart, export_files, remove_files, remove_if_empty
 from .postprocess import settings_text
 from .runtime import apply_runtime_defaults, user_environ
-from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, find_export, geometry, model_card,
-                      read_sidecar, update_sidecar, verify_export, weights_digest)
+from .search import retune
+from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
+                      update_sidecar, weights_digest)
 from .tiling import MODES
 from .utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
 
@@ -248,78 +249,6 @@ def _last_error_line(stderr):
     return line[len('error: '):] if line.startswith('error: ') else line
 
 
-def load_exported(prefix_or_dir, ctx=None):
-    """Load an export with ``SymbolBlock.imports``.
-
-    Parameters
-    ----------
-    prefix_or_dir : str
-        The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
-    ctx : mx.Context or list, optional
-
-    Returns
-    -------
-    (SymbolBlock, dict)
-        The network and its sidecar metadata.
-    """
-    import mxnet as mx
-    prefix = find_export(prefix_or_dir)
-    folder = os.path.dirname(prefix)
-    symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
-    for path in (symbol, params):
-        if not os.path.isfile(path):
-            raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
-    sidecar_path = os.path.join(folder, SIDECAR)
-    meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
-    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
-    # Each file is read on its own first, so a damaged one is named as such - not taken
-    # for a pair of good files that do not fit each other.
-    sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
-    saved = _load_export_file(params, mx.nd.load, 'not a complete MXNet params file')
-    if not isinstance(saved, dict):
-        raise UserError('%s: its arrays have no names; an export\'s params file names each (arg:..., aux:...)'
-                        % params)
-    import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')
-            net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
-        _check_param_shapes(sym, saved, meta)
-    except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
-        raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
-                        % (folder, PARAMS, SYMBOL, mxnet_message(exc))) from None
-    return net, meta
-
-
-def _load_export_file(path, load, what):
-    """``load(path)``, or a one-line error naming the damaged file and what is wrong."""
-    import mxnet as mx
-    try:
-        return load(path)
-    except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
-        raise UserError('%s is damaged or truncated (%d bytes): %s: %s'
-                        % (path, os.path.getsize(path), what, mxnet_message(exc, limit=120))) from None
-
-
-def _check_param_shapes(sym, arrays, meta):
-    """Raise MXNetError when the params (``arrays``, as ``mx.nd.load`` gives them) do not
-    fit the symbol ``sym``.
-
-    ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
-    nothing, so weights of a wider network load silently and fail at the first forward
-    deep inside an operator. Shape inference of the symbol from an input shape and the
-    saved shapes finds the mismatch at load time instead.
-    """
-    saved = {k.split(':', 1)[-1]: v.shape for k, v in arrays.items()}
-    inputs = {}
-    first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
-    channels = meta.get('in_channels') or (first[1] if first else None)
-    if channels:
-        side = meta.get('train_size') or 2 ** 7
-        inputs['data'] = (1, channels, side, side)
-    sym.infer_shape_partial(**inputs, **saved)
-
-
 @dataclass
 class ExportConfig:
     """What ``bin/export`` exports, where, and whether it searches the post-processing
@@ -345,19 +274,16 @@ class ExportConfig:
         return self
 
 
-def run_export(config, retune=None):
+def run_export(config):
     """``bin/export``: export the best (or given) checkpoint of ``config.run`` (an
     :class:`ExportConfig`), searching the post-processing again with
-    ``--tune-postprocess``. ``retune(checkpoint, export_dir, mode=, tta=)``: the search
-    (``engine.retune``, passed in by the CLI: the engine imports this module).
+    ``--tune-postprocess`` (:func:`gluon_unet.search.retune`).
 
     Returns
     -------
     (str, str, dict or None)
         The export prefix, a note for the user ('' when none) and the searched settings.
     """
-    if config.tune_postprocess and retune is None:
-        raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
     ckpt, out = resolve_run(config.run, config.output)
     if config.output:
         check_export_output(config.output, ckpt)

@@ -19,7 +19,8 @@ from gluon_unet.engine import fit, validate
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model, predict_image
 from gluon_unet.losses import SegmentationLoss
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob, tune_postprocess
+from gluon_unet.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.search import tune_postprocess
 from gluon_unet.metrics import dsb_image_score
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))

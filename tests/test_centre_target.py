@@ -13,7 +13,8 @@ from gluon_unet.data.targets import centre_map, make_target
 from gluon_unet.errors import UserError
 from gluon_unet.losses import SegmentationLoss
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob, settings_text, tune_postprocess
+from gluon_unet.postprocess import instances_from_maps, instances_from_prob, settings_text
+from gluon_unet.search import tune_postprocess
 from test_border_target import _touching_pair
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))

@@ -16,7 +16,7 @@ from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.data.synthetic import synthetic_nuclei
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
-from gluon_unet.export import load_exported
+from gluon_unet.inference import load_exported
 from gluon_unet.cli import export_main
 from gluon_unet.model import build_model
 from gluon_unet.postprocess import rle_decode

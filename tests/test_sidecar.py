@@ -6,7 +6,7 @@ import os
 import pytest
 
 from gluon_unet.errors import UserError
-from gluon_unet.export import load_exported
+from gluon_unet.inference import load_exported
 from gluon_unet.cli import predict_main
 from gluon_unet.predict import predict_paths
 

@@ -16,7 +16,7 @@ from gluon_unet.data.io import read_image, read_labels, read_mask
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.cli import evaluate_main
-from gluon_unet.export import load_exported
+from gluon_unet.inference import load_exported
 from gluon_unet.cli import export_main
 
 from gluon_unet.cli import predict_main
@@ -156,13 +156,13 @@ def test_plain_export_keeps_the_post_processing_training_searched(run, tmp_path,
 _STOPPED_SEARCH = '''
 import os, signal, sys, time
 sys.path.insert(0, %r)
-from gluon_unet import cli, engine
+from gluon_unet import cli, search
 
-def search(*args, **kwargs):  # the search, stopped part way
+def stopped(*args, **kwargs):  # the search, stopped part way
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 
-engine.tune_postprocessing = search
+search.tune_postprocessing = stopped
 sys.exit(cli.export_main([sys.argv[1], '--tune-postprocess']))
 '''
 

@@ -321,7 +321,7 @@ def cmd_object_filter(args):
 def setting_scores(images, settings, label_fn, jobs=1):
     """(images, settings x min scores) DSB scores: every image labelled by
     ``label_fn(maps, setting)`` for each setting, then cut at each of the search's min
-    scores (``postprocess.TUNE_MIN_SCORES``)."""
+    scores (``search.TUNE_MIN_SCORES``)."""
     items = [(m, t) for m, t, _ in images.values()]
     work = functools.partial(_image_row, settings=settings, label_fn=label_fn)
     if jobs > 1:
@@ -332,7 +332,8 @@ def setting_scores(images, settings, label_fn, jobs=1):
 
 
 def _image_row(item, settings, label_fn):
-    from gluon_unet.postprocess import TUNE_MIN_SCORES, cut_scores
+    from gluon_unet.postprocess import cut_scores
+    from gluon_unet.search import TUNE_MIN_SCORES
     m, t = item
     return [score for setting in settings for score in cut_scores(label_fn(m, setting), m[0], t, TUNE_MIN_SCORES)]
 
@@ -354,7 +355,7 @@ def leave_one_out(scores, groups=None):
 def _grid_settings():
     import itertools
 
-    from gluon_unet.postprocess import TUNE_GRID
+    from gluon_unet.search import TUNE_GRID
     keys = ('threshold', 'h', 'min_size')
     return [dict(zip(keys, v)) for v in itertools.product(*(TUNE_GRID[k] for k in keys))]
 
@@ -465,7 +466,7 @@ def cmd_centre(args):
     per = {name: setting_scores(images, settings, _centre_labels, args.jobs) for name, settings in arms.items()}
     print('%d images; best setting on all of them / each scored with the one chosen on the others' % len(images))
     for name, scores in per.items():
-        from gluon_unet.postprocess import TUNE_MIN_SCORES
+        from gluon_unet.search import TUNE_MIN_SCORES
         best = scores.mean(0).argmax()
         setting = dict(arms[name][best // len(TUNE_MIN_SCORES)], min_score=TUNE_MIN_SCORES[best % len(TUNE_MIN_SCORES)])
         print('%-24s %.4f / %.4f   best: %s' % (name, scores.mean(0).max(), leave_one_out(scores).mean(), setting))

@@ -27,12 +27,11 @@ def export_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..engine import retune
     from ..export import ExportConfig, run_export
     from ..postprocess import settings_text
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
-        prefix, note, tuned = run_export(config, retune=retune)
+        prefix, note, tuned = run_export(config)
     print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
     if note:
         print(note)
