@@ -1,4 +1,4 @@
-"""From probabilities to nuclei: instances, DSB run-length encoding and overlays.
+"""From probabilities to nuclei: instance labels, and the settings that shape them.
 
 A U-Net predicts a foreground probability per pixel; nuclei that touch form one blob
 once thresholded. :func:`instances_from_prob` separates them with a marker-based
@@ -110,17 +110,17 @@ def _marker_watershed(prob, mask, boundary, h, marker, centre=None):
     if boundary is not None:
         boundary = _same_shape(boundary, prob, 'boundary')
         marker = DEFAULT_MARKER['border'] if marker is None else marker
-        markers, elevation = _level_markers(prob * (1 - boundary), mask, marker)
+        markers, elevation = level_markers(prob * (1 - boundary), mask, marker)
     elif centre is not None:
         centre = _same_shape(centre, prob, 'centre')
         marker = DEFAULT_MARKER['centre'] if marker is None else marker
-        # x 10: _h_maxima_markers works in 1/100 steps of its map, here 1/1000 of the score
-        markers, elevation = _h_maxima_markers(centre * 10, mask, marker * 10), -centre
+        # x 10: h_maxima_markers works in 1/100 steps of its map, here 1/1000 of the score
+        markers, elevation = h_maxima_markers(centre * 10, mask, marker * 10), -centre
     else:
         # Unsmoothed distances tie a lot and the watershed breaks ties by visiting order,
         # which a crop changes: the whole image at once, as before.
         dist = ndi.distance_transform_edt(mask)
-        markers, elevation = _h_maxima_markers(dist, mask, h), -dist
+        markers, elevation = h_maxima_markers(dist, mask, h), -dist
     return keep_orphans(watershed(elevation, markers, mask=mask), mask)
 
 
@@ -175,7 +175,7 @@ def _same_shape(level, prob, name):
     return level
 
 
-def _level_markers(level, mask, marker):
+def level_markers(level, mask, marker):
     """Markers (the components of ``level > marker`` in ``mask``: a border map's
     interiors) and the elevation that floods from them: downhill in ``level``."""
     from skimage.measure import label
@@ -387,7 +387,7 @@ class _Solver:
 
 
 def _h_maxima(dist, h):
-    """The h-maxima reconstruction of :func:`_h_maxima_markers`, on 1/100-pixel integers."""
+    """The h-maxima reconstruction of :func:`h_maxima_markers`, on 1/100-pixel integers."""
     from skimage.morphology import reconstruction
 
     scaled = np.round(dist * 100).astype(np.int64)
@@ -410,7 +410,7 @@ def _renumber(out, marker_keys, orphan_keys, rows=256):
     return out
 
 
-def _h_maxima_markers(dist, mask, h):
+def h_maxima_markers(dist, mask, h):
     """Markers = the tops of the h-maxima transform of ``dist``, inside ``mask``.
 
     The reconstruction ``HMAX_h(dist)`` lowers every peak by h and flattens peaks joined
@@ -427,113 +427,6 @@ def _h_maxima_markers(dist, mask, h):
     hmax = reconstruction(np.maximum(scaled - step, 0), scaled, method='dilation')
     peaks = local_maxima(hmax, connectivity=2, allow_borders=True) & mask
     return label(peaks, connectivity=2)
-
-
-def rle_encode(mask):
-    """Data Science Bowl run-length encoding of one binary mask.
-
-    Pixels are numbered from 1, top to bottom then left to right (column-major), and the
-    result is ``'start length start length ...'``; an empty mask gives ``''``.
-
-    Parameters
-    ----------
-    mask : (H, W) array, nonzero = object
-    """
-    flat = (np.asarray(mask) > 0).T.ravel()
-    padded = np.concatenate([[False], flat, [False]])
-    edges = np.flatnonzero(padded[1:] != padded[:-1]) + 1
-    starts, ends = edges[0::2], edges[1::2]
-    return ' '.join('%d %d' % (s, e - s) for s, e in zip(starts, ends))
-
-
-def rle_decode(rle, shape):
-    """Inverse of :func:`rle_encode`.
-
-    Parameters
-    ----------
-    rle : str
-        ``'start length ...'`` (empty, or NaN as read from a CSV, = no pixel).
-    shape : (H, W)
-
-    Returns
-    -------
-    (H, W) uint8 mask in {0, 1}
-    """
-    h, w = shape
-    flat = np.zeros(h * w, np.uint8)
-    if isinstance(rle, str) and rle.strip():
-        nums = np.asarray(rle.split(), dtype=np.int64)
-        if len(nums) % 2:
-            raise ValueError('RLE has an odd number of values')
-        starts, lengths = nums[0::2] - 1, nums[1::2]
-        if len(starts) and (starts.min() < 0 or (starts + lengths).max() > h * w):
-            raise ValueError('RLE runs outside an image of %dx%d pixels' % (h, w))
-        for s, n in zip(starts, lengths):
-            flat[s:s + n] = 1
-    return flat.reshape(w, h).T.copy()
-
-
-def submission_rows(image_id, labels):
-    """Rows ``(image_id, rle)`` of a DSB submission, one per object.
-
-    Objects come from one label image, so they cannot overlap. An image without
-    objects still gets one row with an empty ``EncodedPixels``.
-    """
-    flat = np.asarray(labels).T.ravel()
-    # Runs of equal labels in one pass, then grouped by label: avoids one full-image
-    # comparison per object, which dominates for images with hundreds of nuclei.
-    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    starts = np.concatenate([[0], change])
-    lengths = np.diff(np.concatenate([starts, [flat.size]]))
-    values = flat[starts]
-    keep = values != 0
-    starts, lengths, values = starts[keep], lengths[keep], values[keep]
-    if not len(values):
-        return [(image_id, '')]
-    order = np.argsort(values, kind='stable')
-    starts, lengths, values = starts[order], lengths[order], values[order]
-    bounds = np.flatnonzero(np.diff(values)) + 1
-    rows = []
-    for s, n in zip(np.split(starts, bounds), np.split(lengths, bounds)):
-        rows.append((image_id, ' '.join('%d %d' % (a + 1, b) for a, b in zip(s, n))))
-    return rows
-
-
-def overlay(image, labels, color=(255, 255, 0)):
-    """The image with each instance's outline drawn, for a person to look at.
-
-    Parameters
-    ----------
-    image : (H, W), (H, W, 1) or (H, W, 3) uint8 or float
-        Floats in [0, 1] are scaled by 255; other floats are clipped to [0, 255].
-    labels : (H, W) int
-        Instance labels.
-    color : (r, g, b)
-
-    Returns
-    -------
-    (H, W, 3) uint8
-    """
-    from skimage.segmentation import find_boundaries
-
-    img = np.asarray(image)
-    labels = np.asarray(labels)
-    if img.ndim == 3 and img.shape[2] == 1:
-        img = img[..., 0]
-    if img.shape[:2] != labels.shape:
-        raise ValueError('image %s and labels %s differ in size' % (img.shape, labels.shape))
-    if img.dtype != np.uint8:
-        img = img.astype(np.float32)
-        if img.size and img.max() <= 1.0:
-            img = img * 255
-        img = np.clip(img, 0, 255).astype(np.uint8)
-    if img.ndim == 2:
-        img = np.stack([img] * 3, axis=-1)
-    elif img.shape[2] == 4:
-        img = img[..., :3]
-    out = img.copy()
-    out[find_boundaries(labels, mode='inner')] = color
-    return out
 
 
 def tuned_markers(tuned):

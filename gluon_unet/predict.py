@@ -37,7 +37,9 @@ from .data.layouts import dsb_image, is_dsb_sample
 from .errors import UserError
 from .sidecar import card_summary, find_export, weights_digest
 from .inference import _Done, load_model, match_channels
-from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
+from .overlay import overlay as draw_overlay
+from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
+from .submission import submission_rows
 from .scale import estimate_diameter, rescale_factor
 from .tiling import MODES
 from .paths import (MANIFEST, MANIFEST_FORMAT, check_apart, check_replaceable, manifest_names, read_manifest,

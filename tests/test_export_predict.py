@@ -19,7 +19,7 @@ from gluon_unet.errors import UserError
 from gluon_unet.inference import load_exported
 from gluon_unet.cli import export_main
 from gluon_unet.model import build_model
-from gluon_unet.postprocess import rle_decode
+from gluon_unet.submission import rle_decode
 from gluon_unet.inference import predict_image
 from gluon_unet.predict import find_inputs, predict_paths
 from gluon_unet.cli import predict_main

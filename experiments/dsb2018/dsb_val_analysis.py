@@ -390,10 +390,10 @@ def _distance_times_prob(prob, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
+    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * prob, 1.0)
-    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+    return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
 
 
 def _variant_labels(m, setting):
@@ -423,10 +423,10 @@ def cmd_markers(args):
 
 def _centre_level(maps, threshold, min_size, level):
     """Markers: the components of the centre map above ``level`` (not its h-maxima)."""
-    from gluon_unet.postprocess import _level_markers, keep_orphans
+    from gluon_unet.postprocess import keep_orphans, level_markers
     from skimage.segmentation import watershed
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
-    markers, elevation = _level_markers(maps[1], mask, level)
+    markers, elevation = level_markers(maps[1], mask, level)
     return keep_orphans(watershed(elevation, markers, mask=mask), mask)
 
 
@@ -437,10 +437,10 @@ def _distance_times_centre(maps, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
+    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * maps[1], 1.0)
-    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+    return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
 
 
 def _centre_labels(m, setting):
