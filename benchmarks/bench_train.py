@@ -475,7 +475,7 @@ def main(argv=None):
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '
               'rows will be distorted' % (len(os.sched_getaffinity(0)), os.cpu_count()), flush=True)
     sys.path.insert(0, ROOT)
-    from gluon_unet.devices import cpu_description
+    from gluon_unet.hardware import cpu_description
     machine = cpu_description()
     print('machine: %s, %d CPUs' % (machine, os.cpu_count()), flush=True)
     print('load average at start: %s' % ' '.join(open('/proc/loadavg').read().split()[:3]), flush=True)

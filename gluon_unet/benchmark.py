@@ -20,8 +20,8 @@ import numpy as np
 
 from .data.targets import OUTPUTS
 from .data.weights import WEIGHTED
-from .devices import cpu_description
 from .devices import make_contexts
+from .hardware import cpu_description
 from .model import flops_per_image
 from .parallel import check_sync_bn_batch, split_batch
 

@@ -23,6 +23,7 @@ from . import __version__, mxnet_distribution
 from .config import GPU_IDS, option
 from .devices import cpu_context_count, make_contexts
 from .errors import UserError, mxnet_message
+from .hardware import cpu_bfloat16_support, cpu_description, gpu_status
 from .runtime import recommended_settings, runtime_settings
 
 # The build features a multi-GPU U-Net run depends on (mx.runtime.Features names;
@@ -66,23 +67,12 @@ def build_features(mx):
     return {name: features.is_enabled(name) for name in FEATURES if name in features}
 
 
-def gpu_rows(mx, features):
-    """``[('GPU 0', '15.8 GiB, 15.2 GiB free'), ...]``, or one row saying why there is none."""
-    from . import devices
-    if hasattr(devices, 'gpu_status'):  # the driver-level diagnosis, when devices has it
-        count, reason = devices.gpu_status()
-        if not count:
-            return [('GPUs', 'none: %s' % reason)]
-    elif not features.get('CUDA'):
-        return [('GPUs', 'none: this mxnet build has no CUDA support (package %s; the CUDA builds are '
-                         'mxnet-cu117, mxnet-cu112, ...)' % mxnet_distribution().split()[0])]
-    else:
-        try:
-            count = mx.context.num_gpus()
-        except mx.MXNetError as exc:
-            return [('GPUs', 'none: %s' % mxnet_message(exc))]
-        if not count:
-            return [('GPUs', 'none: the CUDA build of mxnet finds no GPU (driver, CUDA_VISIBLE_DEVICES?)')]
+def gpu_rows(mx):
+    """``[('GPU 0', '15.8 GiB, 15.2 GiB free'), ...]``, or one row saying why there is none
+    (the driver-level diagnosis of :func:`~gluon_unet.hardware.gpu_status`)."""
+    count, reason = gpu_status()
+    if not count:
+        return [('GPUs', 'none: %s' % reason)]
     rows = []
     for i in range(count):
         try:
@@ -131,9 +121,8 @@ def horovod_status():
 def table_rows(contexts=1):
     """The ``(name, value)`` rows of the table (imports mxnet)."""
     import mxnet as mx
-    from .devices import cpu_bfloat16_support, cpu_description
     features = build_features(mx)
-    gpus = gpu_rows(mx, features)
+    gpus = gpu_rows(mx)
     gpu_count = sum(1 for name, value in gpus if name.startswith('GPU ') and not value.startswith('error'))
     settings = runtime_settings()
     threads = 'OMP_NUM_THREADS=%d (%s)' % (settings['omp_threads'], settings['omp_source'])

@@ -31,7 +31,8 @@ from .config import TrainConfig, resume_conflicts
 from .data.dataset import default_workers, make_loader, set_loader_epoch
 from .data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
 from .data.targets import OUTPUTS
-from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
+from .devices import context_names, has_gpu, make_contexts
+from .hardware import require_cpu_bfloat16
 from .errors import DamagedFile, UserError, WriteError
 from .export import ExportError
 from .sidecar import geometry
