@@ -19,7 +19,7 @@ after a pause when that exceeds ``--max-foreign``, and a reduced CPU affinity ma
 reported. Idle workers block on their pipe and use no CPU.
 
 Ours is the trainer's own step (``gluon_unet.benchmark.make_training_step``: the
-network of ``engine.build_network``, ``SegmentationLoss('bce')``, Adam via
+network of ``step.build_network``, ``SegmentationLoss('bce')``, Adam via
 ``optim.make_trainer``, ``parallel.DataParallelStep``). PyTorch (``benchmarks/torch_unet.py``,
 benchmark-only: ``pip install torch``) trains the same architecture eagerly with
 ``BCEWithLogitsLoss`` and ``torch.optim.Adam``; ``--amp`` compares MXNet's bfloat16 AMP
@@ -100,8 +100,8 @@ def _mx_train(spec):
     from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.devices import make_contexts
-    from gluon_unet.engine import init_amp
     from gluon_unet.runtime import configure_runtime
+    from gluon_unet.step import init_amp
     cfg = TrainConfig(model=ModelConfig(in_channels=spec['channels'], width=spec['width'],
                                         depth=spec['depth']),
                       size=spec['size'], batch_size=spec['batch'], cpus=spec['cpus'],

@@ -161,11 +161,11 @@ def device_name(ctx):
 
 def device_step(ctx):
     """One hybridized U-Net training step (width 4, depth 2, 32 px, batch 2) on ``ctx``,
-    through the same step as training (``engine.make_step``); returns the loss."""
+    through the same step as training (``step.make_step``); returns the loss."""
     import mxnet as mx
     import numpy as np
     from .config import ModelConfig, TrainConfig
-    from .engine import make_step
+    from .step import make_step
     from .model import build_model
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=STEP_WIDTH, depth=STEP_DEPTH), size=STEP_SIZE,
                       batch_size=STEP_BATCH, optimizer='sgd', lr=0.01, kvstore='device')

@@ -77,7 +77,7 @@ def test_the_centre_channel_takes_the_bce_and_no_dice():
     assert near[1] < near[0] and near[1] < near[2]
     # The training loss of a mask+centre run is built that way.
     from gluon_unet.config import TrainConfig
-    from gluon_unet.engine import build_network, make_step
+    from gluon_unet.step import build_network, make_step
     cfg = TrainConfig(epochs=1, cpus=1)
     cfg.model.target, cfg.model.in_channels, cfg.model.width = 'mask+centre', 1, 4
     net = build_network(cfg, [mx.cpu()])

@@ -8,12 +8,12 @@ import pytest
 
 from gluon_unet import engine
 from gluon_unet.budget import planned_epochs
-from gluon_unet.search import search_estimate
 from gluon_unet.checkpoint import load_checkpoint
 from gluon_unet.config import TrainConfig
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.optim import make_lr_scheduler, resize_lr_scheduler
+from gluon_unet.search import search_estimate
 
 
 def test_planned_epochs_fits_what_is_left_and_never_passes_epochs():
@@ -132,10 +132,9 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     import mxnet as mx
 
     from gluon_unet.data.prepare import build_datasets
-    from gluon_unet.engine import build_network
-    from gluon_unet.search import search_images, search_seconds
+    from gluon_unet.search import search_images, search_labelings, search_seconds
     from gluon_unet.sidecar import geometry
-    from gluon_unet.search import search_labelings
+    from gluon_unet.step import build_network
     cfg = tiny(synthetic_count=40, val_split=0.25)
     _, val_ds = build_datasets(cfg)
     net = build_network(cfg, [mx.cpu()])

@@ -175,7 +175,7 @@ def test_amp_init_leaves_the_root_logger_alone():
         import logging
         import mxnet as mx
         from gluon_unet.config import TrainConfig
-        from gluon_unet.engine import init_amp
+        from gluon_unet.step import init_amp
         assert init_amp(TrainConfig(amp=True), [mx.cpu()]) == 'bfloat16'
         print('root handlers', len(logging.getLogger().handlers))
     ''')

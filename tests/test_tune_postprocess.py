@@ -5,11 +5,11 @@ import os
 import numpy as np
 import pytest
 
+from gluon_unet import predict as predict_mod
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model
 from gluon_unet.search import TUNE_GRID, tune_postprocess
-from gluon_unet import predict as predict_mod
 
 import mxnet as mx
 
@@ -173,9 +173,9 @@ def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, cap
 def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch):
     import mxnet as mx
     from gluon_unet.data.synthetic import synthetic_dataset
-    from gluon_unet.engine import build_network
     from gluon_unet.search import tune_postprocessing
     from gluon_unet.sidecar import geometry
+    from gluon_unet.step import build_network
     cfg = tiny(size=64, crop=32)
     net = build_network(cfg, [mx.cpu()])
     val_ds = synthetic_dataset(5, 64, channels=1, seed=2)

@@ -11,13 +11,12 @@ import sys
 import numpy as np
 import pytest
 
+from gluon_unet.cli import evaluate_main, export_main
 from gluon_unet.cli.train import config_from_args
 from gluon_unet.data.io import read_image, read_labels, read_mask
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
-from gluon_unet.cli import evaluate_main
 from gluon_unet.inference import load_exported
-from gluon_unet.cli import export_main
 
 from gluon_unet.cli import predict_main
 from gluon_unet.rundir import claim_run_folder, holds_run

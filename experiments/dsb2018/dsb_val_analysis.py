@@ -67,8 +67,8 @@ def validation_set(run):
     validation split its config builds."""
     import mxnet as mx
 
-    from gluon_unet.data.prepare import build_datasets
     from gluon_unet.checkpoint import model_from_checkpoint
+    from gluon_unet.data.prepare import build_datasets
     from gluon_unet.export import resolve_run
     from gluon_unet.sidecar import geometry
     ckpt, export_dir = resolve_run(run, None)

@@ -183,7 +183,9 @@ def train_main(argv=None):
         from ..benchmark import benchmark_main
         return benchmark_main(cfg)
     from ..data.cache import CacheWarning
-    from ..engine import Diverged, Interrupted, fit
+    from ..engine import fit
+    from ..step import Diverged
+    from ..stops import Interrupted
     # The log says it in one line; Python's warning would repeat it with a source line.
     warnings.simplefilter('ignore', CacheWarning)
     try:
