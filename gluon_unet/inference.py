@@ -24,7 +24,7 @@ from .sidecar import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
-class _Job:
+class InputJob:
     """One network input and what to do with its (H, W) probabilities."""
     __slots__ = ('input', 'callback')
 
@@ -32,7 +32,7 @@ class _Job:
         self.input, self.callback = inp, callback
 
 
-class _Done:
+class ImageDone:
     """Marks the end of one image's jobs: ``fn`` runs once all of them are computed."""
     __slots__ = ('fn',)
 
@@ -41,7 +41,7 @@ class _Done:
 
 
 def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
-    """The network inputs of one image, then a :class:`_Done` that yields its probabilities.
+    """The network inputs of one image, then a :class:`ImageDone` that yields its probabilities.
 
     Parameters
     ----------
@@ -70,7 +70,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
             def add(prob, y=y, x=x, k=k, flip=flip):
                 state['canvas'].add(prob, y, x, k, flip, weight)
-            yield _Job(np.ascontiguousarray(dihedral(window, k, flip)), add)
+            yield InputJob(np.ascontiguousarray(dihedral(window, k, flip)), add)
     del plan, window
 
     def finish():
@@ -78,7 +78,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         maps, used = np.ascontiguousarray(done.to_image(canvas.result()), np.float32), done.mode
         del canvas, done  # only the maps stay while on_done post-processes
         on_done(maps, used)
-    yield _Done(finish)
+    yield ImageDone(finish)
 
 
 class _Scheduler:
@@ -159,7 +159,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
 
     Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
     spread over the devices round-robin with work in flight on each
-    (:class:`_Scheduler`). A :class:`_Done` runs once every job before it has been
+    (:class:`_Scheduler`). A :class:`ImageDone` runs once every job before it has been
     post-processed.
 
     Returns
@@ -171,7 +171,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
     runner = net.scheduler(ctxs, second) if hasattr(net, 'scheduler') else _Scheduler(net, ctxs, second)
     batch, finishers = [], []
     for job in jobs:
-        if isinstance(job, _Done):
+        if isinstance(job, ImageDone):
             if batch:
                 finishers.append(job.fn)
             else:

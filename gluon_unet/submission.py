@@ -1,6 +1,11 @@
 """The Data Science Bowl 2018 submission format: run-length encoded objects, one CSV row
 each (``ImageId,EncodedPixels``), written by ``bin/predict --rle``."""
+import csv
+import io
+
 import numpy as np
+
+from .utils import atomic_open
 
 def rle_encode(mask):
     """Data Science Bowl run-length encoding of one binary mask.
@@ -70,3 +75,13 @@ def submission_rows(image_id, labels):
     for s, n in zip(np.split(starts, bounds), np.split(lengths, bounds)):
         rows.append((image_id, ' '.join('%d %d' % (a + 1, b) for a, b in zip(s, n))))
     return rows
+
+
+def write_submission(path, rows):
+    """Atomically write DSB submission rows ``(ImageId, EncodedPixels)`` as CSV."""
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator='\n')
+    writer.writerow(('ImageId', 'EncodedPixels'))
+    writer.writerows(rows)
+    with atomic_open(path, 'wb') as f:
+        f.write(text.getvalue().encode())

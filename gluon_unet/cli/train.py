@@ -210,7 +210,8 @@ def demo_predictions(cfg, run_dir, count=8):
     ``<run_dir>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
     from ..data.synthetic import synthetic_nuclei
-    from ..predict import predict_paths, write_png
+    from ..predict import predict_paths
+    from ..predictions import write_png
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(run_dir, 'demo_inputs')
