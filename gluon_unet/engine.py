@@ -23,7 +23,7 @@ from .averaging import applied, make_average
 from .budget import epoch_estimate, planned_epochs
 from .checkpoint import load_checkpoint
 from .config import TrainConfig
-from .data.dataset import default_workers, make_loader, set_loader_epoch
+from .data.loader import default_workers, make_loader, set_loader_epoch
 from .data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
 from .devices import context_names, make_contexts
 from .errors import UserError

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import metrics as M
 from . import postprocess
-from .data.dataset import make_loader
+from .data.loader import make_loader
 from .data.targets import OUTPUTS
 from .model import probability_maps
 from .parallel import split_batch

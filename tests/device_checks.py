@@ -304,7 +304,7 @@ def check_loader_pins_memory(pin_device):
     """A loader feeding GPU ``pin_device`` returns batches in page-locked host memory
     (``cpu_pinned``), from which copies to the GPU are asynchronous DMA."""
     from gluon_unet.data import synthetic_dataset
-    from gluon_unet.data.dataset import make_loader
+    from gluon_unet.data.loader import make_loader
     loader = make_loader(synthetic_dataset(4, size=32, seed=0), 2, shuffle=False, seed=0, pin_device=pin_device)
     batch = next(iter(loader))
     assert all(a.context == mx.Context('cpu_pinned', pin_device) for a in batch), [a.context for a in batch]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gluon_unet.data import load_dataset
-from gluon_unet.data.dataset import EpochSampler, balanced_order
 from gluon_unet.data.io import image_kind, input_image, normalize_image, read_image
+from gluon_unet.data.sampler import EpochSampler, balanced_order
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))

@@ -17,7 +17,7 @@ import pytest
 from conftest import pids_with, run_in_own_group, tiny_config
 from gluon_unet import distributed, launch
 from gluon_unet.cli import launch_main
-from gluon_unet.data.dataset import EpochSampler
+from gluon_unet.data.sampler import EpochSampler
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))

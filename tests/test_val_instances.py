@@ -3,7 +3,8 @@ import numpy as np
 import mxnet as mx
 
 from gluon_unet.data.augment import make_transform
-from gluon_unet.data.dataset import SegmentationDataset, make_loader
+from gluon_unet.data.dataset import SegmentationDataset
+from gluon_unet.data.loader import make_loader
 from gluon_unet.metrics import DSBMetric
 from gluon_unet.validation import val_instances
 
