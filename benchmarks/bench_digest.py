@@ -69,7 +69,7 @@ def bench_checkpoint(width, repeat, folder):
     real_verify = checkpoint.verify_checkpoint
 
     def load_with():
-        checkpoint._VERIFIED.clear()
+        checkpoint.forget_verified()
         checkpoint.load_checkpoint(path, net, trainer)
 
     def load_without():
@@ -101,13 +101,13 @@ def bench_checkpoint(width, repeat, folder):
 
 def bench_cache(data, size, cache_dir, repeat):
     def load(verify):
-        real = cache._intact
+        real = cache.intact
         if not verify:
-            cache._intact = lambda *a, **k: True
+            cache.intact = lambda *a, **k: True
         try:
             return load_dataset(data, size=size, cache_dir=cache_dir, workers=2, progress=False)
         finally:
-            cache._intact = real
+            cache.intact = real
     t0 = time.perf_counter()
     ds = load(True)  # builds the entry the first time
     first = time.perf_counter() - t0

@@ -109,6 +109,12 @@ def verify_checkpoint(path, arrays):
         _VERIFIED[os.path.abspath(path)] = stamp
 
 
+def forget_verified():
+    """Forget which checkpoints this process has verified: the next read of each checks
+    its digest again (for timing the check)."""
+    _VERIFIED.clear()
+
+
 def checkpoint_is_good(path):
     """Whether ``path`` reads as a checkpoint and matches its digest."""
     try:

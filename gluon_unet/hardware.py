@@ -16,6 +16,11 @@
 
 mxnet is imported inside the functions that need it. Turning ``--gpus`` / ``--cpus``
 into contexts is :mod:`gluon_unet.devices`.
+
+Why one module: the GPU and the CPU probes ask MXNet the same careful way - its C++
+side's stderr silenced while they run, its engine's stored errors cleared after them
+(:func:`_native_stderr_silenced`, :func:`_clear_engine_errors`) - and ``gluon-unet
+doctor`` reports them side by side.
 """
 import contextlib
 import ctypes
