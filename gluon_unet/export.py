@@ -18,9 +18,12 @@ from typing import Optional
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet (bin/predict on an ONNX export runs without it).
 from .config import option
-from .errors import DamagedFile, UserError
+from .errors import DamagedFile, UserError, WriteError
+from .onnx_export import onnx_available, write_onnx
+from .onnx_runner import ONNX_FILE
 from .paths import EXPORT_FILES, check_apart, export_files, remove_files, remove_if_empty
 from .postprocess import settings_text
+from .reporting import get_logger
 from .runtime import apply_runtime_defaults, user_environ
 from .search import retune
 from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
@@ -29,8 +32,9 @@ from .tiling import MODES
 from .utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
 
 
-def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
-    """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``.
+def export_checkpoint(checkpoint, out_dir, sidecar_extra=None, onnx='auto'):
+    """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``
+    (with ``model.onnx`` as ``onnx`` says: see :func:`write_export`).
 
     The files are written aside and renamed into place one by one (:func:`staged_export`),
     so a reader never sees a half-written file and nothing else in ``out_dir`` is touched.
@@ -42,10 +46,10 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     """
     from .checkpoint import model_from_checkpoint
     net, cfg, meta = model_from_checkpoint(checkpoint)
-    return export_block(net, cfg, out_dir, meta, sidecar_extra)
+    return export_block(net, cfg, out_dir, meta, sidecar_extra, onnx)
 
 
-def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
+def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None, onnx='auto'):
     """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
     ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``.
 
@@ -53,6 +57,8 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
     ``export``); ``cfg.model.depth`` is what the sidecar tells predictors about the
     input sides (multiples of ``2**depth``). The files are written aside and each is
     renamed into place (:func:`staged_export`); anything else in ``out_dir`` stays.
+    ``onnx``: see :func:`write_export`; a note about ``model.onnx`` goes to the
+    ``gluon_unet`` logger (a training run's log).
 
     Returns
     -------
@@ -60,13 +66,27 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
         The export prefix ``out_dir/model``.
     """
     with staged_export(out_dir) as stage:
-        write_export(net, cfg, stage, meta, sidecar_extra)
+        note = write_export(net, cfg, stage, meta, sidecar_extra, onnx)
+    if note:
+        get_logger().info(note)
     return os.path.join(os.path.abspath(out_dir), 'model')
 
 
-def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
+def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto'):
     """Write the export files of ``net`` straight into ``folder`` (a staging folder of
-    :func:`staged_export`: a reader there could see them half-written)."""
+    :func:`staged_export`: a reader there could see them half-written).
+
+    ``onnx``: also write ``model.onnx`` (:func:`~gluon_unet.onnx_export.write_onnx`, for
+    predicting without MXNet) - True: always (a one-line error when the onnx package is
+    missing or the conversion fails); ``'auto'``: when the onnx package is installed, and
+    a conversion that fails leaves the export without it; False: never.
+
+    Returns
+    -------
+    str
+        A note for the user when ``'auto'`` wrote no ``model.onnx`` (why, what to
+        install), else ''.
+    """
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
     net.hybridize(static_alloc=True, static_shape=True)
@@ -101,22 +121,47 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
     sidecar.update(sidecar_extra or {})
     if isinstance((sidecar_extra or {}).get('postprocess'), dict):
         card_follows(sidecar)
-    # What load_exported checks the two files against.
+    record, note = _onnx_beside(folder, cfg, onnx, final)
+    if record is not None:
+        sidecar['onnx'] = record
+    # What load_exported (and the ONNX runner) check the model files against.
     sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(folder, name)))
-                         for name in (SYMBOL, PARAMS)}
+                         for name in (SYMBOL, PARAMS) + ((ONNX_FILE,) if record is not None else ())}
     with write_errors(os.path.join(final, SIDECAR), folder):
         with open(os.path.join(folder, SIDECAR), 'w') as f:
             json.dump(sidecar, f, indent=2)
         write_point(os.path.join(final, SIDECAR))
+    return note
+
+
+def _onnx_beside(folder, cfg, onnx, shown):
+    """``(record, note)``: ``model.onnx`` written into ``folder`` as ``onnx`` asks (see
+    :func:`write_export`) and its sidecar record, or None and why not."""
+    if onnx is False:
+        return None, ''
+    if onnx == 'auto':
+        available, why = onnx_available()
+        if not available:
+            return None, 'note: no %s (it predicts without MXNet): %s' % (ONNX_FILE, why)
+    try:
+        return write_onnx(folder, cfg.model.in_channels, 2 ** cfg.model.depth, shown=shown), ''
+    except WriteError:
+        raise
+    except (UserError, ValueError) as exc:  # a graph the converter or the parity check refuses
+        if onnx is True:
+            raise
+        return None, 'note: no %s: %s; the MXNet export is complete' % (ONNX_FILE, ' '.join(str(exc).split()))
 
 
 @contextlib.contextmanager
 def staged_export(out_dir, on_installed=None):
-    """Yield an empty staging folder inside ``out_dir``; on success move its three export
-    files into ``out_dir``, one ``os.replace`` each, ``model.json`` last.
+    """Yield an empty staging folder inside ``out_dir``; on success move its export files
+    (:data:`~gluon_unet.paths.EXPORT_FILES`) into ``out_dir``, one ``os.replace`` each,
+    ``model.json`` last; one the new export does not have (``model.onnx`` not written) is
+    removed from ``out_dir``, so an older one never outlives its weights.
 
-    The deletion rule (:mod:`gluon_unet.paths`): an export replaces only the three files
-    of a gluon_unet export (recognised by its ``model.json``), never anything else in
+    The deletion rule (:mod:`gluon_unet.paths`): an export replaces only the files of a
+    gluon_unet export (recognised by its ``model.json``), never anything else in
     ``out_dir``, and refuses in one line a folder whose export files are not
     gluon_unet's. On any failure or interruption (a search killed by SIGTERM, a full
     disk) the staging folder goes and ``out_dir`` keeps the export it had; the renames
@@ -140,7 +185,10 @@ def staged_export(out_dir, on_installed=None):
         with _signals_held():
             for name in EXPORT_FILES:
                 with write_errors(os.path.join(out_dir, name), out_dir):
-                    os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+                    if os.path.exists(os.path.join(stage, name)):
+                        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+                    else:
+                        remove_files(out_dir, [name])
             if on_installed is not None:
                 on_installed()
     finally:
@@ -219,6 +267,9 @@ def export_in_subprocess(checkpoint, out_dir):
     if done.returncode != 0:
         raise ExportError('exporting %s in a subprocess failed (%s): %s'
                           % (checkpoint, _exit_status(done.returncode), _last_error_line(done.stderr)))
+    for line in done.stdout.splitlines():  # what the export says about model.onnx, as export_block does
+        if line.startswith('note: no model.onnx'):
+            get_logger().info(line)
     return os.path.join(out_dir, 'model')
 
 
@@ -264,6 +315,9 @@ class ExportConfig:
                                  choices=MODES)
     tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
                               "run with bin/predict --tta (8x the search's prediction time)")
+    onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
+                                        'is not installed (default: when the onnx package is installed: pip install '
+                                        '-r requirements-onnx-export.txt)')
 
     def validate(self):
         """Refuse, naming the flag, a search option without ``--tune-postprocess``."""
@@ -281,9 +335,14 @@ def run_export(config):
 
     Returns
     -------
-    (str, str, dict or None)
-        The export prefix, a note for the user ('' when none) and the searched settings.
+    (str, list of str, dict or None)
+        The export prefix, notes for the user and the searched settings.
     """
+    onnx = 'auto' if config.onnx is None else config.onnx
+    if onnx is True:  # asked for: before any work, not after the search
+        available, why = onnx_available()
+        if not available:
+            raise UserError('--onnx: %s' % why)
     ckpt, out = resolve_run(config.run, config.output)
     if config.output:
         check_export_output(config.output, ckpt)
@@ -301,18 +360,18 @@ def run_export(config):
     if config.tune_postprocess:
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
                                           ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
-    tuned, note = None, ''
+    tuned, notes = None, []
     # The new export is built aside and only its last step replaces the old one: stopped
     # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
     installed = []
     with _stops_on_sigterm('export %s' % config.run, out, installed):
         with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
-            write_export(net, cfg, stage, meta)
+            notes.append(write_export(net, cfg, stage, meta, onnx=onnx))
             if config.tune_postprocess:
                 tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
             else:
-                note = keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run)
-    return os.path.join(os.path.abspath(out), 'model'), note, tuned
+                notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
+    return os.path.join(os.path.abspath(out), 'model'), [n for n in notes if n], tuned
 
 
 def check_export_output(output, checkpoint):

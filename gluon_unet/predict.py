@@ -101,6 +101,10 @@ class PredictConfig:
                                   '< 1/8) so images of many sizes share a few network shapes: fewer memory '
                                   're-plans and, on GPUs, cuDNN autotunes; pixels near the border see more '
                                   'reflected context')
+    providers: Optional[str] = option(None, "predict with the export's model.onnx on onnxruntime, with these "
+                                            "execution providers, comma-separated: cpu, cuda, tensorrt (or an "
+                                            "onnxruntime provider name); default: MXNet when it is installed, else "
+                                            "onnxruntime on the CPU (CUDA with --gpus)", metavar='LIST')
     progress: bool = option(True, 'progress bar (stderr) and a one-line summary')
     overwrite: bool = option(False, '--output holds predictions by another model or with other settings (its %s '
                                     'says): remove the files it lists, then predict. Without it such a folder is '
@@ -383,8 +387,8 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     from .onnx_runner import load_onnx_model, predict_runtime, runtime_line
 
     config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
-    # onnxruntime where mxnet cannot be imported (issue 48); ``--providers`` will also choose it.
-    runtime, why = predict_runtime(None)
+    # onnxruntime when --providers asks for it, or where mxnet cannot be imported.
+    runtime, why = predict_runtime(config.providers)
     ctxs = make_contexts(config.gpus, config.cpus) if runtime == 'mxnet' else None
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):
@@ -402,9 +406,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if runtime == 'mxnet':
         loaded = load_model(model, ctxs)
     else:
-        loaded = load_onnx_model(model, config.gpus, config.cpus, why=why)
+        loaded = load_onnx_model(model, config.gpus, config.cpus, providers=config.providers, why=why)
         ctxs = loaded.ctxs
-        print(runtime_line(loaded, why), file=sys.stderr)
+        if why:  # chosen on its own accord (no mxnet here), not by --providers: say so
+            print(runtime_line(loaded, why), file=sys.stderr)
     check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)
     run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)

@@ -58,6 +58,14 @@ def requires_bf16():
 
 
 #: The model.json :func:`export_brightness_model` writes unless told otherwise.
+def export_names():
+    """The files an export holds here, sorted: with ``model.onnx`` where the onnx package
+    is installed (exports write it by default then), without it elsewhere."""
+    from gluon_unet.onnx_export import onnx_available
+    return sorted(['model-0000.params', 'model-symbol.json', 'model.json'] + (['model.onnx'] if onnx_available()[0]
+                                                                              else []))
+
+
 BRIGHTNESS_SIDECAR = {'in_channels': 1, 'classes': 1, 'multiple': 4, 'train_size': 32,
                       'resize_mode': 'resize', 'threshold': 0.5}
 

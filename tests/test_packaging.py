@@ -37,6 +37,7 @@ def test_pyproject_states_pythons_dependencies_extras_and_scripts():
     extras = project['optional-dependencies']
     assert extras['cpu'] == ['mxnet==1.9.1'] and extras['cu117'] == ['mxnet-cu117==1.9.1']
     assert {'cu112', 'cu110', 'test', 'tensorboard'} <= set(extras)
+    assert extras['onnx-export'] == _requirements('requirements-onnx-export.txt')
     assert all(re.fullmatch(r'mxnet-cu\d+==1\.9\.1', extras[k][0]) for k in extras if k.startswith('cu'))
     scripts = project['scripts']
     assert scripts['gluon-unet'] == 'gluon_unet.cli:main'

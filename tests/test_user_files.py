@@ -21,10 +21,10 @@ from gluon_unet.inference import load_exported
 from gluon_unet.cli import predict_main
 from gluon_unet.rundir import claim_run_folder, holds_run
 
-from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, nuclei_png, run_cli, tiny_config
+from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, export_names, nuclei_png, run_cli, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPORT = ['model-0000.params', 'model-symbol.json', 'model.json']
+EXPORT = export_names()
 MANIFEST = 'gluon_unet-predictions.json'  # gluon_unet.paths.MANIFEST
 
 

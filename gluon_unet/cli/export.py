@@ -1,5 +1,7 @@
 """``gluon-unet export`` / ``bin/export``: flags generated from
 :class:`~gluon_unet.export.ExportConfig`, then :func:`~gluon_unet.export.run_export`."""
+import os
+
 from ..errors import reports_errors, signals_raise
 from ..runtime import apply_runtime_defaults
 from .common import add_fields, asks_version, command_parser, parse_configs
@@ -28,12 +30,16 @@ def export_main(argv=None):
         return 0
     apply_runtime_defaults()
     from ..export import ExportConfig, run_export
+    from ..onnx_runner import ONNX_FILE
     from ..postprocess import settings_text
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
-        prefix, note, tuned = run_export(config)
-    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
-    if note:
+        prefix, notes, tuned = run_export(config)
+    files = [prefix + '-symbol.json', prefix + '-0000.params']
+    onnx = os.path.join(os.path.dirname(prefix), ONNX_FILE)
+    files += [onnx] if os.path.isfile(onnx) else []
+    print('exported %s and %s' % (', '.join(files[:-1]), files[-1]))
+    for note in notes:
         print(note)
     if tuned:
         print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
