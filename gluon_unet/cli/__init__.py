@@ -1,13 +1,13 @@
-"""The command line: the only part of gluon_unet that parses arguments or sets
-process-wide knobs. ``gluon-unet COMMAND`` (:func:`main`), ``python -m gluon_unet COMMAND``
-and ``bin/COMMAND`` run the ``*_main`` entry points of this package's modules, one per
-command, each of which builds its flags from the command's config dataclass
-(:mod:`gluon_unet.cli.common`).
+"""The command line: the only part of gluon_unet that parses arguments.
+
+``gluon-unet COMMAND`` (:func:`main`), ``python -m gluon_unet COMMAND`` and ``bin/COMMAND``
+run the ``*_main`` entry points of this package's modules, one per command, each of which
+builds its flags from the command's config dataclass (:mod:`gluon_unet.cli.common`).
 
 Importing this package does not import mxnet: each entry point first applies the
 settings that libmxnet reads only when it loads (``OMP_NUM_THREADS``,
-``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``: :mod:`gluon_unet.runtime`) for the devices
-its flags name, then imports the modules that need mxnet.
+``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``: :mod:`gluon_unet.runtime`) for the
+devices its flags name, then imports the modules that need mxnet.
 """
 import sys
 
