@@ -16,8 +16,8 @@ import numpy as np
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .errors import WriteError
 from .export import export_block, export_checkpoint, export_in_subprocess
-from .sidecar import update_sidecar
 from .reporting import MetricsTable, plot_curves, setup_logging
+from .sidecar import update_sidecar
 from .tblog import TensorBoardLog
 from .utils import atomic_open, write_errors, write_point
 

@@ -13,9 +13,9 @@ import mxnet as mx
 import numpy as np
 
 from . import distributed
+from .devices import has_gpu
 from .errors import UserError
 from .hardware import require_cpu_bfloat16
-from .devices import has_gpu
 from .losses import SegmentationLoss
 from .model import build_model
 from .optim import make_trainer
