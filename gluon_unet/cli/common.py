@@ -135,6 +135,11 @@ def add_fields(target, cls, names=None):
     return target
 
 
+def config_parser(prog, cls, description, epilog=None, usage=None):
+    """A command's parser (:func:`command_parser`) with one flag per field of ``cls``."""
+    return add_fields(command_parser(prog, description, epilog, usage), cls)
+
+
 def given(namespace, cls):
     """The fields of ``cls`` that the command line set (a dict)."""
     values = vars(namespace)

@@ -3,7 +3,7 @@ the thread settings for its ``--cpus`` chosen before mxnet loads (as ``bin/train
 does), then :func:`~gluon_unet.doctor.run_doctor`."""
 from ..errors import reports_errors
 from ..runtime import prepare_training_process
-from .common import add_fields, command_parser, parse_configs
+from .common import config_parser, parse_configs
 
 EXAMPLES = """examples:
   # what this machine has: versions, MXNet features, GPUs, threads, bfloat16, --amp
@@ -17,13 +17,12 @@ EXAMPLES = """examples:
 def doctor_parser():
     """The ``gluon-unet doctor`` parser: one flag per :class:`DoctorConfig` field."""
     from ..doctor import DoctorConfig
-    parser = command_parser(
-        'doctor', epilog=EXAMPLES,
+    return config_parser(
+        'doctor', DoctorConfig, epilog=EXAMPLES,
         description='Check the install and the devices: versions, MXNet build features, GPUs and\n'
                     'their memory, cores and thread settings, bfloat16 support, what --amp does.\n'
                     'With --gpus or --cpus, also run one tiny U-Net training step on each device\n'
                     'and one kvstore reduce across them; exit code 1 and one line if one fails.')
-    return add_fields(parser, DoctorConfig)
 
 
 @reports_errors

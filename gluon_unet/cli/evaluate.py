@@ -2,7 +2,7 @@
 :class:`~gluon_unet.evaluate.EvaluateConfig`, then the scores as a table (and a CSV)."""
 from ..errors import reports_errors, signals_raise
 from ..runtime import apply_runtime_defaults
-from .common import add_fields, asks_version, command_parser, parse_configs
+from .common import asks_version, config_parser, parse_configs
 
 EXAMPLES = """examples:
   # predictions of bin/predict against a Data Science Bowl folder, scores to a CSV
@@ -14,10 +14,9 @@ EXAMPLES = """examples:
 def evaluate_parser():
     """The ``bin/evaluate`` parser: one flag per :class:`EvaluateConfig` field."""
     from ..evaluate import EvaluateConfig
-    parser = command_parser('evaluate', epilog=EXAMPLES,
-                            description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
-                                        'instance score, pixel IoU and Dice per image and mean.')
-    return add_fields(parser, EvaluateConfig)
+    return config_parser('evaluate', EvaluateConfig, epilog=EXAMPLES,
+                         description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
+                                     'instance score, pixel IoU and Dice per image and mean.')
 
 
 @reports_errors

@@ -4,7 +4,7 @@ import os
 
 from ..errors import reports_errors, signals_raise
 from ..runtime import apply_runtime_defaults
-from .common import add_fields, asks_version, command_parser, parse_configs
+from .common import asks_version, config_parser, parse_configs
 
 EXAMPLES = """examples:
   # the run's best checkpoint (else its latest) to runs/a/export/
@@ -16,11 +16,9 @@ EXAMPLES = """examples:
 def export_parser():
     """The ``bin/export`` parser: one flag per :class:`ExportConfig` field."""
     from ..export import ExportConfig
-    parser = command_parser(
-        'export', epilog=EXAMPLES,
-        description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
-                    '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
-    return add_fields(parser, ExportConfig)
+    return config_parser('export', ExportConfig, epilog=EXAMPLES,
+                         description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
+                                     '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
 
 
 @reports_errors

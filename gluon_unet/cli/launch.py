@@ -2,7 +2,7 @@
 :class:`~gluon_unet.launch.LaunchConfig`, then :func:`~gluon_unet.launch.run_launch`. It sets
 no process-wide knob: each process of the job chooses its own."""
 from ..errors import reports_errors
-from .common import add_fields, command_parser, parse_configs
+from .common import config_parser, parse_configs
 
 EXAMPLES = """examples:
   # two workers and one server on this machine (loopback)
@@ -18,12 +18,11 @@ Keep the parameter-server ports on a private network: ps-lite unpickles what it 
 def launch_parser():
     """The ``bin/launch`` parser: one flag per :class:`LaunchConfig` field."""
     from ..launch import LaunchConfig
-    parser = command_parser(
-        'launch', usage='launch -n WORKERS [-s SERVERS] [--launcher {local,ssh}] [-H HOSTFILE] [--port P] '
-                        '-- COMMAND ...', epilog=EXAMPLES,
+    return config_parser(
+        'launch', LaunchConfig, epilog=EXAMPLES,
+        usage='launch -n WORKERS [-s SERVERS] [--launcher {local,ssh}] [-H HOSTFILE] [--port P] -- COMMAND ...',
         description='Run COMMAND (e.g. bin/train ... --kvstore dist_sync) as a distributed MXNet job:\n'
                     'one scheduler, SERVERS parameter servers and WORKERS workers.')
-    return add_fields(parser, LaunchConfig)
 
 
 @reports_errors
