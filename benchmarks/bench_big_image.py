@@ -99,7 +99,7 @@ def make_export(folder, width, depth):
 def run_predict(code_root, model, image, out):
     """Wall seconds and peak RSS (MB) of one ``bin/predict`` child running ``code_root``'s package."""
     env = dict(os.environ, PYTHONPATH=code_root, OMP_NUM_THREADS=os.environ.get('OMP_NUM_THREADS', '2'))
-    cmd = [sys.executable, '-c', 'import sys; from gluon_unet.predict import main; sys.exit(main())',
+    cmd = [sys.executable, '-c', 'import sys; from gluon_unet.cli import predict_main; sys.exit(predict_main())',
            '--model', model, '--input', image, '--output', out, '--mode', 'tile', '--no-progress']
     return _child(cmd, env, code_root)
 

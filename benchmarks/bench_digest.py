@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 import mxnet as mx  # noqa: E402
 
-from gluon_unet import checkpoint, export  # noqa: E402
+from gluon_unet import checkpoint, export, inference, sidecar  # noqa: E402
 from gluon_unet.config import ModelConfig, TrainConfig  # noqa: E402
 from gluon_unet.data import cache, load_dataset  # noqa: E402
 from gluon_unet.model import build_model  # noqa: E402
@@ -69,7 +69,7 @@ def bench_checkpoint(width, repeat, folder):
     real_verify = checkpoint.verify_checkpoint
 
     def load_with():
-        checkpoint._VERIFIED.clear()
+        checkpoint.forget_verified()
         checkpoint.load_checkpoint(path, net, trainer)
 
     def load_without():
@@ -86,28 +86,28 @@ def bench_checkpoint(width, repeat, folder):
     cfg = TrainConfig(model=ModelConfig(in_channels=3, width=width), size=256)
     out = os.path.join(folder, 'export')
     export.export_block(net, cfg, out)
-    real_export_check = export.verify_export
+    real_export_check = inference.verify_export
 
     def without_export_check():
-        export.verify_export = lambda *a: None
+        inference.verify_export = lambda *a: None
         try:
-            export.load_exported(out)
+            inference.load_exported(out)
         finally:
-            export.verify_export = real_export_check
-    on, off = _alternate(lambda: export.load_exported(out), without_export_check, repeat)
+            inference.verify_export = real_export_check
+    on, off = _alternate(lambda: inference.load_exported(out), without_export_check, repeat)
     print('export width %d: %.1f MB of params; load %.3f s with the check, %.3f s without (x%.2f)'
-          % (width, os.path.getsize(os.path.join(out, export.PARAMS)) / 2 ** 20, on, off, on / off))
+          % (width, os.path.getsize(os.path.join(out, sidecar.PARAMS)) / 2 ** 20, on, off, on / off))
 
 
 def bench_cache(data, size, cache_dir, repeat):
     def load(verify):
-        real = cache._intact
+        real = cache.intact
         if not verify:
-            cache._intact = lambda *a, **k: True
+            cache.intact = lambda *a, **k: True
         try:
             return load_dataset(data, size=size, cache_dir=cache_dir, workers=2, progress=False)
         finally:
-            cache._intact = real
+            cache.intact = real
     t0 = time.perf_counter()
     ds = load(True)  # builds the entry the first time
     first = time.perf_counter() - t0

@@ -2,7 +2,7 @@
 
 Two worker processes with one CPU context each, on loopback: ps-lite started by
 ``bin/launch -n 2 -s 1`` (one parameter server), Horovod by ``horovodrun -np 2 --gloo``.
-Each worker runs the trainer's own step (``engine.make_step`` over the strategy of
+Each worker runs the trainer's own step (``step.make_step`` over the strategy of
 ``distributed.make_strategy``, as ``fit()`` builds them) on a synthetic batch; rank 0
 reports:
 
@@ -69,7 +69,7 @@ def worker(kvstore, width, depth, size, batch):
     from gluon_unet import distributed
     from gluon_unet.benchmark import synthetic_batch
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.engine import build_network, make_step
+    from gluon_unet.step import build_network, make_step
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=width, depth=depth, batch_norm=True), size=size,
                       batch_size=batch, optimizer='adam', lr=1e-3, kvstore=kvstore, cpus=1, output='-')
     ctxs = [mx.cpu(0)]

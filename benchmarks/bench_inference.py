@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 import mxnet as mx  # noqa: E402
 
 from gluon_unet.config import ModelConfig  # noqa: E402
+from gluon_unet.inference import InputJob, image_jobs, predict_image  # noqa: E402
 from gluon_unet.model import build_model, flops_per_image  # noqa: E402
-from gluon_unet.predict import _Job, image_jobs, predict_image  # noqa: E402
 
 
 def _timed(fn):
@@ -94,7 +94,7 @@ def bench_tiled(net, size, big, batch, ctxs, runs):
         times = [_timed(lambda: predict_image(net, meta, image, ctxs, mode='tile', tta=tta, batch_size=batch))
                  for _ in range(n)]
         rows.append((tta, statistics.median(times), n))
-    tiles = sum(isinstance(j, _Job) for j in image_jobs(image, meta, 'tile', on_done=lambda *a: None))
+    tiles = sum(isinstance(j, InputJob) for j in image_jobs(image, meta, 'tile', on_done=lambda *a: None))
     return rows, tiles
 
 

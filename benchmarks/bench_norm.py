@@ -3,7 +3,7 @@
 nnU-Net normalizes each image by itself (InstanceNorm), which suits a data set whose
 images look unlike each other (DSB: fluorescence, brightfield, H&E). This asks what it
 would cost here before any recipe uses it. The step timed is the trainer's own
-(``gluon_unet.benchmark.make_training_step``: the network of ``engine.build_network``,
+(``gluon_unet.benchmark.make_training_step``: the network of ``step.build_network``,
 hybridized, the recipe's loss and optimizer, ``parallel.DataParallelStep``) for the
 training config ``--config`` (default: the ``dsb2018`` recipe) on one CPU context, on a
 synthetic batch of ``--batch`` x ``--size`` px, with the norm layer after each

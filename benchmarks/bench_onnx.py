@@ -182,8 +182,8 @@ def main(argv=None):
             model = train_model(args.data, sample(args.data, args.train_images, args.seed + 1, exclude=ids), folder,
                                 args.train_epochs)
             print('\ntrained %s in %.0f s' % (model, time.perf_counter() - t))
-        from gluon_unet.export import find_export, read_sidecar
         from gluon_unet.onnx_export import add_onnx
+        from gluon_unet.sidecar import find_export, read_sidecar
         export = os.path.dirname(find_export(model))
         if 'onnx' not in read_sidecar(os.path.join(export, 'model.json')):
             add_onnx(export)

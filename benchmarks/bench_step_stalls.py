@@ -61,7 +61,8 @@ def main(argv=None):
     import mxnet as mx
     from gluon_unet.benchmark import make_training_step, synthetic_batch
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.devices import cpu_description, make_contexts
+    from gluon_unet.devices import make_contexts
+    from gluon_unet.hardware import cpu_description
     from gluon_unet.runtime import configure_runtime
     cfg = TrainConfig(model=ModelConfig(in_channels=args.channels, width=width, depth=4), size=size,
                       batch_size=batch, cpus=args.cpus, optimizer='adam', loss='bce', lr=1e-3, progress=False)

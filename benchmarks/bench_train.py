@@ -19,7 +19,7 @@ after a pause when that exceeds ``--max-foreign``, and a reduced CPU affinity ma
 reported. Idle workers block on their pipe and use no CPU.
 
 Ours is the trainer's own step (``gluon_unet.benchmark.make_training_step``: the
-network of ``engine.build_network``, ``SegmentationLoss('bce')``, Adam via
+network of ``step.build_network``, ``SegmentationLoss('bce')``, Adam via
 ``optim.make_trainer``, ``parallel.DataParallelStep``). PyTorch (``benchmarks/torch_unet.py``,
 benchmark-only: ``pip install torch``) trains the same architecture eagerly with
 ``BCEWithLogitsLoss`` and ``torch.optim.Adam``; ``--amp`` compares MXNet's bfloat16 AMP
@@ -100,8 +100,8 @@ def _mx_train(spec):
     from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.devices import make_contexts
-    from gluon_unet.engine import init_amp
     from gluon_unet.runtime import configure_runtime
+    from gluon_unet.step import init_amp
     cfg = TrainConfig(model=ModelConfig(in_channels=spec['channels'], width=spec['width'],
                                         depth=spec['depth']),
                       size=spec['size'], batch_size=spec['batch'], cpus=spec['cpus'],
@@ -157,7 +157,7 @@ def _mx_infer(spec):
     apply_runtime_defaults()
     import mxnet as mx
     from gluon_unet.config import ModelConfig
-    from gluon_unet.export import load_exported
+    from gluon_unet.inference import load_exported
     from gluon_unet.model import build_model
     from gluon_unet.runtime import configure_runtime
     configure_runtime(1)
@@ -475,7 +475,7 @@ def main(argv=None):
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '
               'rows will be distorted' % (len(os.sched_getaffinity(0)), os.cpu_count()), flush=True)
     sys.path.insert(0, ROOT)
-    from gluon_unet.devices import cpu_description
+    from gluon_unet.hardware import cpu_description
     machine = cpu_description()
     print('machine: %s, %d CPUs' % (machine, os.cpu_count()), flush=True)
     print('load average at start: %s' % ' '.join(open('/proc/loadavg').read().split()[:3]), flush=True)

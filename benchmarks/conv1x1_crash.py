@@ -43,7 +43,7 @@ def main(argv=None):
     except ValueError:
         p.error('shapes are HxW or HxW:OUT, e.g. 2048x1024 or 512x512:512')
     sys.path.insert(0, ROOT)
-    from gluon_unet.devices import cpu_description
+    from gluon_unet.hardware import cpu_description
     from gluon_unet.limits import conv1x1_crashes
     print('CPU: %s' % cpu_description())
     agree = 0

@@ -37,10 +37,10 @@ import faulthandler, signal, sys
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 sys.path.insert(0, sys.argv[1])
 import mxnet as mx
-from gluon_unet.data import dataset, synthetic_dataset
+from gluon_unet.data import make_loader, synthetic_dataset
 ds = synthetic_dataset(16, 32)
 for k in range(3):
-    loader = dataset.make_loader(ds, batch_size=2, shuffle=True, seed=k, workers=2)
+    loader = make_loader(ds, batch_size=2, shuffle=True, seed=k, workers=2)
     for x in loader:
         mx.nd.array(x[0]).sum().asscalar()
     if k < 2:
@@ -124,7 +124,7 @@ def main(argv=None):
     if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
         p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
     sys.path.insert(0, ROOT)
-    from gluon_unet.devices import cpu_description
+    from gluon_unet.hardware import cpu_description
     print('CPU: %s, %d cores' % (cpu_description(), os.cpu_count() or 1))
     roots = {'this tree': ROOT}
     if args.old:

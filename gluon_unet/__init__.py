@@ -38,22 +38,6 @@ def mxnet_distribution():
     return ', '.join(found) or 'mxnet not installed'
 
 
-def add_version_flag(parser):
-    """Give an argparse parser ``--version`` (prints :func:`version_string`, exit 0)."""
-    import argparse
-    import sys
-
-    class _Version(argparse.Action):
-        def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-            super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-        def __call__(self, parser, namespace, values, option_string=None):
-            print(version_string(), file=sys.stdout)
-            parser.exit(0)
-
-    parser.add_argument('--version', action=_Version, help='print the gluon_unet, mxnet and Python versions and exit')
-    return parser
-
 # The public names, imported on first use (PEP 562) rather than here: most of them load
 # mxnet, and use_all_cores() (like bin/train after reading --cpus) must run first to choose
 # the thread count and scratch buffers, which libmxnet reads once, when it loads.

@@ -1,7 +1,7 @@
 """``bin/train --benchmark``: training speed on the chosen devices, in one command.
 
 A short synthetic run of the real training step (:class:`~gluon_unet.parallel.DataParallelStep`
-over the network of :func:`~gluon_unet.engine.build_network`, the configured loss and
+over the network of :func:`~gluon_unet.step.build_network`, the configured loss and
 optimizer): warm-up, then timed repetitions; the median gives images/s overall and per
 device. The same step on one device of the same kind at the same per-device batch gives
 the scaling efficiency ``images/s(N) / (N * images/s(1))``. The last printed line is
@@ -19,9 +19,9 @@ import mxnet as mx
 import numpy as np
 
 from .data.targets import OUTPUTS
-from .devices import cpu_description
+from .data.weights import WEIGHTED
 from .devices import make_contexts
-from .losses import WEIGHTED
+from .hardware import cpu_description
 from .model import flops_per_image
 from .parallel import check_sync_bn_batch, split_batch
 
@@ -51,11 +51,11 @@ def synthetic_batch(cfg, batch_size=None, seed=0):
 def make_training_step(cfg, ctxs):
     """The trainer's own :class:`DataParallelStep` for ``cfg`` on ``ctxs``.
 
-    With ``cfg.amp`` it turns AMP on through :func:`~gluon_unet.engine.init_amp` (a
+    With ``cfg.amp`` it turns AMP on through :func:`~gluon_unet.step.init_amp` (a
     no-op when the caller already did, which it must before building any other model:
     AMP patches MXNet process-wide), and takes the dtype from it, as ``fit()`` does.
     """
-    from .engine import build_network, init_amp, make_step
+    from .step import build_network, init_amp, make_step
     if not cfg.model.in_channels:  # 0 = from the data; the synthetic batch has one channel
         cfg = type(cfg).from_dict(cfg.to_dict())
         cfg.model.in_channels = 1
@@ -104,7 +104,7 @@ def run_benchmark(cfg, warmup=None, repeats=None):
         ``gflops`` (achieved, training = 3 forward passes), ``single_device_images_per_s``,
         ``per_device_batch``, ``global_batch``.
     """
-    from .engine import init_amp
+    from .step import init_amp
     ctxs = make_contexts(cfg.gpus, cfg.cpus)
     init_amp(cfg, ctxs)
     n_dev = min(len(ctxs), cfg.batch_size)

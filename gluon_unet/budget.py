@@ -10,7 +10,7 @@ stretched or shrunk to end with the last epoch that fits (``optim.resize_lr_sche
 The budget is the whole ``bin/train``: the data loading before the epochs is counted
 as spent, and the post-processing search after them is kept aside, estimated from a
 probe after the first epoch (a quarter of its validation pixels predicted, all its
-images labelled once with each kind of markers; :func:`search_estimate`), so a budget
+images labelled once with each kind of markers; :func:`gluon_unet.search.search_estimate`), so a budget
 of 60 means the run, search and export included, ends within about an hour.
 """
 
@@ -27,30 +27,6 @@ def epoch_estimate(epoch_seconds):
     """The seconds the next epoch is planned to take: the slowest of the last
     :data:`WINDOW` completed ones."""
     return max(epoch_seconds[-WINDOW:])
-
-
-def search_estimate(predict_seconds, predicted_pixels, search_pixels, labelings):
-    """Seconds the post-processing search will take, from a probe of it.
-
-    The search predicts each of its images once, then labels all of them once per
-    setting it tries. The probe predicts some of them (``predicted_pixels`` of the
-    ``search_pixels``) and labels all of them once with each kind of markers the search
-    uses: its prediction time is scaled by the pixels, each labelling time by the number
-    of settings that label that way.
-
-    Parameters
-    ----------
-    predict_seconds : float
-        The probe's time for predicting ``predicted_pixels``.
-    predicted_pixels, search_pixels : int
-        Pixels the probe predicted, and all the pixels the search will use.
-    labelings : sequence of (float, int)
-        For each kind of markers: the probe's seconds for one labelling of all the
-        search's images, and how many labellings of that kind the search does
-        (``postprocess.search_arms``).
-    """
-    predict = predict_seconds * float(search_pixels) / predicted_pixels if predicted_pixels > 0 else 0.0
-    return predict + sum(seconds * count for seconds, count in labelings)
 
 
 def planned_epochs(budget_seconds, spent_seconds, epoch_seconds, done, max_epochs, reserve_seconds=0.0):

@@ -9,8 +9,11 @@ file in the same folder and ``os.replace``-d into place, so a crash at any momen
 either the old checkpoint or the new one - never half of one. A CRC-32 of all its arrays
 (``digest``) is checked whenever it is read: a checkpoint damaged on disk since (a bad
 copy, storage errors) stops the command in one line instead of training on it.
+
+This is the file format both sides read: training writes and resumes checkpoints, export
+rebuilds a model from one (:func:`model_from_checkpoint`). Which checkpoints a run keeps
+is training's business (``recorder.CheckpointSaver``).
 """
-import errno
 import glob
 import json
 import os
@@ -19,8 +22,10 @@ import re
 import mxnet as mx
 import numpy as np
 
+from .config import TrainConfig
 from .errors import DamagedFile, UserError, mxnet_message
-from .utils import DIGEST, atomic_path, crc32_of, write_errors, write_point
+from .model import build_model
+from .utils import DIGEST, atomic_path, crc32_of
 
 # 2: optimizer state as named arrays + JSON (format 1 pickled it; see load_trainer_state).
 # 3: that state keyed by the parameter's structural name, not the Trainer's index.
@@ -105,6 +110,12 @@ def verify_checkpoint(path, arrays):
         _VERIFIED[os.path.abspath(path)] = stamp
 
 
+def forget_verified():
+    """Forget which checkpoints this process has verified: the next read of each checks
+    its digest again (for timing the check)."""
+    _VERIFIED.clear()
+
+
 def checkpoint_is_good(path):
     """Whether ``path`` reads as a checkpoint and matches its digest."""
     try:
@@ -172,109 +183,30 @@ def load_checkpoint(path, net=None, trainer=None, ctx=None, average=None):
     return meta
 
 
-class CheckpointSaver:
-    """Keeps the last ``keep_last`` checkpoints and a copy of the best one, and knows
-    which is best: the monitored value, its epoch and the epochs since it improved.
+def model_from_checkpoint(checkpoint, ctxs=None):
+    """The U-Net of ``checkpoint``'s config with its weights, on ``ctxs`` (default the
+    CPU), not hybridized.
 
-    Parameters
-    ----------
-    folder : str or None
-        ``<run>/checkpoints``; None keeps score but writes nothing (the workers of a
-        multi-machine job other than rank 0).
-    monitor : str
-        Metric name in the per-epoch record, e.g. ``'val_iou'``.
-    mode : {'max', 'min'}
-    keep_last : int
-        Recent epoch checkpoints to keep (the best is kept separately as ``best.ckpt``).
-    min_delta : float
-        Smallest change that counts as an improvement.
+    Returns
+    -------
+    (net, cfg, meta)
+        The block, its :class:`TrainConfig` and the checkpoint's record.
     """
-
-    def __init__(self, folder, monitor='val_iou', mode='max', keep_last=2, min_delta=0.0):
-        self.folder, self.monitor, self.mode = folder, monitor, mode
-        self.keep_last, self.min_delta = keep_last, min_delta
-        self.best, self.best_epoch, self.bad_epochs = None, 0, 0
-        if folder is not None:
-            with write_errors(folder):
-                os.makedirs(folder, exist_ok=True)
-
-    def is_better(self, value):
-        """Whether ``value`` beats the best so far by more than ``min_delta``."""
-        if value is None or not np.isfinite(value):
-            return False
-        if self.best is None:
-            return True
-        if self.mode == 'max':
-            return bool(value > self.best + self.min_delta)
-        return bool(value < self.best - self.min_delta)
-
-    def state(self):
-        """The bookkeeping a checkpoint stores, so a resumed run knows its best."""
-        return {'best': self.best, 'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs}
-
-    def restore(self, meta):
-        """Take the bookkeeping back from a checkpoint's record."""
-        self.best, self.best_epoch = meta.get('best'), meta.get('best_epoch', 0)
-        self.bad_epochs = meta.get('bad_epochs', 0)
-
-    def end_epoch(self, net, trainer, meta, value, average=None):
-        """Score the epoch's ``value``, write its checkpoint (and ``best.ckpt`` when it is
-        the best so far), prune old ones. Returns whether it was the best."""
-        is_best = self.is_better(value)
-        if is_best:
-            self.best, self.best_epoch, self.bad_epochs = value, meta['epoch'], 0
-        else:
-            self.bad_epochs += 1
-        self.save(net, trainer, meta, is_best, average=average)
-        return is_best
-
-    def save(self, net, trainer, meta, is_best=False, step_in_epoch=0, average=None):
-        """Write a checkpoint (mid-epoch when ``step_in_epoch``); returns its path, or
-        None when this saver writes nothing."""
-        if self.folder is None:
-            return None
-        meta = dict(meta, **self.state())
-        name = 'epoch%04d.ckpt' % meta['epoch']
-        if step_in_epoch:
-            name = 'epoch%04d-step%06d.ckpt' % (meta['epoch'], step_in_epoch)
-        path = os.path.join(self.folder, name)
-        save_checkpoint(path, net, trainer, meta, average)
-        if is_best:
-            # A hard link is an atomic, free copy; fall back to writing it again where the
-            # file system has no hard links. Any other failure (full, read-only) is one.
-            best = os.path.join(self.folder, 'best.ckpt')
-            tmp = os.path.join(self.folder, '.tmp-best.ckpt')
-            try:
-                with write_errors(best):
-                    try:
-                        if os.path.lexists(tmp):
-                            os.remove(tmp)
-                        write_point(best)
-                        os.link(path, tmp)
-                        os.replace(tmp, best)
-                    except OSError as exc:
-                        if exc.errno not in _NO_HARD_LINKS:
-                            raise
-                        save_checkpoint(best, net, trainer, meta, average)
-            finally:
-                if os.path.lexists(tmp):
-                    try:
-                        os.remove(tmp)
-                    except OSError:
-                        pass
-        self._prune()
-        return path
-
-    def _prune(self):
-        # At least the newest one survives: it is what --resume auto continues from.
-        found = list_checkpoints(self.folder)
-        for old in found[:max(0, len(found) - max(1, self.keep_last))]:
-            os.remove(old)
+    ctxs = ctxs or [mx.cpu()]
+    meta = load_checkpoint(checkpoint)
+    cfg = TrainConfig.from_dict(meta['config'])
+    net = build_model(cfg.model)
+    net.initialize(ctx=ctxs)
+    net(dummy_input(cfg, ctxs[0]))  # resolves the deferred parameter shapes before loading
+    load_checkpoint(checkpoint, net=net)
+    return net, cfg, meta
 
 
-# What os.link raises where a file system cannot make hard links (FAT, some FUSE and
-# network mounts): best.ckpt is then written as a second copy.
-_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+def dummy_input(cfg, ctx):
+    """A zero batch of one image of ``cfg``'s training shape, on ``ctx``: one forward of it
+    resolves a network's deferred parameter shapes (and builds a hybridized graph)."""
+    side = cfg.crop or cfg.size
+    return mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctx)
 
 
 def list_checkpoints(folder):

@@ -33,26 +33,38 @@ _CHOICES = {
 }
 
 
-def _opt(default, help, **extra):
-    """A dataclass field whose metadata carries the CLI help text."""
+def option(default, help, **extra):
+    """A config dataclass field whose metadata says how its command-line flag looks.
+
+    ``gluon_unet.cli.common`` makes one flag per field from it: ``help`` (the default is
+    added to it), and optionally ``flag`` (another name than the field's), ``short``
+    (``'-n'``), ``metavar``, ``choices`` (enforced by the parser), ``required``,
+    ``positional`` and ``rest`` (a positional taking everything after it, e.g. a command).
+    """
     meta = {'help': help, **extra}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
+#: The help of ``--gpus`` and ``--cpus``, the same for every command that takes them.
+GPU_IDS = "'0-7', '0,2,5', '0-3,6', 'all'"
+GPUS_HELP = 'GPU ids: %s; empty = CPU' % GPU_IDS
+CPUS_HELP = 'number of CPU contexts when no GPU is used'
+
+
 @dataclass
 class ModelConfig:
     """Architecture of the U-Net; enough to rebuild it from a checkpoint."""
-    in_channels: int = _opt(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
+    in_channels: int = option(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
                             flag='channels')
-    classes: int = _opt(1, 'output classes; 1 = binary mask with a sigmoid')
-    width: int = _opt(32, 'filters of the first level; doubled at every pooling')
-    depth: int = _opt(4, 'number of poolings; image sides must be divisible by 2**depth')
-    batch_norm: bool = _opt(True, 'BatchNorm after every convolution')
-    dropout: float = _opt(0.0, 'dropout rate at the bottleneck (0 = off)')
-    upsample: str = _opt('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
-    target: str = _opt('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
+    classes: int = option(1, 'output classes; 1 = binary mask with a sigmoid')
+    width: int = option(32, 'filters of the first level; doubled at every pooling')
+    depth: int = option(4, 'number of poolings; image sides must be divisible by 2**depth')
+    batch_norm: bool = option(True, 'BatchNorm after every convolution')
+    dropout: float = option(0.0, 'dropout rate at the bottleneck (0 = off)')
+    upsample: str = option('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
+    target: str = option('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
                                '1 px background line where nuclei touch, so the map keeps them apart); or '
                                'mask+border (foreground and the nuclei\'s borders, a second output channel: '
                                'instances grow from the interiors, so touching nuclei come apart); or '
@@ -75,83 +87,83 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
 
     # data
-    data: Optional[str] = _opt(None, 'training images: a folder (paired or DSB layout) or a CSV; '
+    data: Optional[str] = option(None, 'training images: a folder (paired or DSB layout) or a CSV; '
                                      'absent = generated demo nuclei')
-    masks: Optional[str] = _opt(None, 'mask folder for the paired layout')
-    val_data: Optional[str] = _opt(None, 'separate validation set (same layouts as --data)')
-    layout: str = _opt('auto', 'input layout (auto-detected by default)')
-    mask_suffix: str = _opt('_mask', 'paired layout: name.png <-> name<suffix>.png')
-    size: int = _opt(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
-    crop: int = _opt(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
-    val_split: float = _opt(0.1, 'fraction held out for validation (seeded shuffle)')
-    workers: Optional[int] = _opt(None, 'data loader worker processes (0 = in the main process); default: '
+    masks: Optional[str] = option(None, 'mask folder for the paired layout')
+    val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)')
+    layout: str = option('auto', 'input layout (auto-detected by default)')
+    mask_suffix: str = option('_mask', 'paired layout: name.png <-> name<suffix>.png')
+    size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
+    crop: int = option(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
+    val_split: float = option(0.1, 'fraction held out for validation (seeded shuffle)')
+    workers: Optional[int] = option(None, 'data loader worker processes (0 = in the main process); default: '
                                          '2 per GPU up to the CPU cores less one, or 2 for CPU training')
-    cache_dir: Optional[str] = _opt(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
+    cache_dir: Optional[str] = option(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
                                           'i.e. ~/.cache/gluon_unet; never inside your data)')
-    normalize: str = _opt('none', 'per-image input normalization, also applied by bin/predict: invert '
+    normalize: str = option('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
                                   '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
                                   'stain (colour tissue: its hematoxylin channel, nuclei bright; grey images: '
                                   'auto), none')
-    denoise: float = _opt(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
+    denoise: float = option(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
                                '--normalize percentile, auto and stain, so a dim nucleus is not stretched into '
                                'specks; 0 = off (as before it existed); stored in the export')
-    balance: str = _opt('none', 'groups: draw every appearance group equally often per epoch (same epoch '
+    balance: str = option('none', 'groups: draw every appearance group equally often per epoch (same epoch '
                                 'length; rare groups repeat); sqrt: in proportion to the square root of its '
                                 'size (rare groups more often, common ones not starved); oversample: every '
                                 'group as often as the largest one (nothing is cut down; the epoch grows to '
                                 'groups x largest). Groups: the CSV\'s group column, else from the pixels '
                                 '(fluorescence, brightfield, colour); validation is not resampled')
-    skip_unpaired: bool = _opt(False, 'warn about images without a mask instead of failing')
-    augment: bool = _opt(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
-    elastic: bool = _opt(False, 'elastic deformation augmentation')
-    synthetic_count: int = _opt(192, 'number of generated demo images when --data is absent')
+    skip_unpaired: bool = option(False, 'warn about images without a mask instead of failing')
+    augment: bool = option(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
+    elastic: bool = option(False, 'elastic deformation augmentation')
+    synthetic_count: int = option(192, 'number of generated demo images when --data is absent')
 
     # devices and data-parallel step
-    gpus: str = _opt('', "GPU ids: '0-7', '0,2,5', '0-3,6', 'all'; empty = CPU (with --kvstore horovod: the "
-                         "host's GPUs, dealt to its processes by local rank; 'all' = GPU <local rank>)")
-    cpus: int = _opt(1, 'number of CPU contexts when no GPU is used')
-    kvstore: str = _opt('device', 'gradient aggregation across devices / machines')
-    update_on_kvstore: Optional[bool] = _opt(None, 'run the optimizer on the kvstore '
+    gpus: str = option('', GPUS_HELP + " (with --kvstore horovod: the host's GPUs, dealt to its processes by local "
+                                       "rank; 'all' = GPU <local rank>)")
+    cpus: int = option(1, CPUS_HELP)
+    kvstore: str = option('device', 'gradient aggregation across devices / machines')
+    update_on_kvstore: Optional[bool] = option(None, 'run the optimizer on the kvstore '
                                                   '(default: MXNet decides; off with --clip-grad/--amp)')
 
     # optimization
-    epochs: int = _opt(50, 'maximum number of epochs')
-    time_budget: float = _opt(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
+    epochs: int = option(50, 'maximum number of epochs')
+    time_budget: float = option(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
                                    'the post-processing search after the epochs is kept aside (estimated after '
                                    'the first epoch from a probe of its validation images); after each epoch, '
                                    'the run is cut to the epochs that fit and the LR schedule ends with the last '
                                    'of them')
-    batch_size: int = _opt(16, 'batch size per process, split across its devices (with a dist '
+    batch_size: int = option(16, 'batch size per process, split across its devices (with a dist '
                                 'kvstore or horovod: per worker process; the global batch is workers x this)')
-    optimizer: str = _opt('adam', 'optimizer')
-    lr: float = _opt(1e-3, 'peak learning rate')
-    momentum: float = _opt(0.9, 'SGD momentum')
-    nesterov: bool = _opt(True, 'Nesterov momentum for SGD')
-    weight_decay: float = _opt(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
+    optimizer: str = option('adam', 'optimizer')
+    lr: float = option(1e-3, 'peak learning rate')
+    momentum: float = option(0.9, 'SGD momentum')
+    nesterov: bool = option(True, 'Nesterov momentum for SGD')
+    weight_decay: float = option(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
                                  'biases and BatchNorm gamma/beta are not decayed)')
-    clip_grad: float = _opt(0.0, 'clip the global gradient norm (0 = off)')
-    ema: float = _opt(0.0, 'keep an exponential moving average of the weights with this decay per step '
+    clip_grad: float = option(0.0, 'clip the global gradient norm (0 = off)')
+    ema: float = option(0.0, 'keep an exponential moving average of the weights with this decay per step '
                            '(e.g. 0.99: about the last 100 steps; warmed up as (1+t)/(10+t)); validation, '
                            'the best checkpoint and the export use the average, training the raw weights; '
                            '0 = off')
-    lr_schedule: str = _opt('constant', 'learning-rate schedule, stepped every iteration')
-    warmup_epochs: float = _opt(0.0, 'linear warmup length in epochs')
-    lr_steps: str = _opt('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
-    loss: str = _opt('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
+    lr_schedule: str = option('constant', 'learning-rate schedule, stepped every iteration')
+    warmup_epochs: float = option(0.0, 'linear warmup length in epochs')
+    lr_steps: str = option('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
+    loss: str = option('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
                             'bce_lovasz (bce + lovasz), wbce (BCE weighted by the U-Net paper\'s map, heavy in '
                             'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
-    dice_weight: float = _opt(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
+    dice_weight: float = option(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
                                    'bce_lovasz')
-    weight_on: str = _opt('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
+    weight_on: str = option('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
                                  'second map of a two-map --target only: the foreground keeps the plain BCE, so '
                                  'its outlines are drawn as bce_dice draws them)')
-    amp: bool = _opt(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
-    amp_dtype: str = _opt('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
-    sync_bn: bool = _opt(False, 'synchronize BatchNorm statistics across devices (--batch-size must divide '
+    amp: bool = option(False, 'mixed precision: float16 on GPU, bfloat16 on CPU')
+    amp_dtype: str = option('auto', 'mixed precision type (auto: float16 on GPU, bfloat16 on CPU)')
+    sync_bn: bool = option(False, 'synchronize BatchNorm statistics across devices (--batch-size must divide '
                                 'over them; an epoch\'s last batch is cut to a multiple of the device count)')
-    hybridize: bool = _opt(True, 'compile the network (static_alloc, static_shape)')
-    memory: str = _opt('speed', 'training memory against speed, same results: speed (hybridized, static '
+    hybridize: bool = option(True, 'compile the network (static_alloc, static_shape)')
+    memory: str = option('speed', 'training memory against speed, same results: speed (hybridized, static '
                                 'buffers), balanced (a bound graph recomputing BatchNorm and ReLU in backward: '
                                 '-13 percent memory per image at width 64), low (recomputing each block but its '
                                 'output: -34 percent, about one more forward pass of compute). balanced '
@@ -159,29 +171,29 @@ class TrainConfig:
                                 'figures')
 
     # run bookkeeping
-    output: Optional[str] = _opt(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
+    output: Optional[str] = option(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
                                        'a new runs/unet, runs/unet-2, ... (runs/demo... for the demo). '
                                        'A folder holding another run is refused')
-    overwrite: bool = _opt(False, 'start over in an --output that holds a run: deletes its config, logs, '
+    overwrite: bool = option(False, 'start over in an --output that holds a run: deletes its config, logs, '
                                   'metrics, checkpoints and export (other files stay)')
-    seed: int = _opt(0, 'random seed (data split, initialization, augmentation)')
-    monitor: str = _opt('val_iou', 'metric that picks the best checkpoint and drives early stopping')
-    patience: int = _opt(20, 'early stopping: epochs without improvement (0 = off)')
-    min_delta: float = _opt(0.0, 'early stopping: smallest change that counts as improvement')
-    keep_last: int = _opt(2, 'how many recent checkpoints to keep besides the best')
-    resume: Optional[str] = _opt(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
+    seed: int = option(0, 'random seed (data split, initialization, augmentation)')
+    monitor: str = option('val_iou', 'metric that picks the best checkpoint and drives early stopping')
+    patience: int = option(20, 'early stopping: epochs without improvement (0 = off)')
+    min_delta: float = option(0.0, 'early stopping: smallest change that counts as improvement')
+    keep_last: int = option(2, 'how many recent checkpoints to keep besides the best')
+    resume: Optional[str] = option(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
                                        "--output; without --output, the newest runs/unet-N)")
-    threshold: float = _opt(0.5, 'probability threshold for masks')
-    tune_postprocess: bool = _opt(True, 'after training, choose the threshold, watershed h and minimum object '
+    threshold: float = option(0.5, 'probability threshold for masks')
+    tune_postprocess: bool = option(True, 'after training, choose the threshold, watershed h and minimum object '
                                         'size on the validation split; stored in the export for bin/predict')
-    tune_mode: str = _opt('auto', 'the bin/predict --mode the search predicts the validation images with '
+    tune_mode: str = option('auto', 'the bin/predict --mode the search predicts the validation images with '
                                   '(auto, tile, whole, resize): the one you will predict with')
-    tune_tta: bool = _opt(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
+    tune_tta: bool = option(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
                                  'quarter turns: 8x the search\'s prediction time), for a model you will run '
                                  'with bin/predict --tta')
-    benchmark: bool = _opt(False, 'short synthetic speed run: images/s per device and scaling')
-    progress: bool = _opt(True, 'show progress bars')
-    tensorboard: bool = _opt(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
+    benchmark: bool = option(False, 'short synthetic speed run: images/s per device and scaling')
+    progress: bool = option(True, 'show progress bars')
+    tensorboard: bool = option(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
                                     'validation overlays per epoch (needs tensorboardX)')
 
     # -- (de)serialization -------------------------------------------------------------
@@ -322,158 +334,6 @@ class TrainConfig:
 #: Settings added after runs were saved whose default is not what those runs did: the
 #: denoise before the percentile stretch (runs before it had none).
 BEFORE_IT_EXISTED = {'denoise': 0.0}
-
-
-@dataclass(frozen=True)
-class ResumeRule:
-    """What ``--resume`` does when one setting changed since the checkpoint.
-
-    ``kind``: ``'refuse'`` - the setting shapes the run (``shapes``: the model, the
-    batches, the input pixels, the update or which checkpoint is chosen as the best), so a
-    change is refused, naming the flag; ``'data'`` - it says where or how the data is
-    read, so it may change while the data does not (the data's fingerprint - image
-    counts, names, pixels - is compared, and when that differs the changed settings of
-    this kind are named with it); ``'allow'`` - it shapes none of these (``shapes`` says
-    why not). ``key(cfg)``, for a setting that counts only in some runs (``when`` says
-    which), is what is compared: None where it does not count.
-    """
-    kind: str
-    shapes: str
-    when: str = ''
-    key: typing.Any = None
-
-
-def _refuse(shapes, when='', key=None):
-    return ResumeRule('refuse', shapes, when, key)
-
-
-def _allow(why):
-    return ResumeRule('allow', why)
-
-
-_MODEL, _BATCHES, _PIXELS, _UPDATE, _BEST = ('the model', 'the batches', 'the input pixels', 'the update',
-                                             'the choice of the best checkpoint')
-_DATA = ResumeRule('data', 'where and how the data is read')
-
-
-def _if(condition, name):
-    """``key`` of a setting that counts where ``condition(cfg)`` holds."""
-    return lambda cfg: getattr(cfg, name) if condition(cfg) else None
-
-
-def _has_validation(cfg):
-    return cfg.val_split > 0 or cfg.val_data is not None
-
-
-#: Every setting and what ``--resume`` does when it changed: tests/test_resume_policy.py
-#: checks every field of TrainConfig and ModelConfig is here, and the docs' sentence is
-#: :func:`resume_policy_text`. The optimizer state and the LR schedule's position only
-#: mean something for the same optimizer and schedule, the position inside an
-#: interrupted epoch only for the same batches, the best value so far only for the same
-#: metric compared the same way. Devices may change: weights and optimizer state move to
-#: the new ones, and the gradient is the same mean over the same global batch (only
-#: BatchNorm's batch statistics pool other images, as with any device count - which
-#: --sync-bn changes too).
-RESUME_POLICY = {
-    # the model (ModelConfig)
-    'in_channels': _refuse(_MODEL), 'classes': _refuse(_MODEL), 'width': _refuse(_MODEL),
-    'depth': _refuse(_MODEL), 'batch_norm': _refuse(_MODEL), 'dropout': _refuse(_MODEL),
-    'upsample': _refuse(_MODEL), 'target': _refuse(_MODEL),
-    # data
-    'data': _DATA, 'masks': _DATA, 'val_data': _DATA, 'layout': _DATA, 'mask_suffix': _DATA,
-    'skip_unpaired': _DATA, 'synthetic_count': _DATA,
-    'size': _refuse(_BATCHES), 'crop': _refuse(_BATCHES), 'val_split': _refuse(_BATCHES),
-    'balance': _refuse(_BATCHES), 'augment': _refuse(_BATCHES), 'elastic': _refuse(_BATCHES),
-    'seed': _refuse(_BATCHES), 'batch_size': _refuse(_BATCHES),
-    'normalize': _refuse(_PIXELS),
-    'denoise': _refuse(_PIXELS, 'with --normalize percentile, auto or stain',
-                       _if(lambda c: c.normalize in ('percentile', 'auto', 'stain'), 'denoise')),
-    'workers': _allow('the same batches with any number of loader workers'),
-    'cache_dir': _allow('only where decoded arrays are kept'),
-    # the update
-    'optimizer': _refuse(_UPDATE), 'lr': _refuse(_UPDATE),
-    'momentum': _refuse(_UPDATE, 'with --optimizer sgd', _if(lambda c: c.optimizer == 'sgd', 'momentum')),
-    'nesterov': _refuse(_UPDATE, 'with --optimizer sgd', _if(lambda c: c.optimizer == 'sgd', 'nesterov')),
-    'weight_decay': _refuse(_UPDATE), 'clip_grad': _refuse(_UPDATE), 'ema': _refuse(_UPDATE),
-    'lr_schedule': _refuse(_UPDATE), 'warmup_epochs': _refuse(_UPDATE),
-    'lr_steps': _refuse(_UPDATE, 'with --lr-schedule step', _if(lambda c: c.lr_schedule == 'step', 'lr_steps')),
-    # The other schedules are shaped by the run's length.
-    'epochs': _refuse(_UPDATE, 'unless --lr-schedule constant without --warmup-epochs',
-                      _if(lambda c: c.lr_schedule != 'constant' or c.warmup_epochs > 0, 'epochs')),
-    'loss': _refuse(_UPDATE),
-    'dice_weight': _refuse(_UPDATE, 'with --loss bce_dice, wbce_dice or bce_lovasz',
-                           _if(lambda c: c.loss in ('bce_dice', 'wbce_dice', 'bce_lovasz'), 'dice_weight')),
-    'weight_on': _refuse(_UPDATE, 'with --loss wbce or wbce_dice',
-                         _if(lambda c: c.loss in ('wbce', 'wbce_dice'), 'weight_on')),
-    'amp': _refuse(_UPDATE), 'amp_dtype': _refuse(_UPDATE, 'with --amp', _if(lambda c: c.amp, 'amp_dtype')),
-    # ps-lite's asynchronous servers apply each worker's gradient on its own: another update.
-    'kvstore': _refuse(_UPDATE, 'from or to dist_async', lambda c: c.kvstore == 'dist_async'),
-    'update_on_kvstore': _allow('the same update, computed on the kvstore or not'),
-    'gpus': _allow('devices may change'), 'cpus': _allow('devices may change'),
-    'sync_bn': _allow('like the device count, it only changes which images BatchNorm\'s statistics pool'),
-    'hybridize': _allow('the same computation'), 'memory': _allow('the same computation'),
-    'time_budget': _allow('the run is planned again from the epochs it has measured'),
-    # which checkpoint is the best, and when training stops
-    'monitor': _refuse(_BEST, 'with validation images', _if(_has_validation, 'monitor')),
-    'min_delta': _refuse(_BEST),
-    'threshold': _refuse(_BEST, 'with --monitor val_dsb',
-                         _if(lambda c: c.monitor == 'val_dsb' and _has_validation(c), 'threshold')),
-    'patience': _allow('only when training stops early'),
-    'keep_last': _allow('only how many checkpoints are kept'),
-    # after the last epoch, and bookkeeping
-    'tune_postprocess': _allow('after the last epoch'), 'tune_mode': _allow('after the last epoch'),
-    'tune_tta': _allow('after the last epoch'),
-    'output': _allow('the run folder'), 'resume': _allow('the checkpoint itself'),
-    'overwrite': _allow('not used with --resume'), 'benchmark': _allow('no training'),
-    'progress': _allow('display only'), 'tensorboard': _allow('logs only'),
-}
-_MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
-
-
-def _setting(cfg, name):
-    return getattr(cfg.model, name) if name in _MODEL_FIELDS else getattr(cfg, name)
-
-
-#: The TrainConfig settings a resumed run must share with its checkpoint in every run.
-RESUME_FIXED = tuple(k for k, r in RESUME_POLICY.items() if r.kind == 'refuse' and r.key is None
-                     and k not in _MODEL_FIELDS)
-
-
-def resume_conflicts(saved, current, kind='refuse'):
-    """The settings of ``kind`` (see :class:`ResumeRule`) that differ between a
-    checkpoint's config and this run's, as ``['--batch-size 16 (now 8)', ...]``: for
-    ``'refuse'``, empty when the run can be resumed."""
-    out = []
-    for name, rule in RESUME_POLICY.items():
-        if rule.kind != kind:
-            continue
-        compared = rule.key or (lambda cfg: _setting(cfg, name))
-        # A conditional setting left as it was is not named when its condition changed:
-        # the setting that changed is.
-        if compared(saved) != compared(current) and _setting(saved, name) != _setting(current, name):
-            out.append('%s %s (now %s)' % (flag_name(name), _setting(saved, name), _setting(current, name)))
-    return out
-
-
-def resume_policy_text():
-    """The docs' paragraph on what ``--resume`` refuses and allows, made from
-    :data:`RESUME_POLICY` (so the two cannot disagree)."""
-    def flag(name):
-        rule = RESUME_POLICY[name]
-        return '`%s`%s' % (flag_name(name), ' ' + rule.when if rule.when else '')
-
-    groups = {}
-    for name, rule in RESUME_POLICY.items():
-        if rule.kind == 'refuse':
-            groups.setdefault(rule.shapes, []).append(flag(name))
-    shaped = '; '.join('%s (%s)' % (what, ', '.join(flags)) for what, flags in groups.items())
-    data = ', '.join(flag(n) for n, r in RESUME_POLICY.items() if r.kind == 'data')
-    allowed = ', '.join(flag(n) for n, r in RESUME_POLICY.items()
-                        if r.kind == 'allow' and n not in ('resume', 'overwrite', 'benchmark'))
-    return ('`--resume` refuses, in one line naming each changed flag with its old value, any change of what '
-            'shaped the run: %s. The data may be read from elsewhere (%s) but must be the same images - the '
-            'same count, names and pixels - and, with `bin/launch`, the same number of workers. Anything else '
-            'may change: %s.' % (shaped, data, allowed))
 
 
 def check_types(values, cls, where=None):

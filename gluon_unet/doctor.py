@@ -10,18 +10,21 @@ them. The first failure ends the check with one line naming the device
 (``doctor: GPU 3: <reason>``) and exit code 1; otherwise each check prints an ``ok`` line.
 
 mxnet is imported only after the flags are read and the thread settings are chosen for
-the requested CPU contexts, as ``bin/train`` does (``runtime.apply_runtime_defaults``).
+the requested CPU contexts (by :mod:`gluon_unet.cli.doctor`), as ``bin/train`` does.
 """
-import argparse
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
-from . import __version__, add_version_flag, mxnet_distribution
+from . import __version__, mxnet_distribution
+from .config import GPU_IDS, option
 from .devices import cpu_context_count, make_contexts
-from .errors import OneLineParser, UserError, mxnet_message, reports_errors
-from .runtime import prepare_training_process, recommended_settings, runtime_settings
+from .errors import UserError, mxnet_message
+from .hardware import cpu_bfloat16_support, cpu_description, gpu_status
+from .runtime import recommended_settings, runtime_settings
 
 # The build features a multi-GPU U-Net run depends on (mx.runtime.Features names;
 # MXNet 2 calls oneDNN ONEDNN, 1.x MKLDNN).
@@ -29,34 +32,27 @@ FEATURES = ('CUDA', 'CUDNN', 'NCCL', 'MKLDNN', 'ONEDNN', 'DIST_KVSTORE')
 # The network of the device check: small enough to build and step in well under a second.
 STEP_WIDTH, STEP_DEPTH, STEP_SIZE, STEP_BATCH = 4, 2, 32, 2
 
-EXAMPLES = """examples:
-  # what this machine has: versions, MXNet features, GPUs, threads, bfloat16, --amp
-  gluon-unet doctor
-  # before a long run: one U-Net step on every GPU and a kvstore reduce across them
-  gluon-unet doctor --gpus all
-  # the same on CPU contexts (what the tests run)
-  gluon-unet doctor --cpus 2"""
-
 
 class CheckFailed(Exception):
     """One device check failed: ``str()`` is the line to print (after ``doctor: ``)."""
 
 
-def build_parser():
-    parser = OneLineParser(
-        prog='doctor', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-        description='Check the install and the devices: versions, MXNet build features, GPUs and\n'
-                    'their memory, cores and thread settings, bfloat16 support, what --amp does.\n'
-                    'With --gpus or --cpus, also run one tiny U-Net training step on each device\n'
-                    'and one kvstore reduce across them; exit code 1 and one line if one fails.')
-    add_version_flag(parser)
-    parser.add_argument('--gpus', default='', metavar='IDS',
-                        help="GPUs to check, as for train: '0-7', '0,2,5', 'all' (default: none)")
-    parser.add_argument('--cpus', type=int, default=None, metavar='N',
-                        help='check N CPU contexts instead of GPUs (default: no device check)')
-    parser.add_argument('--kvstore', default='device', choices=('device', 'local', 'nccl'),
-                        help='kvstore of the reduce check (default: device)')
-    return parser
+@dataclass
+class DoctorConfig:
+    """Which devices ``gluon-unet doctor`` checks; one field per flag (:mod:`gluon_unet.cli.doctor`)."""
+    gpus: str = option('', 'GPUs to check, as for train: %s (default: none)' % GPU_IDS, metavar='IDS')
+    cpus: Optional[int] = option(None, 'check N CPU contexts instead of GPUs (default: no device check)')
+    kvstore: str = option('device', 'kvstore of the reduce check', choices=('device', 'local', 'nccl'))
+
+    def validate(self):
+        """Raise :class:`UserError` naming the flag of a bad value."""
+        if self.cpus is not None and self.cpus < 1:
+            raise UserError('--cpus must be a positive integer (got %d)' % self.cpus)
+        return self
+
+    def contexts(self):
+        """The CPU contexts the checks run on (at least one: the table's thread settings)."""
+        return max(1, cpu_context_count(self.gpus, self.cpus or 1))
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -71,23 +67,12 @@ def build_features(mx):
     return {name: features.is_enabled(name) for name in FEATURES if name in features}
 
 
-def gpu_rows(mx, features):
-    """``[('GPU 0', '15.8 GiB, 15.2 GiB free'), ...]``, or one row saying why there is none."""
-    from . import devices
-    if hasattr(devices, 'gpu_status'):  # the driver-level diagnosis, when devices has it
-        count, reason = devices.gpu_status()
-        if not count:
-            return [('GPUs', 'none: %s' % reason)]
-    elif not features.get('CUDA'):
-        return [('GPUs', 'none: this mxnet build has no CUDA support (package %s; the CUDA builds are '
-                         'mxnet-cu117, mxnet-cu112, ...)' % mxnet_distribution().split()[0])]
-    else:
-        try:
-            count = mx.context.num_gpus()
-        except mx.MXNetError as exc:
-            return [('GPUs', 'none: %s' % mxnet_message(exc))]
-        if not count:
-            return [('GPUs', 'none: the CUDA build of mxnet finds no GPU (driver, CUDA_VISIBLE_DEVICES?)')]
+def gpu_rows(mx):
+    """``[('GPU 0', '15.8 GiB, 15.2 GiB free'), ...]``, or one row saying why there is none
+    (the driver-level diagnosis of :func:`~gluon_unet.hardware.gpu_status`)."""
+    count, reason = gpu_status()
+    if not count:
+        return [('GPUs', 'none: %s' % reason)]
     rows = []
     for i in range(count):
         try:
@@ -136,9 +121,8 @@ def horovod_status():
 def table_rows(contexts=1):
     """The ``(name, value)`` rows of the table (imports mxnet)."""
     import mxnet as mx
-    from .devices import cpu_bfloat16_support, cpu_description
     features = build_features(mx)
-    gpus = gpu_rows(mx, features)
+    gpus = gpu_rows(mx)
     gpu_count = sum(1 for name, value in gpus if name.startswith('GPU ') and not value.startswith('error'))
     settings = runtime_settings()
     threads = 'OMP_NUM_THREADS=%d (%s)' % (settings['omp_threads'], settings['omp_source'])
@@ -177,11 +161,11 @@ def device_name(ctx):
 
 def device_step(ctx):
     """One hybridized U-Net training step (width 4, depth 2, 32 px, batch 2) on ``ctx``,
-    through the same step as training (``engine.make_step``); returns the loss."""
+    through the same step as training (``step.make_step``); returns the loss."""
     import mxnet as mx
     import numpy as np
     from .config import ModelConfig, TrainConfig
-    from .engine import make_step
+    from .step import make_step
     from .model import build_model
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=STEP_WIDTH, depth=STEP_DEPTH), size=STEP_SIZE,
                       batch_size=STEP_BATCH, optimizer='sgd', lr=0.01, kvstore='device')
@@ -261,21 +245,16 @@ def requested_contexts(gpus, cpus):
     return []
 
 
-@reports_errors
-def main(argv=None):
-    """``gluon-unet doctor``: the table, then the device checks; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    if args.cpus is not None and args.cpus < 1:
-        raise UserError('--cpus must be a positive integer (got %d)' % args.cpus)
-    contexts = max(1, cpu_context_count(args.gpus, args.cpus or 1))
-    prepare_training_process(args.gpus, args.cpus or 1)  # as bin/train does, before mxnet loads
-    print(format_table(table_rows(contexts)))
+def run_doctor(config):
+    """The table, then the device checks of ``config`` (a :class:`DoctorConfig`); returns
+    the exit code (1 and a one-line ``doctor: ...`` on stderr when a check fails)."""
+    print(format_table(table_rows(config.contexts())))
     sys.stdout.flush()
     try:
-        ctxs = requested_contexts(args.gpus, args.cpus)
+        ctxs = requested_contexts(config.gpus, config.cpus)
         if ctxs:
-            run_checks(ctxs, args.kvstore)
-        elif args.kvstore != 'device':
+            run_checks(ctxs, config.kvstore)
+        elif config.kvstore != 'device':
             raise UserError('--kvstore needs --gpus or --cpus (the devices to reduce across)')
     except CheckFailed as exc:
         sys.stdout.flush()

@@ -1,660 +1,46 @@
 """Training: ``fit(cfg)`` is the whole job, as a short list of named stages.
 
-``fit`` picks the run folder, then ``_train`` runs the stages in order: the data
-(`prepare_data`), the resume point (`find_resume_point`), the run folder's writer
-(`recorder.RunRecorder`), the network (`build_network`) and the step (`make_step`), the
-epochs (`train_epoch` and `validate` each epoch), and the export. Everything that differs
-between one process and a multi-machine job is asked of a `distributed.Strategy`.
+``fit`` picks the run folder, then ``_train`` runs the stages in order, each from the
+module that owns it: the data (`data.prepare.prepare_data`), the resume point
+(`resume.find_resume_point`), the run folder's writer (`recorder.RunRecorder`), the
+network and the step (`step.build_network`, `step.make_step`), the epochs
+(`step.train_epoch` and `validation.validate` each epoch, planned by `--time-budget`),
+the post-processing search (`search`) and the export. How a run stops early and what it
+keeps is `stops`. Everything that differs between one process and a multi-machine job is
+asked of a `distributed.Strategy`.
 """
-import collections
-import contextlib
-import functools
-import hashlib
-import logging
-import math
-import os
 import signal
-import threading
 import time
 from dataclasses import dataclass
 
 import mxnet as mx
-import numpy as np
 
 # Everything fit() may need is imported up front: a run that trains for an hour must not
 # fail at its last step because the code on disk changed underneath it.
 from . import distributed
-from . import metrics as M
 from . import postprocess
 from .averaging import applied, make_average
-from .budget import epoch_estimate, planned_epochs, search_estimate
-from .checkpoint import damaged_resume, list_checkpoints, load_checkpoint, resolve_resume
-from .config import TrainConfig, resume_conflicts
-from .data import readers
-from .data.augment import make_transform
-from .data.dataset import default_workers, make_loader, set_loader_epoch, split_indices
-from .data.synthetic import synthetic_dataset
-from .data.targets import OUTPUTS
-from .data.weights import unet_weight_map
-from .devices import context_names, has_gpu, make_contexts, require_cpu_bfloat16
-from .errors import DamagedFile, UserError, WriteError
-from .export import ExportError, geometry
-from .inference import predict_image, second_map
-from .losses import WEIGHTED, SegmentationLoss
-from .model import build_model, probability_maps
-from .optim import make_lr_scheduler, make_trainer, resize_lr_scheduler
+from .budget import epoch_estimate, planned_epochs
+from .checkpoint import load_checkpoint
+from .config import TrainConfig
+from .data.loader import default_workers, make_loader, set_loader_epoch
+from .data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
+from .devices import context_names, make_contexts
+from .errors import UserError
+from .optim import make_lr_scheduler, resize_lr_scheduler
+from .parallel import DataParallelStep, check_sync_bn_batch
 from .paths import check_apart
-from .parallel import DataParallelStep, MirroredStep, check_sync_bn_batch, split_batch
 from .recorder import RunRecorder, RunState
-from .scale import median_diameter
 from .reporting import setup_logging
-from .runtime import configure_runtime, process_gpus
+from .resume import find_resume_point
+from .runtime import process_gpus
+from .search import search_seconds, tune_postprocessing
+from .sidecar import geometry
+from .step import build_network, check_amp_support, init_amp, make_step, resolve_update_on_kvstore, train_epoch
+from .stops import AfterTraining, Interrupted, StopFlag, on_write_error
 from .tblog import require_tensorboardx
+from .validation import second_output, validate
 
-
-class Interrupted(Exception):
-    """Ctrl-C / SIGTERM: a resumable checkpoint was saved; ``exit_code`` is 130 or 143."""
-
-    def __init__(self, message, exit_code):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class Diverged(Exception):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
-    exit_code = 3
-
-
-def data_fingerprint(train_ds, val_ds, num_workers=1):
-    """What identifies the data a run trains on, for resume to compare and the model card
-    to record: sample counts, a digest of the sample names in order (the split and the
-    batches follow from them), a digest of the decoded images and masks, and the number
-    of workers (with a dist kvstore they set the global batch)."""
-    names, content = hashlib.sha1(), hashlib.sha1()
-    for ds in (train_ds, val_ds):
-        names.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
-        for i in range(0 if ds is None else len(ds)):
-            for arr in (ds.images[i], ds.masks[i]):
-                arr = np.ascontiguousarray(arr)
-                content.update(str(arr.shape).encode())
-                content.update(arr.data)
-    return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
-            'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers}
-
-
-def check_resumable(path, meta, cfg, data_id):
-    """Refuse, in one line, to resume ``meta`` (a checkpoint's record) with settings or
-    data it cannot continue exactly (``config.RESUME_POLICY``)."""
-    saved = TrainConfig.from_dict(meta['config'])
-    conflicts = resume_conflicts(saved, cfg)
-    if conflicts:
-        raise UserError('--resume %s: the run was trained with %s; resume with the same values (or start a '
-                        'new run)' % (path, ', '.join(conflicts)))
-    old = meta.get('data')
-    keys = ('train', 'val', 'names_sha1', 'content_sha1')
-    if old and any(k in old and old[k] != data_id[k] for k in keys):
-        read = resume_conflicts(saved, cfg, kind='data')
-        raise UserError('--resume %s: the data changed since the checkpoint (it trained on %d images and '
-                        'validated on %d, now %d and %d, or other files or pixels%s); resume with the same data'
-                        % (path, old['train'], old['val'], data_id['train'], data_id['val'],
-                           '; read with %s' % ', '.join(read) if read else ''))
-    if old and old.get('workers', 1) != data_id['workers']:
-        raise UserError('--resume %s: the run had %d worker(s), now %d: the global batch would change; '
-                        'resume with bin/launch -n %d' % (path, old.get('workers', 1), data_id['workers'],
-                                                          old.get('workers', 1)))
-
-
-# -- data ----------------------------------------------------------------------------------
-
-def build_datasets(cfg):
-    """Training and validation datasets for ``cfg`` (generated nuclei when ``data`` is None).
-
-    Returns
-    -------
-    (train_ds, val_ds) : SegmentationDataset, SegmentationDataset or None
-    """
-    side = cfg.crop or cfg.size
-    if cfg.data is None:
-        full = synthetic_dataset(cfg.synthetic_count, side, channels=cfg.model.in_channels or 1,
-                                 seed=cfg.seed)
-        val = None
-    else:
-        opts = readers.LoadOptions(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
-                                   channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
-                                   skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
-                                   denoise=cfg.denoise)
-        full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
-        val = readers.load_dataset(cfg.val_data, options=opts) if cfg.val_data else None
-    if val is None and cfg.val_split > 0:
-        train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
-        return full.subset(train_idx), full.subset(val_idx)
-    return full, val
-
-
-def attach_transforms(cfg, train_ds, val_ds):
-    """Augmentation (and crops) for training; deterministic crops for validation."""
-    weight_fn = None
-    if cfg.loss in WEIGHTED:
-        # wbce is the paper's map, class balancing included. wbce_dice keeps only its
-        # border term: the Dice term already balances nuclei against background, so the
-        # BCE stays calibrated as in bce_dice and the searched threshold means the same.
-        weight_fn = functools.partial(unet_weight_map, class_balance=cfg.loss == 'wbce')
-    train_tf = val_tf = None
-    if cfg.augment or cfg.crop or cfg.elastic:
-        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
-        if cfg.crop:
-            # validate() draws per-sample seeds from a fixed sampler seed, so these
-            # crops are the same every epoch: comparable numbers across epochs.
-            val_tf = make_transform(augment=False, crop=cfg.crop)
-    train_ds.transform, train_ds.weight_fn, train_ds.target = train_tf, weight_fn, cfg.model.target
-    if val_ds is not None:
-        val_ds.transform, val_ds.weight_fn, val_ds.target = val_tf, weight_fn, cfg.model.target
-
-
-def data_channels(ds):
-    """Channel count of a dataset's images."""
-    channels = getattr(ds, 'channels', None)
-    return channels or int(np.asarray(ds.images[0]).shape[-1])
-
-
-# -- network -------------------------------------------------------------------------------
-
-def build_network(cfg, ctxs, amp_dtype=None, net=None):
-    """U-Net initialized on ``ctxs`` (He init), deferred shapes resolved, hybridized.
-
-    ``amp_dtype``: :func:`init_amp`'s result (None = float32). ``net``: your own
-    HybridBlock instead of the U-Net of ``cfg.model`` (initialized here unless it
-    already is).
-    """
-    configure_runtime(len(ctxs), ctxs[0].device_type)  # process-wide knobs: one place
-    mx.random.seed(cfg.seed)
-    init = mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2)
-    if net is None:
-        net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
-                          amp_dtype=amp_dtype)
-        net.initialize(init, ctx=ctxs)
-    else:
-        net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized
-        net.collect_params().reset_ctx(ctxs)
-    if cfg.hybridize:
-        # static_alloc is the fast path. SyncBatchNorm keeps the dynamic CachedOp: it was
-        # chosen when its running statistics seemed to lag a step behind; that turned out to
-        # be the first step's update lost to the Trainer's broadcast (fixed in
-        # DataParallelStep, and static SyncBN then matches whole-batch BN on CPU contexts),
-        # but static SyncBN on GPUs has never been run, so it is not switched on blind.
-        static = not (cfg.sync_bn and len(ctxs) > 1)
-        # With --memory balanced/low the hybridized graph only validates (MirroredStep
-        # trains through its own bound graph): static buffers would stay allocated for
-        # nothing - those of the shape-resolving pass below alone are ~25 MiB per training
-        # image at width 64, 256 px, batch 4.
-        static = static and cfg.memory == 'speed'
-        net.hybridize(static_alloc=static, static_shape=static)
-    # Resolve deferred parameter shapes now, once, from the main thread: the threaded
-    # SyncBatchNorm step must not race to initialize them.
-    side = cfg.crop or cfg.size
-    with mx.autograd.predict_mode():
-        net(mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctxs[0])).wait_to_read()
-    return net
-
-
-def init_amp(cfg, ctxs):
-    """Turn on mixed precision (must precede model construction); returns the dtype."""
-    if not cfg.amp:
-        return None
-    dtype = cfg.amp_dtype
-    if dtype == 'auto':
-        dtype = 'float16' if has_gpu(ctxs) else 'bfloat16'
-    if dtype == 'float16' and not has_gpu(ctxs):
-        raise UserError('--amp-dtype float16 needs GPUs (--gpus); on CPU use bfloat16')
-    if dtype == 'bfloat16' and has_gpu(ctxs):
-        raise UserError('--amp-dtype bfloat16 is for CPU training in MXNet 1.9; use float16 on GPUs')
-    from mxnet.contrib import amp
-    # amp.init logs with the module-level logging.info, which configures the root logger
-    # when the application has not (logging.basicConfig): every gluon_unet line after it
-    # was printed twice. A handler on the root logger for the call keeps it unconfigured.
-    root, quiet = logging.getLogger(), logging.NullHandler()
-    root.addHandler(quiet)
-    try:
-        amp.init(target_dtype=dtype)
-    finally:
-        root.removeHandler(quiet)
-    return dtype
-
-
-def resolve_update_on_kvstore(cfg, amp_dtype, strategy):
-    """Whether the kvstore applies the optimizer (``Trainer(update_on_kvstore=...)``).
-
-    Off when something must touch the summed gradients before the update: clipping, or
-    float16 loss scaling (unscale and overflow check).
-    """
-    update_on_kv = strategy.update_on_kvstore(cfg.update_on_kvstore)
-    between = cfg.clip_grad > 0 or amp_dtype == 'float16'
-    if between and cfg.kvstore == 'dist_async':
-        raise UserError('--kvstore dist_async updates on the servers; it cannot be combined with '
-                        '--clip-grad or float16 --amp (use dist_sync)')
-    if between and update_on_kv:
-        raise UserError('--update-on-kvstore cannot be combined with --clip-grad or float16 --amp '
-                        '(they change gradients between reduction and update)')
-    return False if between else update_on_kv
-
-
-# --memory -> what MirroredStep recomputes in backward (model.recompute); 'speed' trains
-# the hybridized network through autograd (DataParallelStep).
-MEMORY_RECOMPUTE = {'balanced': 'activations', 'low': 'blocks'}
-
-
-def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, update_on_kvstore=None):
-    """The training step of ``cfg`` for ``net`` on ``ctxs``: trainer, loss, AMP.
-
-    Used by :func:`fit` and by the benchmarks, so both measure the same step.
-
-    Parameters
-    ----------
-    amp_dtype : {None, 'float16', 'bfloat16'}
-        From :func:`init_amp`. Only float16 scales the loss: bfloat16 has float32's
-        exponent range, so nothing underflows, and the dynamic scaler's overflow check
-        costs a host synchronization and a pass over all gradients every step
-        (``multi_all_finite``).
-    strategy : distributed.Strategy, optional
-        Defaults to one process with ``cfg.kvstore``.
-    update_on_kvstore : bool, optional
-        From :func:`resolve_update_on_kvstore` (resolved here when not given).
-
-    Returns
-    -------
-    DataParallelStep
-    """
-    strategy = strategy or distributed.make_strategy(cfg.kvstore)
-    if update_on_kvstore is None:
-        update_on_kvstore = resolve_update_on_kvstore(cfg, amp_dtype, strategy)
-    scaling = amp_dtype == 'float16'
-    trainer = make_trainer(net.collect_params(), cfg.optimizer, cfg.lr, ctxs, kvstore=strategy.kvstore,
-                           update_on_kvstore=update_on_kvstore, weight_decay=cfg.weight_decay,
-                           momentum=cfg.momentum, nesterov=cfg.nesterov, lr_scheduler=lr_scheduler)
-    if scaling:
-        from mxnet.contrib import amp
-        amp.init_trainer(trainer)
-    # A centre map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
-    loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight,
-                               dice_channels=1 if cfg.model.target == 'mask+centre' else None,
-                               weight_second_only=cfg.weight_on == 'second')
-    threaded = cfg.sync_bn and len(ctxs) > 1
-    if cfg.hybridize and not threaded:
-        # A graph keeps the scratch buffer it drew at its first call. Imperatively, each
-        # loss op's backward drew the next one from the pool all CPU contexts share, and
-        # when that was the buffer another device's backward held, this device's whole
-        # backward waited for the other's (see DataParallelStep._forward_backward). Fewer
-        # engine operations per step, too. Not with SyncBatchNorm on several devices: its
-        # step calls the loss from one thread per device, and a HybridBlock builds its
-        # graph at its first call, unguarded against several threads at once; a thread
-        # failing there leaves the others at SyncBatchNorm's barrier for ever. (A CI run
-        # hung in test_sync_bn_skips_a_batch_... with the loss hybridized there; not
-        # reproduced in 5 runs since, so the threaded path keeps the imperative loss.)
-        static = cfg.memory == 'speed'
-        loss_fn.hybridize(static_alloc=static, static_shape=static)
-    if cfg.memory != 'speed':
-        # --memory: a bound graph that recomputes in backward (validate() has refused
-        # --amp and --sync-bn with it).
-        return MirroredStep(net, loss_fn, trainer, ctxs, recompute=MEMORY_RECOMPUTE[cfg.memory],
-                            clip_grad=cfg.clip_grad, workers=strategy.grad_workers)
-    return DataParallelStep(net, loss_fn, trainer, ctxs,
-                            clip_grad=cfg.clip_grad, loss_scaling=scaling,
-                            sync_bn=threaded, workers=strategy.grad_workers)
-
-
-# -- one epoch -----------------------------------------------------------------------------
-
-class _StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it after each step."""
-
-    def __init__(self):
-        self.signum = None
-        self._old = {}
-
-    def install(self):
-        if threading.current_thread() is not threading.main_thread():
-            return self
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # a second Ctrl-C: the user really wants out
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def restore(self):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        self._old = {}
-
-
-def train_epoch(step, loader, epoch, stop, on_step=None, skip_batches=0, progress=None, lookahead=2,
-                on_loss=None):
-    """Run one epoch of ``step`` over ``loader``.
-
-    Loss values are read back ``lookahead`` steps late: the devices keep a short queue
-    of work and the host never waits for the step it just issued.
-
-    Returns
-    -------
-    dict
-        ``train_loss``, ``images``, ``seconds``, ``images_per_s``, ``per_device_images``,
-        ``steps``, ``skipped`` and ``interrupted`` (True when a signal stopped it).
-
-    ``on_step(k)`` is called after the k-th step of the epoch is issued, ``on_loss(k,
-    mean_loss)`` once its loss has been read back.
-    """
-    ndev = len(step.ctxs)
-    per_device = np.zeros(ndev, np.int64)
-    pending = collections.deque()
-    loss_total, images, steps, skipped = 0.0, 0, skip_batches, 0
-    t0 = time.time()
-
-    def drain(keep):
-        nonlocal loss_total
-        while len(pending) > keep:
-            at, sums, n = pending.popleft()
-            value = sum(s.asscalar() for s in sums)
-            if not math.isfinite(value):
-                raise Diverged('loss is %s at epoch %d, step %d of the epoch; stopping (the last good '
-                               'checkpoint is kept; try a lower --lr or --clip-grad)' % (value, epoch, at))
-            loss_total += value
-            if on_loss is not None:
-                on_loss(at, value / n)
-
-    for batch in loader:  # (image, target) or (image, target, weight)
-        if not step.runnable(batch[0].shape[0]):
-            skipped += batch[0].shape[0]
-            continue
-        out = step(*batch)
-        n = out['samples']  # with SyncBatchNorm, a multiple of the device count
-        skipped += out.get('dropped', 0)
-        steps += 1
-        images += n
-        per_device[:len(out['per_device'])] += out['per_device']
-        pending.append((steps, out['loss_sums'], n))
-        drain(lookahead)
-        if progress is not None:
-            progress.update(batch[0].shape[0])
-            if steps % 5 == 0 and loss_total:
-                progress.set_postfix(loss='%.4f' % (loss_total / max(1, images - sum(p[2] for p in pending))),
-                                     img_s='%.1f' % (images / (time.time() - t0)))
-        if on_step is not None:
-            on_step(steps)
-        if stop.signum is not None:
-            break
-    drain(0)
-    mx.nd.waitall()
-    seconds = time.time() - t0
-    return {'train_loss': loss_total / max(1, images), 'images': images, 'seconds': seconds,
-            'images_per_s': images / seconds if seconds > 0 else 0.0,
-            'per_device_images': per_device.tolist(), 'steps': steps, 'skipped': skipped,
-            'interrupted': stop.signum is not None}
-
-
-def _forward_eval(net, ctxs, arrays, loss_fn, second=None):
-    """Inference-mode forward of ``arrays[0]`` split over ``ctxs``: probability maps
-    ``(N, K, H, W)`` (foreground, then the ``second`` map of a two-map model: 'border',
-    'centre' or 'contact') and the summed loss against ``arrays[1:]`` (target, weight), computed on
-    the devices; also whether the model is binary (a foreground, alone or with a second map)."""
-    probs, losses = [], []
-    with mx.autograd.predict_mode():
-        for part in split_batch(arrays, ctxs):
-            logits = net(part[0])
-            losses.append(loss_fn(logits, *part[1:]).sum())
-            probs.append(probability_maps(logits, second))
-    maps = np.concatenate([p.asnumpy() for p in probs], axis=0)
-    return maps, sum(float(l.asscalar()) for l in losses), bool(second) or logits.shape[1] == 1
-
-
-def validate(net, ctxs, dataset, batch_size, loss_fn, threshold=0.5, instance_metric=True, keep=None):
-    """Validation loss, pixel IoU (averaged over thresholds 0.50:0.95), Dice and DSB score.
-
-    Pixel metrics are summed over the whole set (not averaged per batch), so the
-    numbers do not depend on the batch size or on how batches fall on devices; they
-    score the foreground against the true nuclei (a ``mask-gap`` model's target gaps
-    count as foreground; a two-map model's second channel enters the loss and, through
-    the instances, the DSB score). A two-map model's ``val_dsb`` is the better of two
-    scores, both also returned: its instances grown from its second map's markers
-    (``val_dsb_border``, ``val_dsb_centre`` or ``val_dsb_contact``) and from the distance
-    watershed on its foreground (``val_dsb_distance``). With a list ``keep``, the first few
-    ``(image, truth, probability)`` are appended to it (for TensorBoard's overlays).
-    """
-    pixel = M.PixelMetrics()
-    loss_total, offset = 0.0, 0
-    t0 = time.time()
-    binary = True
-    gap_target = getattr(dataset, 'target', 'mask') == 'mask-gap'
-    second = _second(getattr(dataset, 'target', 'mask'))
-    # The search after training chooses a two-map model's markers between its second map
-    # and the distance watershed (postprocess.tune_postprocess), so the epoch it is given
-    # is picked by the better of the two: scored by the second map's markers alone, a
-    # centre model's val_dsb peaked early while the distance watershed, which the search
-    # then chose, kept improving (experiments/dsb2018/log.md, the centre map at depth 5).
-    dsbs = {markers: M.DSBMetric() for markers in ((second, 'distance') if second else (None,))}
-    for batch, maps, loss_sum, binary, true_labels in _val_batches(net, ctxs, dataset, batch_size, loss_fn):
-        loss_total += loss_sum
-        truth = batch[1].asnumpy()[:, 0]
-        prob = maps[:, 0]
-        labels = [true_labels(k) for k in range(len(prob))] if binary and (
-            instance_metric or gap_target) else None
-        if gap_target:  # its gaps are foreground in the truth: score against the true nuclei
-            truth = np.stack(labels) > 0
-        pixel.update(prob, truth > 0)  # foreground = any non-background class
-        if keep is not None and len(keep) < KEEP_VAL_SAMPLES:
-            keep.extend(zip(batch[0].asnumpy(), truth, prob))
-            del keep[KEEP_VAL_SAMPLES:]
-        if binary and instance_metric:
-            for k in range(len(prob)):
-                for markers, dsb in dsbs.items():
-                    dsb.update(postprocess.instances_from_maps(maps[k], threshold, markers=markers), labels[k])
-        offset += len(prob)
-    px = pixel.result()
-    result = {'val_loss': loss_total / max(1, offset), 'val_iou': px['iou'], 'val_iou50': px['iou50'],
-              'val_dice': px['dice']}
-    if instance_metric and binary:
-        scores = {markers: dsb.result() for markers, dsb in dsbs.items()}
-        result['val_dsb'] = max(scores.values())
-        if second:
-            result.update(('val_dsb_%s' % markers, score) for markers, score in scores.items())
-    result['val_seconds'] = time.time() - t0
-    return result
-
-
-KEEP_VAL_SAMPLES = 4  # validation overlays per epoch in TensorBoard
-
-
-SEARCH_MAX_IMAGES = 64  # the post-processing search's validation images, at most
-SEARCH_MAX_PIXELS = 16 * 2 ** 20  # ... and their pixels
-SEARCH_PROBE_FRACTION = 0.25  # --time-budget times the search's prediction on this share of its pixels
-
-
-def tune_postprocessing(net, ctxs, dataset, meta, batch_size, max_images=SEARCH_MAX_IMAGES,
-                        max_pixels=SEARCH_MAX_PIXELS, mode='auto', tta=False):
-    """Search the post-processing settings (``postprocess.TUNE_GRID``) that give the best
-    DSB score on the validation split with ``net`` as it is (the best checkpoint's
-    weights, loaded by the caller). Never the hold-out: only ``dataset`` is read.
-
-    The validation images are scored whole, predicted the way ``bin/predict`` predicts
-    them (``meta``: :func:`export.geometry`; a model trained on crops sees blended tiles),
-    not as the training-time crops validation uses: crops cut nuclei at their edges and
-    lack the tiles' context, and the settings they choose need not suit whole images
-    (measured on a DSB run: chosen on crops, border markers scored 0.504 on the whole
-    validation images, where the distance watershed scored 0.529). ``mode`` and ``tta`` are
-    ``bin/predict``'s ``--mode`` and ``--tta``: tiles blend overlapping windows and TTA
-    averages 8 flips, both smooth the maps, and the threshold and h that suit them can
-    differ (on a DSB run's 60 validation images predicted with ``--mode tile --tta``: 0.547
-    with the setting chosen on ``auto`` maps, 0.556 with the one chosen on those maps -
-    but 0.596 against 0.587 on the hold-out the other way round: 60 images do not tell
-    such settings apart).
-
-    At most ``max_images`` images, and no more once ``max_pixels`` are gathered (an image
-    larger than that alone is cut to its central ``max_pixels``): the maps are kept
-    (float16) and each setting is scored on all of them, so the search's memory and time
-    follow the pixel count (DSB's 60 validation images are 10.4 Mpx: about two minutes of
-    one core).
-
-    Returns
-    -------
-    dict
-        :func:`postprocess.tune_postprocess`'s result, plus ``seconds``.
-    """
-    t0 = time.time()
-    pairs = []
-    for image, labels in search_images(dataset, max_images, max_pixels):
-        maps = predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
-        pairs.append((maps.astype(np.float16), labels))
-    result = postprocess.tune_postprocess(pairs, second=second_map(meta))
-    result['seconds'] = time.time() - t0
-    if mode != 'auto' or tta:  # what bin/predict compares its own --mode / --tta with
-        result.update(mode=mode, tta=tta)
-    return result
-
-
-def search_images(dataset, max_images=SEARCH_MAX_IMAGES, max_pixels=SEARCH_MAX_PIXELS):
-    """The (uint8 image, instance labels) pairs :func:`tune_postprocessing` scores, in
-    order: the first ``max_images`` validation images, until ``max_pixels`` are gathered."""
-    pixels = 0
-    for i in range(min(len(dataset), max_images)):
-        image, _, labels = dataset.raw(i)
-        if labels.size > max_pixels:  # one huge image: its central part, at most the whole budget
-            window = _central_window(labels.shape, max_pixels)
-            image, labels = image[window], labels[window]
-        if pixels and pixels + labels.size > max_pixels:
-            return
-        pixels += labels.size
-        if image.dtype != np.uint8:  # float images given through the API (already scaled to 0..1)
-            image = np.clip(image * 255 + 0.5, 0, 255).astype(np.uint8)
-        yield image, labels
-
-
-def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False, second=None,
-                   probe_fraction=SEARCH_PROBE_FRACTION, clock=None):
-    """Estimated wall seconds of :func:`tune_postprocessing` on ``dataset``, for
-    ``--time-budget`` to keep aside.
-
-    The search predicts each of its images once, then labels them all once per setting
-    (:func:`postprocess.search_arms`: 28 for a one-map model; for a two-map model whose
-    ``second`` map is 'border', 'centre' or 'contact', 28 with its markers and 27 with the
-    distance watershed). So the probe predicts its first images up to ``probe_fraction``
-    of the pixels, as the search predicts them, and labels and scores all of them once
-    with each kind of markers, on their true masks (a network after one epoch draws no
-    nuclei like those the trained one will); :func:`budget.search_estimate` scales that
-    up. On DSB's 60 validation images the probe takes a twelfth of the search.
-
-    Returns
-    -------
-    (float, int, int)
-        The estimate, the images predicted by the probe and the images the search scores.
-    """
-    clock = clock or time.monotonic
-    images = list(search_images(dataset))
-    total = sum(labels.size for _, labels in images)
-    probe, pixels = [], 0
-    for image, labels in images:
-        if probe and pixels >= probe_fraction * total:
-            break
-        probe.append(image)
-        pixels += labels.size
-    if probe:  # untimed: the first prediction at the tiles' shapes builds their graph, once
-        predict_image(net, meta, probe[0], ctxs, mode=mode, tta=tta, batch_size=batch_size)
-    t0 = clock()
-    for image in probe:
-        predict_image(net, meta, image, ctxs, mode=mode, tta=tta, batch_size=batch_size, maps=True)
-    t1 = clock()
-    arms, seconds = postprocess.search_arms(second), []
-    for markers, _ in arms:  # what the search does for each setting: label, match, score
-        for _, labels in images:
-            fg = (labels > 0).astype(np.float32)
-            # A second map that seeds one marker per blob: a watershed's work, as the search does
-            found = postprocess.instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                                    markers=markers)
-            postprocess.cut_scores(found, fg, labels, [0.5])
-        seconds.append(clock())
-    spent = np.diff([t1] + seconds)
-    estimate = search_estimate(t1 - t0, pixels, total, [(float(s), n) for (_, n), s in zip(arms, spent)])
-    return estimate, len(probe), len(images)
-
-
-def _one_marker_map(fg, second):
-    """A stand-in second map for the search probe: no border or contact line (every blob's
-    interior is its marker), or a centre map high on the whole foreground."""
-    return fg if second == 'centre' else np.zeros_like(fg)
-
-
-def _central_window(shape, max_pixels):
-    """Slices of the central part of an image of ``shape`` (H, W, ...) with at most
-    ``max_pixels`` pixels and the image's aspect ratio."""
-    scale = min(1.0, (max_pixels / float(shape[0] * shape[1])) ** 0.5)
-    h, w = max(1, int(shape[0] * scale)), max(1, int(shape[1] * scale))
-    y, x = (shape[0] - h) // 2, (shape[1] - w) // 2
-    return slice(y, y + h), slice(x, x + w)
-
-
-def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
-    """Search the post-processing again for a trained run, on its own validation split,
-    and store the result in its export (``bin/export --tune-postprocess``): for exports
-    made before the search (or before it knew a setting), without retraining.
-
-    The run's data and split are rebuilt from the checkpoint's config (the same
-    validation images the run used; never a hold-out), scored whole as at the end of
-    training, predicted with ``mode`` and ``tta`` (``--tune-mode``, ``--tune-tta``).
-
-    Returns
-    -------
-    dict
-        :func:`tune_postprocessing`'s result (also written to the export's sidecar).
-    """
-    from .export import model_from_checkpoint, update_sidecar
-    ctxs = ctxs or [mx.cpu()]
-    net, cfg, _ = model_from_checkpoint(checkpoint, ctxs)
-    if cfg.model.classes != 1:
-        raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
-    cfg.progress = False
-    _, val_ds = build_datasets(cfg)
-    if val_ds is None or not len(val_ds):
-        raise UserError('export --tune-postprocess: the run has no validation images (--val-split 0 and no '
-                        '--val-data) to choose the post-processing on')
-    net.hybridize(static_alloc=True, static_shape=True)
-    tuned = tune_postprocessing(net, ctxs, val_ds, geometry(cfg), cfg.batch_size, mode=mode, tta=tta)
-    update_sidecar(export_dir, {'postprocess': tuned})
-    return tuned
-
-
-def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
-    """The validation set in inference mode, batch by batch, in order, with the loader's
-    deterministic crops: yields ``(batch, maps, loss_sum, binary, true_labels)`` (maps as
-    :func:`_forward_eval` gives them), where
-    ``true_labels(k)`` are the true instance labels of the batch's sample ``k``, cropped
-    like its image (see :func:`val_instances`)."""
-    loader = make_loader(dataset, batch_size, shuffle=False, seed=0, workers=0)
-    seeds = loader.epoch_sampler.seeds()
-    second = _second(getattr(dataset, 'target', 'mask'))
-    offset = 0
-    for batch in loader:
-        prob, loss_sum, binary = _forward_eval(net, ctxs, list(batch), loss_fn, second)
-        yield batch, prob, loss_sum, binary, \
-            (lambda k, first=offset: val_instances(dataset, first + k, seeds[first + k]))
-        offset += len(prob)
-
-
-def _second(target):
-    """The second output map a ``--target`` adds ('border', 'centre', 'contact'), or None."""
-    outputs = OUTPUTS[target]
-    return outputs[1] if len(outputs) > 1 else None
-
-
-def val_instances(dataset, i, seed):
-    """The true instance labels of validation sample ``i`` as the network saw it (cropped
-    like the image with the loader's ``seed``): touching nuclei count as separate
-    objects, as in the DSB metric itself - not as connected components of the mask."""
-    if dataset.transform is None:
-        return dataset.instances(i)
-    return dataset.sample(i, seed)[2]
-
-
-# -- the whole run -------------------------------------------------------------------------
 
 def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     """Train a U-Net as configured; the Python API behind ``bin/train``.
@@ -721,12 +107,6 @@ class FitResult(list):
         self.output, self.is_main = output, is_main
 
 
-def check_amp_support(cfg, ctxs):
-    """Stop before any work when ``--amp`` cannot run on these devices."""
-    if cfg.amp and not has_gpu(ctxs) and cfg.amp_dtype in ('auto', 'bfloat16'):
-        require_cpu_bfloat16()
-
-
 @dataclass
 class _Run:
     """The fixed parts of a run that every epoch uses."""
@@ -766,7 +146,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
                         'nuclei, or a dataset of your own without .groups); use --balance none' % cfg.balance)
     resume_path = find_resume_point(cfg, data_id, strategy)
     monitor = cfg.monitor if val_ds is not None else 'train_loss'
-    with _on_write_error(cfg, complete=False):
+    with on_write_error(cfg, complete=False):
         recorder = RunRecorder(cfg, monitor, data_id, enabled=strategy.is_main, verbose=verbose,
                                user_net=user_net)
         recorder.start()
@@ -811,7 +191,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     run = _Run(cfg, ctxs, net, step, loader, steps_per_epoch, val_ds if strategy.is_main else None, recorder,
                average, started=started)
     try:
-        with _on_write_error(cfg, complete=False):
+        with on_write_error(cfg, complete=False):
             _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
     finally:
         # The loader's workers end here, not at some later garbage collection or at exit:
@@ -819,7 +199,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
         loader.close()
         recorder.close()
     tuned = None
-    with _AfterTraining(cfg, recorder, state) as after, _on_write_error(cfg, complete=True):
+    with AfterTraining(cfg, recorder, state) as after, on_write_error(cfg, complete=True):
         if _will_tune(cfg, run.val_ds) and state.history:
             load_checkpoint(recorder.best_checkpoint(), net=net)  # tune what will be exported
             tuned = tune_postprocessing(net, ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
@@ -832,161 +212,6 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     return state.history
 
 
-def _finish_command(cfg):
-    """The command that does what a run does after its last epoch: the search (when the
-    run does one) and the export."""
-    command = 'bin/export %s' % cfg.output
-    if cfg.tune_postprocess:
-        command += ' --tune-postprocess'
-        command += ' --mode %s' % cfg.tune_mode if cfg.tune_mode != 'auto' else ''
-        command += ' --tta' if cfg.tune_tta else ''
-    return command
-
-
-def _kept(cfg, complete, unexported=False):
-    """What a run stopped by a failed write or a signal keeps, and how to go on (a note
-    for its one-line error); ``unexported``: say that the export was not written."""
-    folder = os.path.join(cfg.output, 'checkpoints')
-    if complete:
-        best = os.path.join(folder, 'best.ckpt')
-        return ('training is complete and its checkpoints are intact (best: %s)%s; finish with %s, or the same '
-                'bin/train command with --resume auto'
-                % (best, ', the export was not written' if unexported else '', _finish_command(cfg)))
-    found = list_checkpoints(folder) if os.path.isdir(folder) else []
-    if not found:
-        return 'no checkpoint had been written yet'
-    return 'the last good checkpoint %s is intact: once the folder can be written, continue with --resume auto' \
-        % found[-1]
-
-
-@contextlib.contextmanager
-def _on_write_error(cfg, complete):
-    """A :class:`~.errors.WriteError` in the block - or, after the epochs, a failed
-    export in a subprocess - says what the run keeps (:func:`_kept`)."""
-    try:
-        yield
-    except WriteError as exc:
-        raise exc.add(_kept(cfg, complete)) from None
-    except ExportError as exc:
-        if not complete:
-            raise
-        exc.args = ('%s; %s' % (exc.args[0], _kept(cfg, complete)),)
-        raise exc from None
-
-
-class _AfterTraining:
-    """SIGINT/SIGTERM after the last epoch: the post-processing search is stopped at once
-    (it writes nothing), the export is finished first (a second signal stops it too).
-    Either way the run ends with :class:`Interrupted` saying that training is complete
-    and which command finishes the job - never silently, never with a traceback."""
-
-    def __init__(self, cfg, recorder, state):
-        self.cfg, self.recorder, self.state = cfg, recorder, state
-        self.stage, self.signum, self._old, self._pid = 'search', None, {}, os.getpid()
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread() and self.recorder.enabled:
-            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def exporting(self):
-        """The search is over; the export begins."""
-        self.stage = 'export'
-
-    def _handle(self, signum, frame):
-        if os.getpid() != self._pid:  # a forked child that inherited the handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if self.stage == 'export' and self.signum is None:
-            self.signum = signum  # finished first: a half-replaced export would be worse
-            return
-        self.signum = signum
-        raise Interrupted('%s during the %s after the last epoch (%d): %s'
-                          % (signal.Signals(signum).name,
-                             'post-processing search' if self.stage == 'search' else 'export',
-                             self.state.epoch, _kept(self.cfg, complete=True, unexported=True)), 128 + signum)
-
-    def __exit__(self, exc_type, exc, tb):
-        for sig, handler in self._old.items():
-            signal.signal(sig, handler)
-        self._old = {}
-        if exc_type is None and self.signum is not None:
-            raise Interrupted('%s during the export after the last epoch (%d): the export was finished first; '
-                              'the run is complete (%s)' % (signal.Signals(self.signum).name, self.state.epoch,
-                                                           os.path.join(self.cfg.output, 'export')),
-                              128 + self.signum)
-        return False
-
-
-def prepare_data(cfg, train_ds, val_ds, num_workers=1):
-    """The datasets (built from ``cfg`` when not given), ``cfg.model.in_channels``
-    resolved from them, transforms attached, and their fingerprint."""
-    if train_ds is None:
-        train_ds, val_ds = build_datasets(cfg)
-    channels = data_channels(train_ds)
-    if cfg.model.in_channels == 0:
-        cfg.model.in_channels = channels
-    elif cfg.model.in_channels != channels:
-        raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
-    attach_transforms(cfg, train_ds, val_ds)
-    data_id = data_fingerprint(train_ds, val_ds, num_workers)
-    # The nuclei's median size as the network saw them, for bin/predict --diameter.
-    data_id['diameter'] = median_diameter(train_ds.instances(i) for i in range(len(train_ds)))
-    return train_ds, val_ds, data_id
-
-
-#: ``--balance``: each group's share of an epoch grows as its size to this power.
-BALANCE_POWER = {'groups': 0.0, 'sqrt': 0.5, 'oversample': 0.0}
-
-
-def balanced_epoch_length(groups, balance):
-    """Draws per epoch for ``--balance``: ``oversample`` draws every group as often as
-    the largest one (groups x largest); the others keep the dataset's size (None)."""
-    if balance != 'oversample' or groups is None:
-        return None
-    counts = np.unique(np.asarray(groups), return_counts=True)[1]
-    return int(len(counts) * counts.max())
-
-
-def log_groups(log, groups, balance):
-    """Log the training images' appearance groups and what ``--balance`` does with them."""
-    if groups is None:
-        return
-    names, counts = np.unique(np.asarray(groups), return_counts=True)
-    sizes = ', '.join('%s %d' % (n, c) for n, c in zip(names, counts))
-    if balance in BALANCE_POWER:
-        weights = counts.astype(float) ** BALANCE_POWER[balance]
-        draws_per_epoch = balanced_epoch_length(groups, balance) or len(groups)
-        draws = ', '.join('%s ~%d' % (n, draws_per_epoch * w / weights.sum()) for n, w in zip(names, weights))
-        log.info('appearance groups of the training images: %s; --balance %s draws per epoch: %s',
-                 sizes, balance, draws)
-    else:
-        log.info('appearance groups of the training images: %s (--balance groups would draw them equally often)',
-                 sizes)
-
-
-def find_resume_point(cfg, data_id, strategy):
-    """The checkpoint to resume from, checked against ``cfg`` and the data, or None; the
-    same step on every worker."""
-    path = resolve_resume(cfg.resume, cfg.output)
-    try:
-        meta = load_checkpoint(path) if path else None
-    except DamagedFile as exc:  # never trained on: say which earlier checkpoint is intact
-        raise damaged_resume(exc, cfg.resume) from None
-    if meta is not None:
-        check_resumable(path, meta, cfg, data_id)
-    # Each worker resolved --resume on its own file system (no one writes before the
-    # first epoch ends, which needs every worker); all must start at the same step.
-    step = meta['step'] if meta else -1
-    rank0_step = int(strategy.broadcast([step])[0])
-    if rank0_step != step:
-        raise UserError('--resume: worker rank %d would resume at step %d but rank 0 at step %d; put '
-                        '--output on a shared file system or give every worker the same --resume file'
-                        % (strategy.rank, step, rank0_step))
-    return path
-
-
 def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
     """Epochs until ``--epochs`` (or what fits in ``--time-budget``), early stopping, a
     callback or a signal."""
@@ -995,7 +220,7 @@ def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
     clock = _clock()  # one running clock: checkpointing counts in the next epoch
     state.train_seconds += clock - run.started  # this process's data loading and setup
     total = _plan_epochs(run, state, strategy)
-    stop = _StopFlag().install()
+    stop = StopFlag().install()
     try:
         epoch = state.epoch
         while epoch < total:
@@ -1073,7 +298,7 @@ def _probe_search(run):
     started = time.monotonic()  # not _clock: tests fake that one to count epochs
     seconds, probed, images = search_seconds(run.net, run.ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
                                              mode=cfg.tune_mode, tta=cfg.tune_tta,
-                                             second=_second(cfg.model.target), clock=_clock)
+                                             second=second_output(cfg.model.target), clock=_clock)
     run.recorder.log.info('time budget: the post-processing search after the epochs is estimated at %.1f min '
                           '(%d of its %d validation images probed); kept aside', seconds / 60.0, probed, images)
     run.probe_seconds += time.monotonic() - started

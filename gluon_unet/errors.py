@@ -2,14 +2,12 @@
 
 Anything the user can fix (a bad flag, a missing file, a corrupt image) is raised as
 :class:`UserError`; the CLI entry points (:func:`reports_errors`) turn it into a single
-line on stderr and a non-zero exit code. All five CLIs parse their flags with
-:class:`OneLineParser`, so a usage error looks the same everywhere (one line, exit 2), and
-:func:`mxnet_message` turns an MXNet error (a C++ traceback) into the line that says what
-failed.
+line on stderr and a non-zero exit code (a usage error is one line too, exit 2:
+``gluon_unet.cli.common.OneLineParser``), and :func:`mxnet_message` turns an MXNet error
+(a C++ traceback) into the line that says what failed.
 
 This module imports nothing from gluon_unet (and not mxnet), so any module may use it.
 """
-import argparse
 import contextlib
 import errno as _errno
 import functools
@@ -180,13 +178,6 @@ def library_load_error(exc):
     provider = next((text for prefix, text in _PROVIDERS if library.startswith(prefix)),
                     'install it with your system\'s package manager')
     return 'mxnet cannot load: %s is missing; it comes with %s' % (library, provider)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (flag and problem) and exit code 2."""
-
-    def error(self, message):
-        self.exit(2, '%s: error: %s\n' % (self.prog, message))
 
 
 # Lines of an MXNet error message that locate the failure rather than describe it.

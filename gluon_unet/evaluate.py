@@ -7,22 +7,22 @@ Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a 
 mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
 code as the validation metrics in training.
 """
-import argparse
 import csv
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
-from . import add_version_flag
+from .config import option
 from .data.io import merge_object_masks, read_labels
 from .data.layouts import is_dsb, is_dsb_sample, list_images
-from .errors import OneLineParser, UserError, reports_errors
+from .errors import UserError
 from .metrics import dsb_image_score, pixel_scores
-from .paths import check_apart, check_replaceable
 from .utils import atomic_open, check_writable
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
-           'main']
+           'EvaluateConfig']
 
 #: Name suffixes that still identify the image id. Earlier = preferred when several files
 #: share an id (a label image keeps the watershed splits a binary mask has lost).
@@ -160,52 +160,18 @@ def format_table(rows, mean):
     return '\n'.join(out)
 
 
-EXAMPLES = """examples:
-  # predictions of bin/predict against a Data Science Bowl folder, scores to a CSV
-  gluon-unet evaluate --pred runs/a/predictions --truth stage1_test/ --csv scores.csv
-  # probability maps against a folder of masks, foreground at 0.4
-  gluon-unet evaluate --pred probs/ --truth masks/ --threshold 0.4"""
+@dataclass
+class EvaluateConfig:
+    """What ``bin/evaluate`` scores, and how; one field per flag (:mod:`gluon_unet.cli.evaluate`)."""
+    pred: str = option(None, 'predictions: label images, binary masks or float probability maps named <id>.png '
+                             '(suffixes _labels, _mask, ... allowed)', required=True, metavar='DIR')
+    truth: str = option(None, 'ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images',
+                        required=True, metavar='DIR')
+    csv: Optional[str] = option(None, 'write the per-image scores to this CSV', metavar='FILE')
+    threshold: float = option(0.5, 'foreground cut for float probability-map predictions')
 
-
-def build_parser():
-    p = OneLineParser(
-        prog='evaluate', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
-        description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
-                    'instance score, pixel IoU and Dice per image and mean.')
-    add_version_flag(p)
-    p.add_argument('--pred', required=True, metavar='DIR',
-                   help='predictions: label images, binary masks or float probability maps named '
-                        '<id>.png (suffixes _labels, _mask, ... allowed)')
-    p.add_argument('--truth', required=True, metavar='DIR',
-                   help='ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images')
-    p.add_argument('--csv', metavar='FILE', help='write the per-image scores to this CSV')
-    p.add_argument('--threshold', type=float, default=0.5,
-                   help='foreground cut for float probability-map predictions (default: 0.5)')
-    return p
-
-
-@reports_errors
-def main(argv=None):
-    """Entry point of ``bin/evaluate``; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    if not 0 < args.threshold < 1:
-        raise UserError('--threshold must be in (0, 1) (got %r)' % args.threshold)
-    check_apart([('--csv', args.csv)], [('--pred', args.pred), ('--truth', args.truth)], 'evaluate')
-    check_replaceable(args.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
-    if args.csv:
-        check_csv(args.csv)  # before the scoring, not after it
-    rows, extra = evaluate(args.pred, args.truth, args.threshold)
-    mean = mean_row(rows)
-    if args.csv:
-        write_csv(args.csv, rows)
-    print(format_table(rows, mean))
-    missing = [r['image_id'] for r in rows if r['status'] == 'missing']
-    if missing:
-        print('%d of %d truth images have no prediction and score 0: %s%s'
-              % (len(missing), len(rows), ', '.join(missing[:5]), ', ...' if len(missing) > 5 else ''))
-    if extra:
-        print('%d predictions have no truth and were ignored: %s%s'
-              % (len(extra), ', '.join(extra[:5]), ', ...' if len(extra) > 5 else ''))
-    if args.csv:
-        print('scores written to %s' % args.csv)
-    return 0
+    def validate(self):
+        """Raise :class:`UserError` naming the flag of a bad value."""
+        if not 0 < self.threshold < 1:
+            raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        return self

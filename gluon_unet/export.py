@@ -5,41 +5,36 @@ The export is always an ordinary float32, single-device network with plain Batch
 whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt from
 the config and the checkpoint, not from the live training block.
 """
-import argparse
 import contextlib
-import hashlib
 import json
-import math
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Optional
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
-# them: bin/predict on an ONNX export reads sidecars through this module without mxnet.
-from . import __version__, add_version_flag
-from .config import TrainConfig
-from .data.io import NORMALIZE_MODES
-from .data.targets import OUTPUTS
-from .errors import DamagedFile, OneLineParser, UserError, mxnet_message, reports_errors, signals_raise
-from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
+# them: importing this module loads no mxnet (bin/predict on an ONNX export runs without it).
+from .config import option
+from .errors import DamagedFile, UserError, WriteError
+from .onnx_export import onnx_available, write_onnx
+from .onnx_runner import ONNX_FILE
+from .paths import EXPORT_FILES, check_apart, export_files, remove_files, remove_if_empty
+from .postprocess import settings_text
+from .reporting import get_logger
 from .runtime import apply_runtime_defaults, user_environ
+from .search import retune
+from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
+                      update_sidecar, weights_digest)
 from .tiling import MODES
-from .paths import (EXPORT_FILES, SIDECAR_MAX_BYTES, check_apart, export_files, remove_files,
-                    remove_if_empty)
-from .utils import (DIGEST, atomic_open, check_writable, dir_mode, file_crc32, read_json, write_errors,
-                    write_point)
-
-SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
+from .utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
 
 
-def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
-    """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``.
+def export_checkpoint(checkpoint, out_dir, sidecar_extra=None, onnx='auto'):
+    """Rebuild the model of ``checkpoint``, hybridize it and export it to ``out_dir``
+    (with ``model.onnx`` as ``onnx`` says: see :func:`write_export`).
 
     The files are written aside and renamed into place one by one (:func:`staged_export`),
     so a reader never sees a half-written file and nothing else in ``out_dir`` is touched.
@@ -49,47 +44,12 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None):
     str
         The export prefix ``out_dir/model`` (for ``SymbolBlock.imports``).
     """
+    from .checkpoint import model_from_checkpoint
     net, cfg, meta = model_from_checkpoint(checkpoint)
-    return export_block(net, cfg, out_dir, meta, sidecar_extra)
+    return export_block(net, cfg, out_dir, meta, sidecar_extra, onnx)
 
 
-def model_from_checkpoint(checkpoint, ctxs=None):
-    """The U-Net of ``checkpoint``'s config with its weights, on ``ctxs`` (default the
-    CPU), not hybridized.
-
-    Returns
-    -------
-    (net, cfg, meta)
-        The block, its :class:`TrainConfig` and the checkpoint's record.
-    """
-    import mxnet as mx
-
-    from .checkpoint import load_checkpoint
-    from .model import build_model
-    ctxs = ctxs or [mx.cpu()]
-    meta = load_checkpoint(checkpoint)
-    cfg = TrainConfig.from_dict(meta['config'])
-    net = build_model(cfg.model)
-    net.initialize(ctx=ctxs)
-    net(_dummy_input(cfg, ctxs[0]))  # resolves the deferred parameter shapes before loading
-    load_checkpoint(checkpoint, net=net)
-    return net, cfg, meta
-
-
-def geometry(cfg):
-    """The part of the export's sidecar that tells predictors how to feed the network of
-    ``cfg`` and read its outputs (what :func:`~gluon_unet.inference.predict_image` needs)."""
-    return {
-        # What each output channel is: predictors read the maps by these names.
-        'outputs': list(OUTPUTS[cfg.model.target]),
-        'depth': cfg.model.depth,
-        'multiple': 2 ** cfg.model.depth,
-        'train_size': cfg.crop or cfg.size,
-        'resize_mode': 'crop' if cfg.crop else 'resize',
-    }
-
-
-def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
+def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None, onnx='auto'):
     """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
     ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``.
 
@@ -97,6 +57,8 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
     ``export``); ``cfg.model.depth`` is what the sidecar tells predictors about the
     input sides (multiples of ``2**depth``). The files are written aside and each is
     renamed into place (:func:`staged_export`); anything else in ``out_dir`` stays.
+    ``onnx``: see :func:`write_export`; a note about ``model.onnx`` goes to the
+    ``gluon_unet`` logger (a training run's log).
 
     Returns
     -------
@@ -104,18 +66,33 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None):
         The export prefix ``out_dir/model``.
     """
     with staged_export(out_dir) as stage:
-        write_export(net, cfg, stage, meta, sidecar_extra)
+        note = write_export(net, cfg, stage, meta, sidecar_extra, onnx)
+    if note:
+        get_logger().info(note)
     return os.path.join(os.path.abspath(out_dir), 'model')
 
 
-def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
+def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto'):
     """Write the export files of ``net`` straight into ``folder`` (a staging folder of
-    :func:`staged_export`: a reader there could see them half-written)."""
+    :func:`staged_export`: a reader there could see them half-written).
+
+    ``onnx``: also write ``model.onnx`` (:func:`~gluon_unet.onnx_export.write_onnx`, for
+    predicting without MXNet) - True: always (a one-line error when the onnx package is
+    missing or the conversion fails); ``'auto'``: when the onnx package is installed, and
+    a conversion that fails leaves the export without it; False: never.
+
+    Returns
+    -------
+    str
+        A note for the user when ``'auto'`` wrote no ``model.onnx`` (why, what to
+        install), else ''.
+    """
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
     net.hybridize(static_alloc=True, static_shape=True)
-    net(_dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
-    final = _final_folder(folder)
+    from .checkpoint import dummy_input
+    net(dummy_input(cfg, ctx))  # export needs one forward of the hybridized graph
+    final = final_folder(folder)
     # MXNet writes the symbol, then the params, in C++: the error names the last file it began.
     with write_errors(lambda: os.path.join(final, PARAMS if os.path.exists(os.path.join(folder, PARAMS))
                                            else SYMBOL), folder):
@@ -143,31 +120,48 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None):
     }
     sidecar.update(sidecar_extra or {})
     if isinstance((sidecar_extra or {}).get('postprocess'), dict):
-        _card_follows(sidecar)
-    # What load_exported checks the two files against.
+        card_follows(sidecar)
+    record, note = _onnx_beside(folder, cfg, onnx, final)
+    if record is not None:
+        sidecar['onnx'] = record
+    # What load_exported (and the ONNX runner) check the model files against.
     sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(folder, name)))
-                         for name in (SYMBOL, PARAMS)}
+                         for name in (SYMBOL, PARAMS) + ((ONNX_FILE,) if record is not None else ())}
     with write_errors(os.path.join(final, SIDECAR), folder):
         with open(os.path.join(folder, SIDECAR), 'w') as f:
             json.dump(sidecar, f, indent=2)
         write_point(os.path.join(final, SIDECAR))
+    return note
 
 
-def _final_folder(folder):
-    """Where the files written into ``folder`` will be seen: its parent for a staging
-    folder of :func:`staged_export`, else ``folder`` itself (named in error messages)."""
-    if os.path.basename(os.path.normpath(folder)).startswith('.tmp-export-'):
-        return os.path.dirname(os.path.abspath(folder))
-    return folder
+def _onnx_beside(folder, cfg, onnx, shown):
+    """``(record, note)``: ``model.onnx`` written into ``folder`` as ``onnx`` asks (see
+    :func:`write_export`) and its sidecar record, or None and why not."""
+    if onnx is False:
+        return None, ''
+    if onnx == 'auto':
+        available, why = onnx_available()
+        if not available:
+            return None, 'note: no %s (it predicts without MXNet): %s' % (ONNX_FILE, why)
+    try:
+        return write_onnx(folder, cfg.model.in_channels, 2 ** cfg.model.depth, shown=shown), ''
+    except WriteError:
+        raise
+    except (UserError, ValueError) as exc:  # a graph the converter or the parity check refuses
+        if onnx is True:
+            raise
+        return None, 'note: no %s: %s; the MXNet export is complete' % (ONNX_FILE, ' '.join(str(exc).split()))
 
 
 @contextlib.contextmanager
 def staged_export(out_dir, on_installed=None):
-    """Yield an empty staging folder inside ``out_dir``; on success move its three export
-    files into ``out_dir``, one ``os.replace`` each, ``model.json`` last.
+    """Yield an empty staging folder inside ``out_dir``; on success move its export files
+    (:data:`~gluon_unet.paths.EXPORT_FILES`) into ``out_dir``, one ``os.replace`` each,
+    ``model.json`` last; one the new export does not have (``model.onnx`` not written) is
+    removed from ``out_dir``, so an older one never outlives its weights.
 
-    The deletion rule (:mod:`gluon_unet.paths`): an export replaces only the three files
-    of a gluon_unet export (recognised by its ``model.json``), never anything else in
+    The deletion rule (:mod:`gluon_unet.paths`): an export replaces only the files of a
+    gluon_unet export (recognised by its ``model.json``), never anything else in
     ``out_dir``, and refuses in one line a folder whose export files are not
     gluon_unet's. On any failure or interruption (a search killed by SIGTERM, a full
     disk) the staging folder goes and ``out_dir`` keeps the export it had; the renames
@@ -191,7 +185,10 @@ def staged_export(out_dir, on_installed=None):
         with _signals_held():
             for name in EXPORT_FILES:
                 with write_errors(os.path.join(out_dir, name), out_dir):
-                    os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+                    if os.path.exists(os.path.join(stage, name)):
+                        os.replace(os.path.join(stage, name), os.path.join(out_dir, name))
+                    else:
+                        remove_files(out_dir, [name])
             if on_installed is not None:
                 on_installed()
     finally:
@@ -238,80 +235,6 @@ def _signals_held():
             signal.raise_signal(s)
 
 
-def update_sidecar(out_dir, extra):
-    """Add ``extra`` to an export's ``model.json`` (atomically)."""
-    path = os.path.join(out_dir, SIDECAR)
-    with open(path) as f:
-        sidecar = json.load(f)
-    sidecar.update(extra)
-    if isinstance(extra.get('postprocess'), dict):
-        _card_follows(sidecar)
-    with atomic_open(path, shown=os.path.join(_final_folder(out_dir), SIDECAR)) as f:
-        json.dump(sidecar, f, indent=2)
-
-
-def _card_follows(sidecar):
-    """The card said what the training config would do; the search's winners (the
-    sidecar's ``postprocess``) are what bin/predict now does, so the card follows them."""
-    card = sidecar.get('card')
-    if isinstance(card, dict):
-        card['postprocess'] = dict(card.get('postprocess') or {}, **_card_postprocess(sidecar['postprocess']))
-
-
-def model_card(cfg, meta):
-    """Where a model came from, for whoever finds it on disk in a year: versions, date,
-    training data (path, image counts, a digest of the decoded pixels), the best epoch's
-    metrics and the post-processing settings."""
-    import mxnet as mx
-    data = meta.get('data') or {}
-    metrics = meta.get('metrics') or {}
-    return {
-        'gluon_unet': __version__, 'mxnet': mx.__version__, 'python': platform.python_version(),
-        'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
-        'data': {'path': os.path.abspath(cfg.data) if cfg.data else 'generated demo nuclei (seed %d)' % cfg.seed,
-                 'train_images': data.get('train'), 'val_images': data.get('val'),
-                 'content_sha1': data.get('content_sha1')},
-        'best_epoch': meta.get('epoch'),
-        'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
-        'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
-                        'instances': _INSTANCES[cfg.model.target.partition('+')[2] or 'distance'],
-                        'chosen': 'the training config (no search)'},
-    }
-
-
-# How instances grow, by the markers (the second map's name, or the distance watershed).
-_INSTANCES = {'border': 'marker watershed from the interiors',
-              'centre': 'marker watershed from the centres',
-              'contact': 'marker watershed from the foreground less the contacts',
-              'distance': 'marker watershed on the distance transform'}
-
-
-def _card_postprocess(tuned):
-    """The card's account of searched post-processing settings (a sidecar ``postprocess``)."""
-    markers = tuned_markers(tuned)
-    return {'threshold': tuned['threshold'], 'instances': _INSTANCES.get(markers, markers),
-            'chosen': 'searched on %s validation images: %s' % (tuned.get('images', '?'), settings_text(tuned))}
-
-
-def card_summary(meta):
-    """One line about an export's origin (``model.json``'s card), or '' when it has none."""
-    card = meta.get('card')
-    if not isinstance(card, dict):
-        return ''
-    data = card.get('data') or {}
-    metrics = card.get('best_metrics') or {}
-    scores = ', '.join('%s %.4f' % (k, metrics[k]) for k in ('val_iou', 'val_dsb') if isinstance(metrics.get(k), float))
-    return 'model: gluon_unet %s, trained %s on %s (%s images), best epoch %s%s' % (
-        card.get('gluon_unet'), str(card.get('created', '?'))[:10], data.get('path'), data.get('train_images'),
-        card.get('best_epoch'), ' (%s)' % scores if scores else '')
-
-
-def _dummy_input(cfg, ctx):
-    import mxnet as mx
-    side = cfg.crop or cfg.size
-    return mx.nd.zeros((1, cfg.model.in_channels, side, side), ctx=ctx)
-
-
 def export_in_subprocess(checkpoint, out_dir):
     """Export from a fresh interpreter.
 
@@ -339,11 +262,14 @@ def export_in_subprocess(checkpoint, out_dir):
     apply_runtime_defaults(env, contexts=1)  # the child loads mxnet as it starts
     env['CUDA_VISIBLE_DEVICES'] = ''  # no GPU for a CPU export (see above)
     env['PYTHONPATH'] = os.pathsep.join([package_root] + [p for p in [env.get('PYTHONPATH')] if p])
-    cmd = [sys.executable, '-m', 'gluon_unet.export', checkpoint, '--output', out_dir]
+    cmd = [sys.executable, '-m', 'gluon_unet', 'export', checkpoint, '--output', out_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise ExportError('exporting %s in a subprocess failed (%s): %s'
                           % (checkpoint, _exit_status(done.returncode), _last_error_line(done.stderr)))
+    for line in done.stdout.splitlines():  # what the export says about model.onnx, as export_block does
+        if line.startswith('note: no model.onnx'):
+            get_logger().info(line)
     return os.path.join(out_dir, 'model')
 
 
@@ -374,278 +300,78 @@ def _last_error_line(stderr):
     return line[len('error: '):] if line.startswith('error: ') else line
 
 
-def load_exported(prefix_or_dir, ctx=None):
-    """Load an export with ``SymbolBlock.imports``.
+@dataclass
+class ExportConfig:
+    """What ``bin/export`` exports, where, and whether it searches the post-processing
+    again; one field per flag (:mod:`gluon_unet.cli.export`)."""
+    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file',
+                      positional=True, metavar='RUN_DIR|CHECKPOINT')
+    output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR')
+    tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
+                                           "run's own validation split (its data must still be where it trained) "
+                                           "and store them in the export, as training does at its end")
+    mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
+                                       'bin/predict --mode (default auto), the one you will predict with',
+                                 choices=MODES)
+    tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
+                              "run with bin/predict --tta (8x the search's prediction time)")
+    onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
+                                        'is not installed (default: when the onnx package is installed: pip install '
+                                        '-r requirements-onnx-export.txt)')
 
-    Parameters
-    ----------
-    prefix_or_dir : str
-        The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
-    ctx : mx.Context or list, optional
+    def validate(self):
+        """Refuse, naming the flag, a search option without ``--tune-postprocess``."""
+        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
+            if given and not self.tune_postprocess:
+                raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
+                                'images)' % flag)
+        return self
+
+
+def run_export(config):
+    """``bin/export``: export the best (or given) checkpoint of ``config.run`` (an
+    :class:`ExportConfig`), searching the post-processing again with
+    ``--tune-postprocess`` (:func:`gluon_unet.search.retune`).
 
     Returns
     -------
-    (SymbolBlock, dict)
-        The network and its sidecar metadata.
+    (str, list of str, dict or None)
+        The export prefix, notes for the user and the searched settings.
     """
-    import mxnet as mx
-    prefix = find_export(prefix_or_dir)
-    folder = os.path.dirname(prefix)
-    symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
-    for path in (symbol, params):
-        if not os.path.isfile(path):
-            raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
-    sidecar_path = os.path.join(folder, SIDECAR)
-    meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
-    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
-    # Each file is read on its own first, so a damaged one is named as such - not taken
-    # for a pair of good files that do not fit each other.
-    sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
-    saved = _load_export_file(params, mx.nd.load, 'not a complete MXNet params file')
-    if not isinstance(saved, dict):
-        raise UserError('%s: its arrays have no names; an export\'s params file names each (arg:..., aux:...)'
-                        % params)
-    import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')
-            net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
-        _check_param_shapes(sym, saved, meta)
-    except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
-        raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
-                        % (folder, PARAMS, SYMBOL, mxnet_message(exc))) from None
-    return net, meta
-
-
-def _load_export_file(path, load, what):
-    """``load(path)``, or a one-line error naming the damaged file and what is wrong."""
-    import mxnet as mx
-    try:
-        return load(path)
-    except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
-        raise UserError('%s is damaged or truncated (%d bytes): %s: %s'
-                        % (path, os.path.getsize(path), what, mxnet_message(exc, limit=120))) from None
-
-
-def verify_export(meta, files, sidecar_path):
-    """Raise :class:`~.errors.DamagedFile` naming the first of ``files`` (name -> path)
-    whose CRC-32 differs from the sidecar's ``digest``. Exports written before digests
-    (no ``digest`` in model.json) and hand-made ones are read as they are, unchecked."""
-    digests = meta.get('digest') or {}
-    for name, path in files.items():
-        stored = digests.get(name)
-        if stored is None:
-            continue
-        algo, _, value = stored.partition(':')
-        if algo != DIGEST:
-            continue  # a digest this version does not know: nothing to check with
-        try:
-            actual = '%08x' % file_crc32(path)
-        except OSError as exc:
-            raise UserError('%s: cannot read it (%s)' % (path, exc.strerror)) from None
-        if actual != value:
-            raise DamagedFile('%s is damaged: its content does not match the digest in %s (changed on disk since '
-                              'it was exported; export it again, or remove "digest" from %s if you changed it '
-                              'on purpose)' % (path, sidecar_path, SIDECAR), path)
-
-
-def read_sidecar(path):
-    """The export's ``model.json`` as a dict, checked: an error names the file in one line.
-
-    Every key is optional (hand-made and older exports have only some), but a key that
-    is there must have the type inference uses; ``config`` (the training config, for
-    reference) must be an object.
-    """
-    def bad(what):
-        return UserError('%s: %s' % (path, what))
-
-    meta = read_json(path, path, SIDECAR_MAX_BYTES)
-    if not isinstance(meta, dict):
-        raise bad('must hold a JSON object, not %s' % _json_kind(meta))
-
-    def positive_int(key):
-        value = meta.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise bad('%r must be a positive integer (got %s)' % (key, json.dumps(value)))
-
-    for key in ('in_channels', 'classes', 'depth', 'multiple', 'train_size'):
-        positive_int(key)
-    threshold = meta.get('threshold')
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
-                                  or not 0 < threshold < 1):
-        raise bad("'threshold' must be a number in (0, 1) (got %s)" % json.dumps(threshold))
-    if meta.get('resize_mode') not in (None, 'crop', 'resize'):
-        raise bad("'resize_mode' must be \"crop\" or \"resize\" (got %s)" % json.dumps(meta['resize_mode']))
-    config = meta.get('config')
-    if config is not None and not isinstance(config, dict):
-        raise bad("'config' must be an object (the training config), not %s" % _json_kind(config))
-    tuned = meta.get('postprocess')
-    if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None,) + MARKERS):
-        raise bad("'postprocess' must be an object whose 'markers' is one of %s (got %s)"
-                  % (', '.join(json.dumps(m) for m in MARKERS), json.dumps(tuned)))
-    # The searched settings feed float()/int() and the watershed directly: a hand-edited
-    # "threshold": "high" would be a traceback, an "h": Infinity an empty result for every image.
-    for key, ok, rule in (('min_score', lambda v: 0 <= v < 1, 'a number in [0, 1)'),
-                          ('threshold', lambda v: 0 < v < 1, 'a number in (0, 1)'),
-                          ('marker', lambda v: 0 < v < 1, 'a number in (0, 1)'),
-                          ('h', lambda v: math.isfinite(v) and v > 0, 'a finite number > 0'),
-                          ('min_size', lambda v: v >= 0 and float(v).is_integer(), 'a whole number >= 0')):
-        value = (tuned or {}).get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
-            raise bad("'postprocess' '%s' must be %s (got %s)" % (key, rule, json.dumps(value)))
-    if 'tta' in (tuned or {}) and not isinstance(tuned['tta'], bool):
-        raise bad("'postprocess' 'tta' must be true or false (got %s)" % json.dumps(tuned['tta']))
-    if (tuned or {}).get('mode', 'auto') not in MODES:
-        raise bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), json.dumps(tuned['mode'])))
-    diameter = meta.get('diameter')
-    if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
-                                 or not (math.isfinite(diameter) and diameter > 0)):
-        raise bad("'diameter' must be a finite positive number of pixels or null (got %s)" % json.dumps(diameter))
-    outputs = meta.get('outputs')
-    if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
-        raise bad("'outputs' must be one of %s (got %s)" % (
-            ', '.join(json.dumps(list(o)) for o in OUTPUTS.values()), json.dumps(outputs)))
-    model = (config or {}).get('model')
-    target = model.get('target') if isinstance(model, dict) else None
-    if target is not None and target not in OUTPUTS:
-        raise bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
-    markers = (tuned or {}).get('markers')
-    if markers in SECOND_MAPS:
-        second = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))[1:]
-        if second != [markers]:
-            raise bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
-                json.dumps(markers), json.dumps(['foreground'] + second)))
-    digest = meta.get('digest')
-    if digest is not None and not (isinstance(digest, dict) and all(
-            isinstance(k, str) and isinstance(v, str) for k, v in digest.items())):
-        raise bad("'digest' must be an object of file name -> \"crc32:<hex>\" (got %s)" % json.dumps(digest))
-    denoise = meta.get('normalize_denoise')
-    if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
-        raise bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))
-    for where, holder in (('normalize', meta), ('config.normalize', config or {})):
-        value = holder.get('normalize')
-        if value is not None and value not in NORMALIZE_MODES:
-            raise bad('%r must be one of %s (got %s)' % (where, ', '.join(NORMALIZE_MODES), json.dumps(value)))
-    return meta
-
-
-def _json_kind(value):
-    """'a list', 'a number'...: what a JSON value is, for messages."""
-    if value is None:
-        return 'null'
-    if isinstance(value, bool):
-        return 'a boolean'
-    return {list: 'a list', str: 'a string', dict: 'an object'}.get(type(value), 'a number')
-
-
-def _check_param_shapes(sym, arrays, meta):
-    """Raise MXNetError when the params (``arrays``, as ``mx.nd.load`` gives them) do not
-    fit the symbol ``sym``.
-
-    ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
-    nothing, so weights of a wider network load silently and fail at the first forward
-    deep inside an operator. Shape inference of the symbol from an input shape and the
-    saved shapes finds the mismatch at load time instead.
-    """
-    saved = {k.split(':', 1)[-1]: v.shape for k, v in arrays.items()}
-    inputs = {}
-    first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
-    channels = meta.get('in_channels') or (first[1] if first else None)
-    if channels:
-        side = meta.get('train_size') or 2 ** 7
-        inputs['data'] = (1, channels, side, side)
-    sym.infer_shape_partial(**inputs, **saved)
-
-
-def find_export(path):
-    """Resolve a run folder, export folder or prefix to the export prefix."""
-    if os.path.isdir(path):
-        for cand in (os.path.join(path, 'export', 'model'), os.path.join(path, 'model')):
-            if os.path.isfile(cand + '-symbol.json') or os.path.isfile(cand + '-0000.params'):
-                return cand
-        raise UserError('--model %s: no exported model there (expected export/%s or %s)'
-                        % (path, SYMBOL, SYMBOL))
-    if path.endswith('-symbol.json'):
-        return path[:-len('-symbol.json')]
-    if os.path.isfile(path + '-symbol.json') or os.path.isfile(path + '-0000.params'):
-        return path
-    raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
-
-
-EXPORT_EXAMPLES = """examples:
-  # the run's best checkpoint (else its latest) to runs/a/export/
-  gluon-unet export runs/a
-  # one checkpoint, to another folder
-  gluon-unet export runs/a/checkpoints/epoch0040.ckpt --output models/a-epoch40"""
-
-
-@reports_errors
-def main(argv=None, retune=None):
-    """``bin/export RUN_DIR|CHECKPOINT [--output DIR] [--tune-postprocess [--mode M] [--tta]]``:
-    export the best (or given) checkpoint. ``retune(checkpoint, export_dir, mode=, tta=)``: the search behind
-    ``--tune-postprocess`` (``engine.retune``, passed in by the CLI: the engine imports
-    this module)."""
-    parser = OneLineParser(
-        prog='export', formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXPORT_EXAMPLES,
-        description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
-                    '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
-    add_version_flag(parser)
-    parser.add_argument('run', metavar='RUN_DIR|CHECKPOINT',
-                        help='run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file')
-    parser.add_argument('--output', metavar='DIR', help='export folder (default: <run>/export)')
-    parser.add_argument('--tune-postprocess', action='store_true',
-                        help="choose the threshold, markers and minimum object size again on the run's own "
-                             "validation split (its data must still be where it trained) and store them in "
-                             "the export, as training does at its end")
-    parser.add_argument('--mode', choices=MODES, default=None,
-                        help='with --tune-postprocess: predict the validation images with this bin/predict '
-                             '--mode (default auto), the one you will predict with')
-    parser.add_argument('--tta', action='store_true',
-                        help='with --tune-postprocess: search on test-time-augmented maps, for a model you '
-                             'will run with bin/predict --tta (8x the search\'s prediction time)')
-    args = parser.parse_args(argv)
-    for flag, given in (('--mode', args.mode is not None), ('--tta', args.tta)):
-        if given and not args.tune_postprocess:
-            raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
-                            'images)' % flag)
-    if args.tune_postprocess and retune is None:  # python -m gluon_unet.export
-        raise UserError('--tune-postprocess: run it as bin/export or gluon-unet export (they bring the search)')
-    ckpt, out = _resolve_run(args.run, args.output)
-    if args.output:
-        check_export_output(args.output, ckpt)
+    onnx = 'auto' if config.onnx is None else config.onnx
+    if onnx is True:  # asked for: before any work, not after the search
+        available, why = onnx_available()
+        if not available:
+            raise UserError('--onnx: %s' % why)
+    ckpt, out = resolve_run(config.run, config.output)
+    if config.output:
+        check_export_output(config.output, ckpt)
     check_export_folder(out)
     check_writable(out, '--output')
+    from .checkpoint import earlier_good_checkpoint, model_from_checkpoint
     try:
         net, cfg, meta = model_from_checkpoint(ckpt)
     except DamagedFile as exc:
-        from .checkpoint import earlier_good_checkpoint
         earlier = earlier_good_checkpoint(ckpt)
         if earlier is not None:
             exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
                         % (exc.args[0], earlier, earlier),)
         raise
-    if args.tune_postprocess:
+    if config.tune_postprocess:
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
                                           ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
-    tuned, note = None, ''
+    tuned, notes = None, []
     # The new export is built aside and only its last step replaces the old one: stopped
     # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
     installed = []
-    with _stops_on_sigterm('export %s' % args.run, out, installed):
+    with _stops_on_sigterm('export %s' % config.run, out, installed):
         with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
-            write_export(net, cfg, stage, meta)
-            if args.tune_postprocess:
-                tuned = retune(ckpt, stage, mode=args.mode or 'auto', tta=args.tta)
+            notes.append(write_export(net, cfg, stage, meta, onnx=onnx))
+            if config.tune_postprocess:
+                tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
             else:
-                note = keep_searched(stage, [out, _resolve_run(args.run, None)[1]], args.run)
-    prefix = os.path.join(os.path.abspath(out), 'model')
-    print('exported %s-symbol.json and %s-0000.params' % (prefix, prefix))
-    if note:
-        print(note)
-    if tuned:
-        print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
-              % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
-    return 0
+                notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
+    return os.path.join(os.path.abspath(out), 'model'), [n for n in notes if n], tuned
 
 
 def check_export_output(output, checkpoint):
@@ -702,71 +428,6 @@ def keep_searched(stage, folders, run):
     return note
 
 
-def weights_digest(prefix):
-    """SHA-256 of the weights of the export ``prefix`` (``.../model``), the same for every
-    export of the same weights.
-
-    MXNet writes a params file as its arrays, then their names; the names carry block
-    counters that differ between processes (``unet0_conv0_weight`` here,
-    ``unet1_conv0_weight`` there), so the digest covers the arrays' bytes only. Where the
-    names section begins follows from the symbol's variable names (verified against the
-    file's tail); a file where it does not is digested array by array (slower: a full load).
-    """
-    params = prefix + '-0000.params'
-    size = os.path.getsize(params)
-    names = _variable_names(prefix + '-symbol.json')
-    tail = 8 + sum(8 + len(('arg:' + n).encode()) for n in names)
-    digest = hashlib.sha256()
-    with open(params, 'rb') as f:
-        if names and tail < size:
-            f.seek(size - tail)
-            if _names_section(f.read()) == sorted(names):
-                f.seek(0)
-                left = size - tail
-                while left:
-                    chunk = f.read(min(left, 1 << 22))
-                    if not chunk:
-                        break
-                    digest.update(chunk)
-                    left -= len(chunk)
-                return digest.hexdigest()
-    import mxnet as mx
-    arrays = mx.nd.load(params)
-    for name in sorted(arrays):
-        a = arrays[name].asnumpy()
-        digest.update(('%s %s %s;' % (name.split(':', 1)[0], a.dtype.str, a.shape)).encode())
-        digest.update(np.ascontiguousarray(a).tobytes())
-    return 'arrays:' + digest.hexdigest()
-
-
-def _variable_names(symbol_file):
-    """The parameter names of an MXNet symbol file (its variables but the input), or []."""
-    try:
-        with open(symbol_file, 'rb') as f:
-            nodes = json.loads(f.read()).get('nodes', [])
-        return [n['name'] for n in nodes if n.get('op') == 'null' and n['name'] != 'data']
-    except (OSError, ValueError, AttributeError, KeyError, TypeError):
-        return []
-
-
-def _names_section(data):
-    """The names of MXNet's NDArray-list names section ``data`` (uint64 count, then uint64
-    length + bytes each) without their ``arg:``/``aux:``, sorted; None when it is not one."""
-    import struct
-    try:
-        (count,), at, names = struct.unpack_from('<Q', data), 8, []
-        for _ in range(count):
-            (length,) = struct.unpack_from('<Q', data, at)
-            name = data[at + 8:at + 8 + length].decode()
-            at += 8 + length
-            if len(name) < 4 or name[:4] not in ('arg:', 'aux:'):
-                return None
-            names.append(name[4:])
-    except (struct.error, UnicodeDecodeError):
-        return None
-    return sorted(names) if at == len(data) else None
-
-
 @contextlib.contextmanager
 def _stops_on_sigterm(what, out, installed):
     """SIGTERM as a one-line error (exit 143) instead of an abrupt end, so the staging
@@ -790,7 +451,7 @@ def _stops_on_sigterm(what, out, installed):
         signal.signal(signal.SIGTERM, previous)
 
 
-def _resolve_run(run, output):
+def resolve_run(run, output):
     """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
     from .checkpoint import list_checkpoints
     if os.path.isdir(run):
@@ -811,7 +472,3 @@ def _resolve_run(run, output):
         folder = os.path.dirname(folder)
     return run, output or os.path.join(folder, 'export')
 
-
-if __name__ == '__main__':  # export_in_subprocess: SIGTERM removes the temporary folder too
-    with signals_raise():
-        sys.exit(main())

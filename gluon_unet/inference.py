@@ -1,26 +1,30 @@
 """Batched network application: an exported model, loaded once, run over the devices.
 
-:func:`load_model` loads an export and everything its sidecar says about its inputs (a
-:class:`LoadedModel`). :func:`image_jobs` turns one image into fixed-shape network inputs
-(the windows of its :func:`~gluon_unet.tiling.plan_image`, times the TTA symmetries), and
-:func:`run_jobs` streams such jobs - across images - in batches of equal-shape inputs spread
-over the devices round-robin with work in flight on each (a batch smaller than the device
-count, such as one ``whole``-mode image, goes to the next device, not always the first),
-so the devices stay busy and memory stays at a batch per device whatever the image size.
-:func:`predict_image` does it all for one image in memory. Inputs are the uint8 image / 255, as in training.
+:func:`load_model` loads an export (:func:`load_exported`: the network, checked against
+its sidecar) and everything its sidecar says about its inputs (a :class:`LoadedModel`).
+:func:`image_jobs` turns one image into fixed-shape network inputs (the windows of its
+:func:`~gluon_unet.tiling.plan_image`, times the TTA symmetries), and :func:`run_jobs`
+streams such jobs - across images - in batches of equal-shape inputs spread over the
+devices round-robin with work in flight on each (a batch smaller than the device count,
+such as one ``whole``-mode image, goes to the next device, not always the first), so the
+devices stay busy and memory stays at a batch per device whatever the image size.
+:func:`predict_image` does it all for one image in memory. Inputs are the uint8 image /
+255, as in training.
 """
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, mxnet_message
 from .postprocess import DEFAULT_MARKER
+from .sidecar import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
-class _Job:
+class InputJob:
     """One network input and what to do with its (H, W) probabilities."""
     __slots__ = ('input', 'callback')
 
@@ -28,7 +32,7 @@ class _Job:
         self.input, self.callback = inp, callback
 
 
-class _Done:
+class ImageDone:
     """Marks the end of one image's jobs: ``fn`` runs once all of them are computed."""
     __slots__ = ('fn',)
 
@@ -37,7 +41,7 @@ class _Done:
 
 
 def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
-    """The network inputs of one image, then a :class:`_Done` that yields its probabilities.
+    """The network inputs of one image, then a :class:`ImageDone` that yields its probabilities.
 
     Parameters
     ----------
@@ -66,7 +70,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
             def add(prob, y=y, x=x, k=k, flip=flip):
                 state['canvas'].add(prob, y, x, k, flip, weight)
-            yield _Job(np.ascontiguousarray(dihedral(window, k, flip)), add)
+            yield InputJob(np.ascontiguousarray(dihedral(window, k, flip)), add)
     del plan, window
 
     def finish():
@@ -74,7 +78,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
         maps, used = np.ascontiguousarray(done.to_image(canvas.result()), np.float32), done.mode
         del canvas, done  # only the maps stay while on_done post-processes
         on_done(maps, used)
-    yield _Done(finish)
+    yield ImageDone(finish)
 
 
 class _Scheduler:
@@ -155,7 +159,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
 
     Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
     spread over the devices round-robin with work in flight on each
-    (:class:`_Scheduler`). A :class:`_Done` runs once every job before it has been
+    (:class:`_Scheduler`). A :class:`ImageDone` runs once every job before it has been
     post-processed.
 
     Returns
@@ -167,7 +171,7 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
     runner = net.scheduler(ctxs, second) if hasattr(net, 'scheduler') else _Scheduler(net, ctxs, second)
     batch, finishers = [], []
     for job in jobs:
-        if isinstance(job, _Done):
+        if isinstance(job, ImageDone):
             if batch:
                 finishers.append(job.fn)
             else:
@@ -295,6 +299,78 @@ class LoadedModel:
         return run_jobs(self.net, self.ctxs, jobs, batch_size, self.second)
 
 
+def load_exported(prefix_or_dir, ctx=None):
+    """Load an export with ``SymbolBlock.imports``.
+
+    Parameters
+    ----------
+    prefix_or_dir : str
+        The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
+    ctx : mx.Context or list, optional
+
+    Returns
+    -------
+    (SymbolBlock, dict)
+        The network and its sidecar metadata.
+    """
+    import mxnet as mx
+    prefix = find_export(prefix_or_dir)
+    folder = os.path.dirname(prefix)
+    symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
+    for path in (symbol, params):
+        if not os.path.isfile(path):
+            raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
+    sidecar_path = os.path.join(folder, SIDECAR)
+    meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
+    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
+    # Each file is read on its own first, so a damaged one is named as such - not taken
+    # for a pair of good files that do not fit each other.
+    sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
+    saved = _load_export_file(params, mx.nd.load, 'not a complete MXNet params file')
+    if not isinstance(saved, dict):
+        raise UserError('%s: its arrays have no names; an export\'s params file names each (arg:..., aux:...)'
+                        % params)
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')
+            net = mx.gluon.SymbolBlock.imports(symbol, ['data'], params, ctx=ctx or mx.cpu())
+        _check_param_shapes(sym, saved, meta)
+    except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
+        raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
+                        % (folder, PARAMS, SYMBOL, mxnet_message(exc))) from None
+    return net, meta
+
+
+def _load_export_file(path, load, what):
+    """``load(path)``, or a one-line error naming the damaged file and what is wrong."""
+    import mxnet as mx
+    try:
+        return load(path)
+    except (mx.MXNetError, ValueError, UnicodeDecodeError) as exc:
+        raise UserError('%s is damaged or truncated (%d bytes): %s: %s'
+                        % (path, os.path.getsize(path), what, mxnet_message(exc, limit=120))) from None
+
+
+def _check_param_shapes(sym, arrays, meta):
+    """Raise MXNetError when the params (``arrays``, as ``mx.nd.load`` gives them) do not
+    fit the symbol ``sym``.
+
+    ``SymbolBlock.imports`` takes each parameter's shape from the params file and checks
+    nothing, so weights of a wider network load silently and fail at the first forward
+    deep inside an operator. Shape inference of the symbol from an input shape and the
+    saved shapes finds the mismatch at load time instead.
+    """
+    saved = {k.split(':', 1)[-1]: v.shape for k, v in arrays.items()}
+    inputs = {}
+    first = next((saved[n] for n in sym.list_arguments() if len(saved.get(n, ())) == 4), None)
+    channels = meta.get('in_channels') or (first[1] if first else None)
+    if channels:
+        side = meta.get('train_size') or 2 ** 7
+        inputs['data'] = (1, channels, side, side)
+    sym.infer_shape_partial(**inputs, **saved)
+
+
 def load_model(model, ctxs):
     """Load an export (run folder, export folder or prefix) onto ``ctxs``, hybridized.
 
@@ -304,8 +380,6 @@ def load_model(model, ctxs):
     ``--normalize`` it was trained with ('none' for exports from before it existed), and
     ``denoise`` its denoise before the stretch (0 for exports from before that existed).
     """
-    from .export import load_exported
-
     net, meta = load_exported(model, ctx=ctxs)
     net.hybridize(static_alloc=True)
     return loaded_model(net, meta, ctxs, model_channels(net, meta))

@@ -11,7 +11,6 @@ launcher) stops all the others, SIGTERM then SIGKILL after ``--grace`` seconds, 
 job never hangs on a dead worker (ps-lite would wait for its gradients forever) and
 leaves no process behind.
 """
-import argparse
 import os
 import re
 import shlex
@@ -21,9 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Optional
 
-from . import add_version_flag
-from .errors import OneLineParser, UserError, errno_words, reports_errors
+from .config import option
+from .errors import UserError, errno_words
 from .runtime import LOCAL_WORKERS, user_environ
 
 ROLES = ('scheduler', 'server', 'worker')
@@ -246,89 +247,72 @@ class Job:
             self.out.flush()
 
 
-LAUNCH_EXAMPLES = """examples:
-  # two workers and one server on this machine (loopback)
-  gluon-unet launch -n 2 -s 1 -- gluon-unet train --kvstore dist_sync --cpus 1 --batch-size 8
-  # four machines over ssh, four GPUs each (dist_device_sync: each worker sums its GPUs'
-  # gradients on the GPUs first); data and output on shared storage
-  gluon-unet launch -n 4 -s 4 --launcher ssh -H hosts -- gluon-unet train --kvstore dist_device_sync \\
-      --gpus 0-3 --batch-size 32 --data /shared/dsb --output /shared/runs/a
+@dataclass
+class LaunchConfig:
+    """A ``bin/launch`` job: its processes, where they run and the command they run; one
+    field per flag (:mod:`gluon_unet.cli.launch`)."""
+    num_workers: int = option(None, 'worker processes', short='-n', required=True, metavar='N')
+    num_servers: Optional[int] = option(None, 'parameter servers (default: as many as workers)', short='-s',
+                                        metavar='N')
+    launcher: str = option('local', 'local: every process on 127.0.0.1; ssh: on the hosts of -H',
+                           choices=('local', 'ssh'))
+    hostfile: Optional[str] = option(None, 'ssh: file with one host name per line', short='-H', metavar='HOSTFILE')
+    port: int = option(0, 'scheduler port (default: a free one)', metavar='PORT')
+    interface: Optional[str] = option(None, 'network interface ps-lite binds to (e.g. eth0, ib0)',
+                                      metavar='INTERFACE')
+    grace: float = option(10.0, 'seconds between SIGTERM and SIGKILL when stopping the job', metavar='SECONDS')
+    command: list = option([], '-- COMMAND ...', positional=True, rest=True, metavar='command')
 
-Keep the parameter-server ports on a private network: ps-lite unpickles what it receives."""
-
-
-def launch_parser():
-    parser = OneLineParser(
-        prog='launch', usage='launch -n WORKERS [-s SERVERS] [--launcher {local,ssh}] [-H HOSTFILE] '
-                             '[--port P] -- COMMAND ...',
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=LAUNCH_EXAMPLES,
-        description='Run COMMAND (e.g. bin/train ... --kvstore dist_sync) as a distributed MXNet job:\n'
-                    'one scheduler, SERVERS parameter servers and WORKERS workers.')
-    add_version_flag(parser)
-    parser.add_argument('-n', '--num-workers', type=int, required=True, metavar='N', help='worker processes')
-    parser.add_argument('-s', '--num-servers', type=int, default=None, metavar='N',
-                        help='parameter servers (default: as many as workers)')
-    parser.add_argument('--launcher', choices=('local', 'ssh'), default='local',
-                        help='local: every process on 127.0.0.1; ssh: on the hosts of -H (default: local)')
-    parser.add_argument('-H', '--hostfile', help='ssh: file with one host name per line')
-    parser.add_argument('--port', type=int, default=0, help='scheduler port (default: a free one)')
-    parser.add_argument('--interface', help='network interface ps-lite binds to (e.g. eth0, ib0)')
-    parser.add_argument('--grace', type=float, default=10.0, metavar='SECONDS',
-                        help='seconds between SIGTERM and SIGKILL when stopping the job (default: 10)')
-    parser.add_argument('command', nargs=argparse.REMAINDER, help='-- COMMAND ...')
-    return parser
-
-
-def _parse(argv):
-    args = launch_parser().parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ['--'] else args.command
-    if not command:
-        raise UserError('launch: no command given; put it after --, e.g. -- bin/train --kvstore dist_sync')
-    if args.num_workers < 1:
-        raise UserError('-n %d: need at least one worker' % args.num_workers)
-    if args.num_servers is None:
-        args.num_servers = args.num_workers
-    if args.num_servers < 1:
-        raise UserError('-s %d: need at least one server' % args.num_servers)
-    if args.launcher == 'ssh' and not args.hostfile:
-        raise UserError('--launcher ssh needs -H HOSTFILE')
-    if not 0 <= args.port < 65536:
-        raise UserError('--port %d: not a TCP port' % args.port)
-    args.command = command
-    return args
+    def validate(self):
+        """Check the job in one line naming the flag; fills in ``num_servers`` and takes
+        the ``--`` off ``command``."""
+        command = self.command[1:] if self.command[:1] == ['--'] else self.command
+        if not command:
+            raise UserError('launch: no command given; put it after --, e.g. -- bin/train --kvstore dist_sync')
+        if self.num_workers < 1:
+            raise UserError('-n %d: need at least one worker' % self.num_workers)
+        if self.num_servers is None:
+            self.num_servers = self.num_workers
+        if self.num_servers < 1:
+            raise UserError('-s %d: need at least one server' % self.num_servers)
+        if self.launcher == 'ssh' and not self.hostfile:
+            raise UserError('--launcher ssh needs -H HOSTFILE')
+        if not 0 <= self.port < 65536:
+            raise UserError('--port %d: not a TCP port' % self.port)
+        self.command = command
+        return self
 
 
-@reports_errors
-def main(argv=None):
-    """``bin/launch``: run the job; returns the exit code (0 when every worker succeeded)."""
-    args = _parse(argv)
+def run_launch(config):
+    """Run the job of ``config`` (a validated :class:`LaunchConfig`); returns the exit
+    code (0 when every worker succeeded)."""
     # The user's settings travel to every process; defaults chosen for this machine do
-    # not (bin/launch chooses none, but a caller of main() may have: runtime.user_environ):
+    # not (bin/launch chooses none, but a caller of run_launch() may have: runtime.user_environ):
     # each bin/train of the job chooses its own on its host.
     extra = {k: v for k, v in user_environ().items() if k.startswith(('PS_', 'MXNET_', 'OMP_'))}
-    if args.interface:
-        extra['DMLC_INTERFACE'] = args.interface
-    if args.launcher == 'local':
+    if config.interface:
+        extra['DMLC_INTERFACE'] = config.interface
+    if config.launcher == 'local':
         # Bind ps-lite to loopback explicitly: left alone it picks the first
         # non-loopback interface, which may not exist (containers) or be firewalled.
         extra.update(DMLC_NODE_HOST='127.0.0.1')
         extra.setdefault('DMLC_INTERFACE', 'lo')
-        if args.port:
-            check_port_free(args.port)
-        plan = job_plan(args.num_workers, args.num_servers, ['127.0.0.1'], '127.0.0.1',
-                        args.port or free_port(), extra)
+        if config.port:
+            check_port_free(config.port)
+        plan = job_plan(config.num_workers, config.num_servers, ['127.0.0.1'], '127.0.0.1',
+                        config.port or free_port(), extra)
 
         def argv_for(p):
-            return args.command, dict(user_environ(), **p['env']), subprocess.DEVNULL
+            return config.command, dict(user_environ(), **p['env']), subprocess.DEVNULL
     else:
-        hosts = read_hostfile(args.hostfile)
-        plan = job_plan(args.num_workers, args.num_servers, hosts, hosts[0],
-                        args.port or free_port('0.0.0.0'), extra)
+        hosts = read_hostfile(config.hostfile)
+        plan = job_plan(config.num_workers, config.num_servers, hosts, hosts[0],
+                        config.port or free_port('0.0.0.0'), extra)
         cwd = os.getcwd()
         # Built before anything starts: a name ssh_command refuses stops the launch clean.
-        argvs = [ssh_command(p['host'], p['env'], args.command, cwd) for p in plan]
+        argvs = [ssh_command(p['host'], p['env'], config.command, cwd) for p in plan]
 
         def argv_for(p):
             return argvs[plan.index(p)], None, subprocess.PIPE
-    return Job(plan, argv_for, grace=args.grace).run()
+    return Job(plan, argv_for, grace=config.grace).run()
 

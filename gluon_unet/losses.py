@@ -6,8 +6,7 @@ device returns the *sum* of its samples' gradients, the kvstore adds them up, an
 """
 from mxnet import gluon
 
-#: The losses that take the U-Net paper's per-pixel weight map as a third input.
-WEIGHTED = ('wbce', 'wbce_dice')
+from .data.weights import WEIGHTED
 
 
 class SegmentationLoss(gluon.HybridBlock):

@@ -219,7 +219,7 @@ def probability_maps(logits, second=None):
 def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None):
     """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
 
-    ``amp_dtype`` is the dtype of the AMP already initialized (``engine.init_amp``'s
+    ``amp_dtype`` is the dtype of the AMP already initialized (``step.init_amp``'s
     result), None for float32 (see :class:`UNet`).
     """
     return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.outputs,

@@ -275,7 +275,7 @@ def add_onnx(export):
         The file's path, its ``onnx`` record and the seconds it took (conversion and
         parity check).
     """
-    from .export import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, update_sidecar, verify_export
+    from .sidecar import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, update_sidecar, verify_export
     prefix = find_export(export)
     folder = os.path.dirname(os.path.abspath(prefix))
     sidecar = os.path.join(folder, SIDECAR)

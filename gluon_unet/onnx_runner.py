@@ -140,7 +140,8 @@ def gpu_ids(gpus):
     """The CUDA device ids of ``--gpus`` as onnxruntime sees them: the user's ids, or
     0..n-1 when ``bin/predict`` made them the visible ones (``CUDA_VISIBLE_DEVICES``,
     :func:`~gluon_unet.runtime.restrict_visible_gpus`). ``[]`` for the CPU."""
-    from .devices import gpu_renumbering, parse_gpu_list
+    from .devices import parse_gpu_list
+    from .hardware import gpu_renumbering
     ids = parse_gpu_list(gpus)
     if ids is None:
         raise UserError("--gpus all: with onnxruntime, name the GPUs (e.g. --gpus 0-3)")
@@ -278,7 +279,7 @@ def onnx_path(model):
     with it) and match the CRC-32 stored there: a later export of other weights into the
     same folder leaves an older ``model.onnx`` behind, which must not be run.
     """
-    from .export import SIDECAR, find_export, read_sidecar, verify_export
+    from .sidecar import SIDECAR, find_export, read_sidecar, verify_export
     prefix = find_export(model)
     folder = os.path.dirname(os.path.abspath(prefix))
     path = os.path.join(folder, ONNX_FILE)

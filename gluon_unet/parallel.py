@@ -202,7 +202,7 @@ class DataParallelStep:
             # waits for device 0's forward, and the devices take turns now and then
             # (docs/explanation/multi-device.md, "Several CPU contexts"; the measurement:
             # experiments/performance/findings.md). (The loss is hybridized for the
-            # backward: engine.make_step.)
+            # backward: step.make_step.)
             logits = [self.net(x) for x, *_ in parts]
             losses = [self.loss_fn(out, *rest) for out, (_, *rest) in zip(logits, parts)]
             scaled = self._scaled(losses)

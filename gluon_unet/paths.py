@@ -42,8 +42,9 @@ RUN_FILES = ('config.json', 'train.log', 'metrics.csv', 'curves.png')
 #: The run's subfolders; each holds only files :func:`run_files` recognises by its own rule.
 RUN_DIRS = ('checkpoints', 'export', 'predictions', 'demo_inputs', 'tb')
 #: An export's files (``bin/export``, the end of training), in the order they are installed:
-#: ``model.json`` last, so a reader that finds it finds the two model files of the same export.
-EXPORT_FILES = ('model-symbol.json', 'model-0000.params', 'model.json')
+#: ``model.json`` last, so a reader that finds it finds the model files of the same export
+#: (``model.onnx`` is optional: an export without it removes an older one).
+EXPORT_FILES = ('model-symbol.json', 'model-0000.params', 'model.onnx', 'model.json')
 #: The sidecar ``format`` prefix that marks a ``model.json`` as gluon_unet's.
 EXPORT_FORMAT_PREFIX = 'gluon_unet-export'
 #: The prediction manifest bin/predict keeps in its output folder.

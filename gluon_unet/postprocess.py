@@ -1,4 +1,4 @@
-"""From probabilities to nuclei: instances, DSB run-length encoding and overlays.
+"""From probabilities to nuclei: instance labels, and the settings that shape them.
 
 A U-Net predicts a foreground probability per pixel; nuclei that touch form one blob
 once thresholded. :func:`instances_from_prob` separates them with a marker-based
@@ -110,17 +110,17 @@ def _marker_watershed(prob, mask, boundary, h, marker, centre=None):
     if boundary is not None:
         boundary = _same_shape(boundary, prob, 'boundary')
         marker = DEFAULT_MARKER['border'] if marker is None else marker
-        markers, elevation = _level_markers(prob * (1 - boundary), mask, marker)
+        markers, elevation = level_markers(prob * (1 - boundary), mask, marker)
     elif centre is not None:
         centre = _same_shape(centre, prob, 'centre')
         marker = DEFAULT_MARKER['centre'] if marker is None else marker
-        # x 10: _h_maxima_markers works in 1/100 steps of its map, here 1/1000 of the score
-        markers, elevation = _h_maxima_markers(centre * 10, mask, marker * 10), -centre
+        # x 10: h_maxima_markers works in 1/100 steps of its map, here 1/1000 of the score
+        markers, elevation = h_maxima_markers(centre * 10, mask, marker * 10), -centre
     else:
         # Unsmoothed distances tie a lot and the watershed breaks ties by visiting order,
         # which a crop changes: the whole image at once, as before.
         dist = ndi.distance_transform_edt(mask)
-        markers, elevation = _h_maxima_markers(dist, mask, h), -dist
+        markers, elevation = h_maxima_markers(dist, mask, h), -dist
     return keep_orphans(watershed(elevation, markers, mask=mask), mask)
 
 
@@ -175,7 +175,7 @@ def _same_shape(level, prob, name):
     return level
 
 
-def _level_markers(level, mask, marker):
+def level_markers(level, mask, marker):
     """Markers (the components of ``level > marker`` in ``mask``: a border map's
     interiors) and the elevation that floods from them: downhill in ``level``."""
     from skimage.measure import label
@@ -203,7 +203,7 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         centre map ('centre'), or the distance
         transform of the foreground (the default with one map; for a two-map model, when
         its second map splits worse than the distance on validation images -
-        :func:`tune_postprocess` chooses).
+        :func:`gluon_unet.search.tune_postprocess` chooses).
 
     Returns
     -------
@@ -387,7 +387,7 @@ class _Solver:
 
 
 def _h_maxima(dist, h):
-    """The h-maxima reconstruction of :func:`_h_maxima_markers`, on 1/100-pixel integers."""
+    """The h-maxima reconstruction of :func:`h_maxima_markers`, on 1/100-pixel integers."""
     from skimage.morphology import reconstruction
 
     scaled = np.round(dist * 100).astype(np.int64)
@@ -410,7 +410,7 @@ def _renumber(out, marker_keys, orphan_keys, rows=256):
     return out
 
 
-def _h_maxima_markers(dist, mask, h):
+def h_maxima_markers(dist, mask, h):
     """Markers = the tops of the h-maxima transform of ``dist``, inside ``mask``.
 
     The reconstruction ``HMAX_h(dist)`` lowers every peak by h and flattens peaks joined
@@ -429,127 +429,6 @@ def _h_maxima_markers(dist, mask, h):
     return label(peaks, connectivity=2)
 
 
-def rle_encode(mask):
-    """Data Science Bowl run-length encoding of one binary mask.
-
-    Pixels are numbered from 1, top to bottom then left to right (column-major), and the
-    result is ``'start length start length ...'``; an empty mask gives ``''``.
-
-    Parameters
-    ----------
-    mask : (H, W) array, nonzero = object
-    """
-    flat = (np.asarray(mask) > 0).T.ravel()
-    padded = np.concatenate([[False], flat, [False]])
-    edges = np.flatnonzero(padded[1:] != padded[:-1]) + 1
-    starts, ends = edges[0::2], edges[1::2]
-    return ' '.join('%d %d' % (s, e - s) for s, e in zip(starts, ends))
-
-
-def rle_decode(rle, shape):
-    """Inverse of :func:`rle_encode`.
-
-    Parameters
-    ----------
-    rle : str
-        ``'start length ...'`` (empty, or NaN as read from a CSV, = no pixel).
-    shape : (H, W)
-
-    Returns
-    -------
-    (H, W) uint8 mask in {0, 1}
-    """
-    h, w = shape
-    flat = np.zeros(h * w, np.uint8)
-    if isinstance(rle, str) and rle.strip():
-        nums = np.asarray(rle.split(), dtype=np.int64)
-        if len(nums) % 2:
-            raise ValueError('RLE has an odd number of values')
-        starts, lengths = nums[0::2] - 1, nums[1::2]
-        if len(starts) and (starts.min() < 0 or (starts + lengths).max() > h * w):
-            raise ValueError('RLE runs outside an image of %dx%d pixels' % (h, w))
-        for s, n in zip(starts, lengths):
-            flat[s:s + n] = 1
-    return flat.reshape(w, h).T.copy()
-
-
-def submission_rows(image_id, labels):
-    """Rows ``(image_id, rle)`` of a DSB submission, one per object.
-
-    Objects come from one label image, so they cannot overlap. An image without
-    objects still gets one row with an empty ``EncodedPixels``.
-    """
-    flat = np.asarray(labels).T.ravel()
-    # Runs of equal labels in one pass, then grouped by label: avoids one full-image
-    # comparison per object, which dominates for images with hundreds of nuclei.
-    change = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    starts = np.concatenate([[0], change])
-    lengths = np.diff(np.concatenate([starts, [flat.size]]))
-    values = flat[starts]
-    keep = values != 0
-    starts, lengths, values = starts[keep], lengths[keep], values[keep]
-    if not len(values):
-        return [(image_id, '')]
-    order = np.argsort(values, kind='stable')
-    starts, lengths, values = starts[order], lengths[order], values[order]
-    bounds = np.flatnonzero(np.diff(values)) + 1
-    rows = []
-    for s, n in zip(np.split(starts, bounds), np.split(lengths, bounds)):
-        rows.append((image_id, ' '.join('%d %d' % (a + 1, b) for a, b in zip(s, n))))
-    return rows
-
-
-def overlay(image, labels, color=(255, 255, 0)):
-    """The image with each instance's outline drawn, for a person to look at.
-
-    Parameters
-    ----------
-    image : (H, W), (H, W, 1) or (H, W, 3) uint8 or float
-        Floats in [0, 1] are scaled by 255; other floats are clipped to [0, 255].
-    labels : (H, W) int
-        Instance labels.
-    color : (r, g, b)
-
-    Returns
-    -------
-    (H, W, 3) uint8
-    """
-    from skimage.segmentation import find_boundaries
-
-    img = np.asarray(image)
-    labels = np.asarray(labels)
-    if img.ndim == 3 and img.shape[2] == 1:
-        img = img[..., 0]
-    if img.shape[:2] != labels.shape:
-        raise ValueError('image %s and labels %s differ in size' % (img.shape, labels.shape))
-    if img.dtype != np.uint8:
-        img = img.astype(np.float32)
-        if img.size and img.max() <= 1.0:
-            img = img * 255
-        img = np.clip(img, 0, 255).astype(np.uint8)
-    if img.ndim == 2:
-        img = np.stack([img] * 3, axis=-1)
-    elif img.shape[2] == 4:
-        img = img[..., :3]
-    out = img.copy()
-    out[find_boundaries(labels, mode='inner')] = color
-    return out
-
-
-# The grids searched on the validation split after training (27 settings each): the
-# foreground cut, the smallest object kept, and the markers' setting - the h of the
-# distance watershed's h-maxima, the interior score a border model's marker needs, or how
-# far a centre model's hill top rises above its valley.
-TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
-TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'min_size': (0, 16, 48)}
-TUNE_GRID_CENTRE = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.05, 0.1, 0.2), 'min_size': (0, 16, 48)}
-# Each of those settings is also scored with objects of a low mean probability dropped
-# (``min_score``): a column cut of the same IoU matrix, so nearly free.
-TUNE_MIN_SCORES = (0.0, 0.75, 0.8, 0.85, 0.9)
-# A two-map model's search also tries the distance watershed on its foreground (TUNE_GRID):
-# a second map learned in a short run can split nuclei worse than the distance does.
-
-
 def tuned_markers(tuned):
     """The markers a searched setting (the sidecar's ``postprocess``) grows instances from:
     its ``markers``; settings from before that key had a ``marker`` only for border models,
@@ -558,7 +437,7 @@ def tuned_markers(tuned):
 
 
 def settings_text(tuned):
-    """``'threshold 0.60, h 0.5, min size 0'``: a :func:`tune_postprocess` result (or the
+    """``'threshold 0.60, h 0.5, min size 0'``: a :func:`gluon_unet.search.tune_postprocess` result (or the
     sidecar's ``postprocess``) for a log line; two-map models name their markers."""
     if 'marker' in tuned:
         markers = '%s markers %.1f' % (tuned_markers(tuned), tuned['marker'])
@@ -570,96 +449,3 @@ def settings_text(tuned):
         + (['--tta'] if tuned.get('tta') else [])
     return text + (' (chosen on maps predicted with %s)' % ' '.join(how) if how else '')
 
-
-def _searches(second, grid=None):
-    """The (markers, grid) pairs :func:`tune_postprocess` searches in turn, for maps whose
-    second map is ``second`` (one of :data:`SECOND_MAPS`; None = one map)."""
-    if second:
-        return [(second, grid or (TUNE_GRID_CENTRE if second == 'centre' else TUNE_GRID_BORDER)),
-                ('distance', TUNE_GRID)]
-    return [(None, grid or TUNE_GRID)]
-
-
-def _search_keys(markers):
-    return ('threshold', 'marker' if markers in SECOND_MAPS else 'h', 'min_size')
-
-
-def search_arms(second, grid=None):
-    """``(markers, labellings)`` for each kind of markers :func:`tune_postprocess` tries on
-    maps whose second map is ``second`` (one of :data:`SECOND_MAPS`; None or False = one
-    map): how many times it labels each image with them (every setting of its grid, and
-    the untuned default with the first; the min scores reuse a labelling). The kinds cost
-    differently (a distance watershed about twice a border map's), so ``--time-budget``
-    probes each."""
-    arms = [[markers, int(np.prod([len(space[k]) for k in _search_keys(markers)]))]
-            for markers, space in _searches(second, grid)]
-    arms[0][1] += 1
-    return [tuple(arm) for arm in arms]
-
-
-def search_labelings(second, grid=None):
-    """How many times :func:`tune_postprocess` labels each image (:func:`search_arms`, summed)."""
-    return sum(n for _, n in search_arms(second, grid))
-
-
-def tune_postprocess(pairs, grid=None, base=None, second=None):
-    """Choose the post-processing settings that score best on validation images.
-
-    Parameters
-    ----------
-    pairs : sequence of ((H, W) or (K, H, W) float, (H, W) int)
-        Probability maps (see :func:`instances_from_maps`) and the true instance labels,
-        one pair per image.
-    grid : dict, optional
-        Candidate values of ``threshold``, ``min_size`` and ``h`` (default
-        :data:`TUNE_GRID`), or ``marker`` instead of ``h`` for maps with a second map
-        (default :data:`TUNE_GRID_BORDER`; their distance watershed is searched on
-        :data:`TUNE_GRID` as well); each with every ``min_score`` of
-        :data:`TUNE_MIN_SCORES` (or the grid's own ``min_score`` values).
-    base : dict, optional
-        The untuned settings, scored too and kept on ties (so tuning never reports a
-        setting that does no better than the defaults).
-    second : {None, 'border', 'centre', 'contact'}
-        What the second of two maps is (None: 'border', as before other second maps existed).
-
-    Returns
-    -------
-    dict
-        ``threshold``, ``min_size``, ``h`` or ``marker``, ``min_score``, ``score`` (mean
-        DSB score of the winner), ``base_score`` and ``images``; for two maps also
-        ``markers`` (``second`` or 'distance', see :func:`instances_from_maps`).
-    """
-    import itertools
-
-    if second is not None and second not in SECOND_MAPS:
-        raise ValueError('second must be one of %s (got %r)' % (', '.join(SECOND_MAPS), second))
-    two = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
-    second = (second or 'border') if two else None
-    searches = _searches(second, grid)
-    if second:
-        base = base or {'markers': second, 'threshold': 0.5, 'marker': DEFAULT_MARKER[second], 'min_size': 0}
-    else:
-        base = base or {'threshold': 0.5, 'h': 0.5, 'min_size': 0}
-
-    def scores(setting, min_scores):
-        """Mean score of ``setting`` with each of ``min_scores``: one labelling and one
-        IoU matrix per image; a min score only drops columns (objects) of it."""
-        total = np.zeros(len(min_scores))
-        for m, t in pairs:
-            m = np.asarray(m, np.float32)  # as bin/predict has them (a caller may keep float16)
-            total += cut_scores(instances_from_maps(m, **setting), m if m.ndim == 2 else m[0], t, min_scores)
-        return total / max(1, len(pairs))
-
-    base = dict(base, min_score=base.get('min_score', 0.0))
-    best_score = base_score = float(scores({k: v for k, v in base.items() if k != 'min_score'},
-                                           [base['min_score']])[0])
-    best = base
-    for markers, space in searches:
-        keys = _search_keys(markers)
-        min_scores = tuple(space.get('min_score', TUNE_MIN_SCORES))
-        for values in itertools.product(*(space[k] for k in keys)):
-            setting = dict(zip(keys, values), **({'markers': markers} if markers else {}))
-            for min_score, value in zip(min_scores, scores(setting, min_scores)):
-                if dict(setting, min_score=min_score) != base and value > best_score + 1e-9:
-                    best, best_score = dict(setting, min_score=min_score), float(value)
-    return dict(best, score=best_score, base_score=base_score, images=len(pairs))

@@ -1,6 +1,6 @@
 """``bin/predict``: segment image files with an exported model and write the results.
 
-Inference is split in three modules, as nnU-Net does:
+Inference is split in modules, as nnU-Net does:
 
 * :mod:`gluon_unet.tiling` - sliding-window geometry, pure numpy: the ``resize``,
   ``tile`` and ``whole`` modes, tile positions, padding to multiples of ``2**depth``,
@@ -8,20 +8,20 @@ Inference is split in three modules, as nnU-Net does:
 * :mod:`gluon_unet.inference` - batched network application: load an export once, run
   batches of equal-shape inputs over the devices, TTA; :func:`predict_image` for one
   image in memory;
-* this module - files in and out: find the inputs, read them, write masks, instance
-  labels, overlays and a DSB submission, report failures, keep the output folder's
-  :class:`Manifest` (which model wrote which files); :class:`PredictConfig` and the
-  command line.
+* :mod:`gluon_unet.postprocess` - probabilities to instance labels;
+* this module - a run over files: :class:`PredictConfig` (``bin/predict``'s options), find
+  the inputs, read them, stream them through the model, post-process each image as soon
+  as its probabilities are complete;
+* :mod:`gluon_unet.predictions` - what that writes: masks, instance labels, overlays, the
+  failures, the output folder's :class:`~gluon_unet.predictions.Manifest` (which model
+  wrote which files); :mod:`gluon_unet.submission` the DSB submission CSV.
 
 Inputs are the uint8 image / 255, as in training (16-bit and float images are
 percentile-scaled to uint8 first by :mod:`gluon_unet.data.io`), after the model's
 ``--normalize`` (read from the export's sidecar) is applied to the whole image, with the
 channel conversion, by the function training uses (:func:`~gluon_unet.data.io.input_image`).
 """
-import argparse
-import csv
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -32,28 +32,24 @@ from typing import Optional
 import cv2
 import numpy as np
 
+from .config import CPUS_HELP, GPUS_HELP, option
 from .data.io import IMAGE_TYPES, input_image, is_image_file, read_image
 from .data.layouts import dsb_image, is_dsb_sample
-from .errors import OneLineParser, UserError, reports_errors
-from .export import card_summary, find_export, weights_digest
-from .inference import _Done, load_model, match_channels
-from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps, overlay as draw_overlay, submission_rows
+from .errors import UserError
+from .inference import ImageDone, load_model, match_channels, predict_image
+from .paths import MANIFEST, check_apart, check_replaceable
+from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
+from .predictions import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
+                          write_image_outputs)
 from .scale import estimate_diameter, rescale_factor
+from .sidecar import card_summary, find_export
+from .submission import submission_rows, write_submission
 from .tiling import MODES
-from .paths import (MANIFEST, MANIFEST_FORMAT, check_apart, check_replaceable, manifest_names, read_manifest,
-                    remove_files)
-from .utils import atomic_open, check_writable, write_errors
-
-# Names that lived here before inference was split into tiling / inference / predict, so
-# ``from gluon_unet.predict import predict_image`` (and the benchmarks) keep working.
-from .inference import _Job, image_jobs, model_channels, predict_image, run_jobs  # noqa: E402,F401
-from .tiling import DIHEDRAL, blend_window, choose_mode, tile_size, tile_starts  # noqa: E402,F401
+from .utils import check_writable, write_errors
 
 #: Name endings of our outputs (and of masks in a paired folder): such a file is not an
 #: input when the image it belongs to sits next to it.
 DERIVED_SUFFIXES = ('_mask', '_labels', '_overlay')
-#: What each image becomes in the output folder (``<id>_mask.png``...), the overlay last.
-OUTPUT_SUFFIXES = ('_mask', '_labels', '_overlay')
 
 
 # -- options -------------------------------------------------------------------------------
@@ -61,26 +57,59 @@ OUTPUT_SUFFIXES = ('_mask', '_labels', '_overlay')
 @dataclass
 class PredictConfig:
     """How :func:`predict_paths` segments and what it writes; one field per ``bin/predict``
-    flag (``batch_size`` -> ``--batch-size``), with the same defaults."""
-    gpus: str = ''                    #: devices, as for training; empty = CPU
-    cpus: int = 1                     #: CPU contexts when no GPU is used
-    mode: str = 'auto'                #: see :mod:`gluon_unet.tiling`
-    tta: bool = False                 #: average the 8 flips / quarter turns
-    threshold: Optional[float] = None  #: foreground cut; None = the model's training threshold
-    min_size: Optional[int] = None    #: drop objects under this many pixels; None = the model's (tuned)
-    min_score: Optional[float] = None  #: drop objects whose mean probability is lower; None = the model's (tuned)
-    split: str = 'watershed'          #: instance separation, see postprocess.instances_from_prob
-    marker: Optional[float] = None    #: two-map models: the second map's level a marker needs; None = the model's
-    h: Optional[float] = None         #: distance watershed: h-maxima depth in pixels; None = the model's
-    markers: Optional[str] = None     #: two-map models: their second map or 'distance'; None = the model's
-    diameter: Optional[str] = None    #: nuclei's size in the images: 'auto' or pixels; None = no rescaling
-    overlay: bool = False             #: also write ``<id>_overlay.png`` outlines
-    rle: Optional[str] = None         #: path of a DSB submission CSV, written at the end
-    batch_size: int = 8               #: inputs per forward, split over the devices
-    overlap: float = 0.25             #: tile mode: fraction of the tile shared with its neighbour
-    buckets: bool = False             #: whole mode: pad to a few sizes per octave (fewer shapes)
-    progress: bool = True             #: progress bar (stderr) and a one-line summary
-    overwrite: bool = False           #: replace another model's (or other settings') predictions in the folder
+    flag (``batch_size`` -> ``--batch-size``, generated by :mod:`gluon_unet.cli.predict`),
+    each default given here once."""
+    gpus: str = option('', GPUS_HELP, metavar='IDS')
+    cpus: int = option(1, CPUS_HELP)
+    mode: str = option('auto', 'resize to the training size, tile at native resolution, whole image padded, or '
+                               'auto (tile if larger than the training size)', choices=MODES)
+    tta: bool = option(False, 'average the 8 flips / quarter turns')
+    threshold: Optional[float] = option(None, "foreground probability cut (default: the model's, chosen on "
+                                              "validation after training; else its training threshold)")
+    min_size: Optional[int] = option(None, "drop objects under N pixels (default: the model's, chosen on "
+                                           "validation; else 0)")
+    min_score: Optional[float] = option(None, "drop objects whose mean foreground probability is below this: "
+                                              "debris and faint blobs (default: the model's, chosen on validation; "
+                                              "else 0 = keep all)")
+    split: str = option('watershed', 'separate touching nuclei with a watershed (default: from the interiors of '
+                                     'a mask+border model or those a mask+contact model leaves, from the centres '
+                                     'of a mask+centre model, else on the distance transform) or keep plain '
+                                     'connected components (none)', choices=SPLITS)
+    diameter: Optional[str] = option(None, "rescale each image so its nuclei reach the network at the size the "
+                                           "model was trained on (Cellpose-style): PIXELS = the typical nucleus "
+                                           "diameter in your images, auto = measured from a first prediction of "
+                                           "each image (twice the work); default: no rescaling",
+                                     metavar='auto|PIXELS')
+    marker: Optional[float] = option(None, "mask+border and mask+contact models: the interior score (foreground "
+                                           "x (1 - border or contact)) a watershed marker needs (else 0.5); "
+                                           "mask+centre models: how far a hill top of the centre map must rise "
+                                           "above its valley to seed its own nucleus (else 0.1) (default: the "
+                                           "model's, chosen on validation)")
+    h: Optional[float] = option(None, "distance watershed: how much deeper than its surroundings (in pixels of "
+                                      "distance to the background) a nucleus centre must be to seed its own object "
+                                      "(default: the model's, chosen on validation; else 0.5)")
+    markers: Optional[str] = option(None, "two-map models: seed the watershed from the interiors a border map "
+                                          "leaves (border) or a contact map (contact), from the hill tops of a "
+                                          "centre map (centre) or from the distance transform of the foreground "
+                                          "(distance) (default: the model's, chosen on validation; else its second "
+                                          "map)", metavar='{%s}' % ','.join(MARKERS))
+    overlay: bool = option(False, 'also write <id>_overlay.png outlines')
+    rle: Optional[str] = option(None, 'write a DSB submission (ImageId,EncodedPixels)', metavar='CSV')
+    batch_size: int = option(8, 'inputs per forward, split over the devices')
+    overlap: float = option(0.25, 'tile mode: fraction of the tile shared with its neighbour')
+    buckets: bool = option(False, 'whole mode: pad each image up to one of 8-16 sizes per octave (sides grow by '
+                                  '< 1/8) so images of many sizes share a few network shapes: fewer memory '
+                                  're-plans and, on GPUs, cuDNN autotunes; pixels near the border see more '
+                                  'reflected context')
+    providers: Optional[str] = option(None, "predict with the export's model.onnx on onnxruntime, with these "
+                                            "execution providers, comma-separated: cpu, cuda, tensorrt (or an "
+                                            "onnxruntime provider name); default: MXNet when it is installed, else "
+                                            "onnxruntime on the CPU (CUDA with --gpus)", metavar='LIST')
+    progress: bool = option(True, 'progress bar (stderr) and a one-line summary')
+    overwrite: bool = option(False, '--output holds predictions by another model or with other settings (its %s '
+                                    'says): remove the files it lists, then predict. Without it such a folder is '
+                                    'refused, so two models\' outputs never mix; files gluon_unet did not write '
+                                    'are never replaced' % MANIFEST)
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value (devices are
@@ -170,116 +199,6 @@ def _without_derived(found):
             if not any(s.endswith(x) and s[:-len(x)] in stems for x in DERIVED_SUFFIXES)]
 
 
-# -- outputs -------------------------------------------------------------------------------
-
-def _atomic_write(path, data):
-    """Write bytes under a temporary name in the same folder, then rename into place."""
-    with atomic_open(path, 'wb') as f:
-        f.write(data)
-
-
-def write_png(path, array):
-    """Atomically write a uint8/uint16 (H, W) or RGB (H, W, 3) array as PNG."""
-    if array.ndim == 3:
-        array = array[..., ::-1]  # OpenCV writes BGR
-    ok, buf = cv2.imencode('.png', np.ascontiguousarray(array))
-    if not ok:
-        raise UserError('%s: could not encode PNG' % path)
-    _atomic_write(path, buf.tobytes())
-
-
-def write_submission(path, rows):
-    """Atomically write DSB submission rows ``(ImageId, EncodedPixels)`` as CSV."""
-    import io
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator='\n')
-    writer.writerow(('ImageId', 'EncodedPixels'))
-    writer.writerows(rows)
-    _atomic_write(path, text.getvalue().encode())
-
-
-# -- the whole run -------------------------------------------------------------------------
-
-class Predictions(list):
-    """What :func:`predict_paths` returns: the records of the images written (a list, as
-    before) and ``failures``, one dict per image that could not be predicted or written
-    (``id``, ``image`` - its path - and ``error``, a one-line message), in input order."""
-
-    def __init__(self, records=(), failures=()):
-        super().__init__(records)
-        self.failures = list(failures)
-
-    def summary(self):
-        """One line about the failures (empty when there are none), e.g.
-        ``1 of 6 images failed: bad.png (truncated PNG ...)``."""
-        return failure_summary(self.failures, len(self) + len(self.failures))
-
-
-#: Failures named in a summary line; the rest are counted.
-SHOWN_FAILURES = 3
-
-
-def failure_summary(failures, total, shown=SHOWN_FAILURES):
-    """``'2 of 6 images failed: a.png (why), b.png (why)'``, the first ``shown`` named."""
-    if not failures:
-        return ''
-    named = ', '.join('%s (%s)' % (os.path.basename(f['image']), _reason(f)) for f in failures[:shown])
-    more = ' and %d more' % (len(failures) - shown) if len(failures) > shown else ''
-    head = ('all %d images' % total if len(failures) == total else
-            '%d of %d image%s' % (len(failures), total, '' if total == 1 else 's'))
-    return '%s failed: %s%s' % (head, named, more)
-
-
-def _reason(failure, limit=120):
-    """A failure's message without the image path it usually starts with, shortened."""
-    text = failure['error']
-    if text.startswith('cannot write '):  # a WriteError: the file's name (its folder is --output) and the cause
-        path, _, cause = text[len('cannot write '):].partition(': ')
-        return 'cannot write %s: %s' % (os.path.basename(path), cause)
-    for prefix in (failure['image'] + ': ', os.path.basename(failure['image']) + ': '):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-            break
-    return text if len(text) <= limit else text[:limit - 3] + '...'
-
-
-def _error_text(exc, path):
-    """One line for an exception raised while predicting ``path``."""
-    if isinstance(exc, UserError):
-        text = str(exc)
-    elif isinstance(exc, OSError) and exc.strerror:
-        name = exc.filename2 or exc.filename
-        text = '%s: cannot write %s (%s)' % (path, name, exc.strerror) if name else '%s: %s' % (path, exc.strerror)
-    else:
-        detail = str(exc).strip().splitlines()
-        text = '%s: %s%s' % (path, type(exc).__name__, (': ' + detail[-1]) if detail else '')
-    return ' '.join(text.split())
-
-
-def _write_image_outputs(rec, image, labels):
-    """Write the mask, labels and (if ``rec['overlay']``) overlay of one image; on an error
-    remove what was written (no mask without its labels: a failed image has no outputs)."""
-    written = []
-    try:
-        for key, array in (('mask', lambda: (labels > 0).view(np.uint8) * np.uint8(255)),  # no int64 temporary
-                           ('labels', lambda: labels.astype(np.uint16)),
-                           ('overlay', lambda: draw_overlay(image, labels))):
-            if rec[key]:
-                write_png(rec[key], array())
-                written.append(rec[key])
-    except BaseException:
-        for path in written:
-            _remove_quietly(path)
-        raise
-
-
-def _remove_quietly(path):
-    try:
-        os.remove(path)
-    except OSError:
-        pass
-
-
 # -- the whole run -------------------------------------------------------------------------
 
 class _Run:
@@ -329,7 +248,7 @@ class _Run:
     def _fail(self, index, image_id, path, exc):
         # One image's problem (unreadable, wrong channels, too many objects, disk full...)
         # must not cost the others, including those read ahead into the same batch.
-        self.failures.append((index, {'id': image_id, 'image': path, 'error': _error_text(exc, path)}))
+        self.failures.append((index, {'id': image_id, 'image': path, 'error': error_text(exc, path)}))
         self.bar.update(1)
 
     def _jobs(self):
@@ -360,7 +279,7 @@ class _Run:
             net_input, on_done = self._rescaled(rec, net_input, on_done)
         for job in self.model.image_jobs(net_input, cfg.mode, cfg.tta, cfg.overlap, on_done=on_done,
                                          buckets=cfg.buckets):
-            yield _Done(guarded(job.fn)) if isinstance(job, _Done) else job
+            yield ImageDone(guarded(job.fn)) if isinstance(job, ImageDone) else job
 
     def _rescaled(self, rec, net_input, on_done):
         """``--diameter``: the network input resized so its nuclei reach the model at its
@@ -421,100 +340,11 @@ class _Run:
         base = os.path.join(self.output_dir, rec['id'])
         rec.update(mode=used, objects=int(labels.max()), mask=base + '_mask.png',
                    labels=base + '_labels.png', overlay=base + '_overlay.png' if cfg.overlay else None)
-        _write_image_outputs(rec, image, labels)
+        write_image_outputs(rec, image, labels)
         if cfg.rle:
             self.rows.extend(submission_rows(rec['id'], labels))
         self.records.append(rec)
         self.bar.update(1)
-
-
-# -- the prediction manifest -------------------------------------------------------------
-
-def model_record(prefix, model):
-    """Which model predictions come from, for the manifest: the export folder, a digest of
-    its weights (:func:`~gluon_unet.export.weights_digest`: the same for every export of
-    the same weights), what its sidecar does to the inputs, and its card's epoch and date."""
-    card = model.meta.get('card') if isinstance(model.meta.get('card'), dict) else {}
-    return {'export': os.path.dirname(os.path.abspath(prefix)), 'weights_sha256': weights_digest(prefix),
-            'normalize': model.normalize, 'denoise': model.denoise, 'epoch': model.meta.get('epoch'),
-            'created': card.get('created')}
-
-
-#: The model record's keys that make two models different (the rest is for people).
-_MODEL_IDENTITY = ('weights_sha256', 'normalize', 'denoise')
-
-
-class Manifest:
-    """A prediction folder's record (:data:`~gluon_unet.paths.MANIFEST`): which model
-    (:func:`model_record`) with which settings wrote which files, from which inputs.
-
-    One folder holds the predictions of one model with one set of settings, so that a
-    second model's outputs never mix silently with the first's: predicting into a folder
-    whose manifest names another model or other settings is refused unless
-    ``overwrite``, which first removes the files the manifest lists; the same model with
-    the same settings replaces its own files and adds to the record. A file at an output
-    path that the manifest does not list (a user's own ``x_mask.png``, or predictions from
-    before manifests existed) is never replaced.
-    """
-
-    def __init__(self, folder, model, settings, overwrite=False):
-        self.folder, self.model, self.settings, self.overwrite = folder, model, settings, overwrite
-        self.old = read_manifest(folder) if os.path.isdir(folder) else None
-        self.same = self.old is not None and self.old.get('settings') == settings and all(
-            (self.old.get('model') or {}).get(k) == model[k] for k in _MODEL_IDENTITY)
-        self.kept = manifest_names(self.old) if self.same and not overwrite else []
-        self.planned, self.started = [], False
-
-    def check(self, planned):
-        """Refuse, before any work, what these predictions must not do in the folder."""
-        self.planned = planned
-        path = os.path.join(self.folder, MANIFEST)
-        if self.old is not None and not self.same and not self.overwrite:
-            raise UserError('--output %s holds predictions by %s (%s); predict into another folder, or add '
-                            '--overwrite to replace them' % (self.folder, self._difference(), path))
-        mine = set(manifest_names(self.old)) if self.old is not None else set()
-        for name in planned:
-            if name not in mine and os.path.lexists(os.path.join(self.folder, name)):
-                raise UserError('--output %s: %s is there and these predictions would replace it, but gluon_unet did '
-                                'not write it (%s); move it, or predict into another folder'
-                                % (self.folder, name, 'not listed in %s' % MANIFEST if self.old is not None
-                                   else 'the folder has no %s' % MANIFEST))
-
-    def _difference(self):
-        old_model = self.old.get('model') or {}
-        if any(old_model.get(k) != self.model[k] for k in _MODEL_IDENTITY):
-            return 'another model (%s, epoch %s)' % (old_model.get('export'), old_model.get('epoch'))
-        old = self.old.get('settings') or {}
-        changed = ['%s %s -> %s' % (k, json.dumps(old.get(k)), json.dumps(v)) for k, v in self.settings.items()
-                   if old.get(k) != v]
-        return 'this model with other settings: %s' % ', '.join(changed[:3])
-
-    def begin(self, files):
-        """Before the first output is written: remove the old predictions (``overwrite``)
-        and record what this run may write, so even a crash leaves no unlisted output."""
-        if self.started:
-            return
-        self.started = True
-        if self.old is not None and self.overwrite:
-            remove_files(self.folder, manifest_names(self.old))
-        self.inputs = dict((self.old or {}).get('inputs') or {}) if self.kept else {}
-        self.inputs.update({image_id: os.path.abspath(path) for image_id, path in files})
-        self._write(sorted(set(self.kept) | set(self.planned)), complete=False)
-
-    def finish(self):
-        """After the run: the record of the files that are there (none written: nothing)."""
-        if not self.started:
-            return
-        names = [n for n in sorted(set(self.kept) | set(self.planned)) if os.path.isfile(os.path.join(self.folder, n))]
-        self._write(names, complete=True)
-
-    def _write(self, names, complete):
-        os.makedirs(self.folder, exist_ok=True)
-        record = {'format': MANIFEST_FORMAT, 'model': self.model, 'settings': self.settings, 'files': names,
-                  'inputs': self.inputs, 'complete': complete,
-                  'written': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
-        with atomic_open(os.path.join(self.folder, MANIFEST)) as f:
-            json.dump(record, f, indent=1)
 
 
 def predict_paths(model, inputs, output_dir, config=None, **overrides):
@@ -557,8 +387,8 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     from .onnx_runner import load_onnx_model, predict_runtime, runtime_line
 
     config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
-    # onnxruntime where mxnet cannot be imported (issue 48); ``--providers`` will also choose it.
-    runtime, why = predict_runtime(None)
+    # onnxruntime when --providers asks for it, or where mxnet cannot be imported.
+    runtime, why = predict_runtime(config.providers)
     ctxs = make_contexts(config.gpus, config.cpus) if runtime == 'mxnet' else None
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):
@@ -576,9 +406,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if runtime == 'mxnet':
         loaded = load_model(model, ctxs)
     else:
-        loaded = load_onnx_model(model, config.gpus, config.cpus, why=why)
+        loaded = load_onnx_model(model, config.gpus, config.cpus, providers=config.providers, why=why)
         ctxs = loaded.ctxs
-        print(runtime_line(loaded, why), file=sys.stderr)
+        if why:  # chosen on its own accord (no mxnet here), not by --providers: say so
+            print(runtime_line(loaded, why), file=sys.stderr)
     check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)
     run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)
@@ -651,92 +482,3 @@ def _device_list(ctxs, inputs_per_device=None):
 def _progress_bar(total, enabled):
     from tqdm import tqdm
     return tqdm(total=total, unit='img', desc='predict', disable=not enabled or total <= 1, file=sys.stderr)
-
-
-# -- the command line ----------------------------------------------------------------------
-
-def build_parser():
-    """The ``bin/predict`` parser; every option is a :class:`PredictConfig` field."""
-    parser = OneLineParser(prog='predict', description='Segment nuclei with an exported model, at the '
-                           'original resolution; writes <id>_mask.png, <id>_labels.png (16-bit instance '
-                           'ids) and optionally overlays and a DSB submission CSV.')
-    parser.add_argument('--model', required=True, metavar='RUN_DIR|PREFIX',
-                        help='run folder (uses its export/), export folder or export prefix')
-    parser.add_argument('--input', required=True, metavar='DIR|FILE',
-                        help='an image, a folder of images, or a DSB root (<id>/images/<id>.png)')
-    parser.add_argument('--output', required=True, metavar='DIR', help='folder for the outputs')
-    parser.add_argument('--gpus', default='', help="GPU ids: '0-7', '0,2', 'all'; empty = CPU")
-    parser.add_argument('--cpus', type=int, default=1, help='CPU contexts when no GPU is used (default 1)')
-    parser.add_argument('--mode', default='auto', choices=MODES,
-                        help='resize to the training size, tile at native resolution, whole image '
-                             'padded, or auto (tile if larger than the training size; default)')
-    parser.add_argument('--tta', action='store_true', help='average the 8 flips / quarter turns')
-    parser.add_argument('--threshold', type=float, default=None,
-                        help="foreground probability cut (default: the model's, chosen on validation after "
-                             "training; else its training threshold)")
-    parser.add_argument('--min-size', type=int, default=None,
-                        help="drop objects under N pixels (default: the model's, chosen on validation; else 0)")
-    parser.add_argument('--min-score', type=float, default=None,
-                        help="drop objects whose mean foreground probability is below this: debris and faint "
-                             "blobs (default: the model's, chosen on validation; else 0 = keep all)")
-    parser.add_argument('--split', default='watershed', choices=SPLITS,
-                        help='separate touching nuclei with a watershed (default: from the interiors of a '
-                             'mask+border model or those a mask+contact model leaves, from the centres of a '
-                             'mask+centre model, else on the distance transform) or keep plain connected components '
-                             '(none)')
-    parser.add_argument('--diameter', default=None, metavar='auto|PIXELS',
-                        help="rescale each image so its nuclei reach the network at the size the model was "
-                             "trained on (Cellpose-style): PIXELS = the typical nucleus diameter in your images, "
-                             "auto = measured from a first prediction of each image (twice the work); "
-                             "default: no rescaling")
-    parser.add_argument('--marker', type=float, default=None,
-                        help="mask+border and mask+contact models: the interior score (foreground x (1 - "
-                             "border or contact)) a watershed marker needs (else 0.5); mask+centre models: how far "
-                             "a hill top of the centre map must rise above its valley to seed its own nucleus (else "
-                             "0.1) (default: the model's, chosen on validation)")
-    parser.add_argument('--h', type=float, default=None,
-                        help="distance watershed: how much deeper than its surroundings (in pixels of distance "
-                             "to the background) a nucleus centre must be to seed its own object (default: the "
-                             "model's, chosen on validation; else 0.5)")
-    parser.add_argument('--markers', default=None,
-                        help="two-map models: seed the watershed from the interiors a border map leaves "
-                             "(border) or a contact map (contact), from the hill tops of a centre map (centre) or "
-                             "from the distance transform of the foreground (distance) (default: the model's, "
-                             "chosen on validation; else its second map)")
-    parser.add_argument('--overlay', action='store_true', help='also write <id>_overlay.png outlines')
-    parser.add_argument('--rle', metavar='CSV', help='write a DSB submission (ImageId,EncodedPixels)')
-    parser.add_argument('--batch-size', type=int, default=8, help='inputs per forward, split over devices')
-    parser.add_argument('--overlap', type=float, default=0.25, help='tile overlap fraction (default 0.25)')
-    parser.add_argument('--buckets', action='store_true',
-                        help='whole mode: pad each image up to one of 8-16 sizes per octave (sides grow '
-                             'by < 1/8) so images of many sizes share a few network shapes: fewer memory '
-                             're-plans and, on GPUs, cuDNN autotunes; pixels near the border see more '
-                             'reflected context')
-    parser.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True,
-                        help='progress bar and summary line')
-    parser.add_argument('--overwrite', action='store_true',
-                        help='--output holds predictions by another model or with other settings (its %s '
-                             'says): remove the files it lists, then predict. Without it such a folder is refused, '
-                             'so two models\' outputs never mix; files gluon_unet did not write are never '
-                             'replaced' % MANIFEST)
-    parser.add_argument('--allow-failures', action='store_true',
-                        help='exit 0 even if some images could not be read or written (they are '
-                             'listed on stderr either way; the others are always written). If every '
-                             'image fails the exit code is 2 regardless')
-    return parser
-
-
-@reports_errors
-def main(argv=None):
-    """``bin/predict``: segment images with an exported model. Returns the exit code."""
-    args = build_parser().parse_args(argv)
-    config = PredictConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(PredictConfig)})
-    result = predict_paths(args.model, args.input, args.output, config)
-    if result.failures:
-        print('%s: %s' % ('warning' if args.allow_failures else 'error', result.summary()), file=sys.stderr)
-        return 0 if args.allow_failures else 1
-    return 0
-
-
-if __name__ == '__main__':
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""What a training run keeps: its progress (`RunState`) and its folder (`RunRecorder`).
+"""What a training run keeps: its progress (`RunState`), its checkpoints (`CheckpointSaver`:
+the best and the last few) and its folder (`RunRecorder`).
 
 The recorder writes everything a run leaves behind - ``config.json``, ``train.log``,
 checkpoints, ``metrics.csv``, ``curves.png``, the export - and logs the epoch lines and
@@ -6,21 +7,25 @@ the summary. On the workers of a multi-machine job other than rank 0 it is built
 ``enabled=False``: it keeps score and logs to the console, and writes nothing, so the
 training loop calls it the same way everywhere.
 """
+import errno
 import os
 from dataclasses import dataclass, field
 
-from .checkpoint import CheckpointSaver, load_checkpoint
+import numpy as np
+
+from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .errors import WriteError
-from .export import export_block, export_checkpoint, export_in_subprocess, update_sidecar
+from .export import export_block, export_checkpoint, export_in_subprocess
 from .reporting import MetricsTable, plot_curves, setup_logging
+from .sidecar import update_sidecar
 from .tblog import TensorBoardLog
-from .utils import atomic_open
+from .utils import atomic_open, write_errors, write_point
 
 
 @dataclass
 class RunState:
     """Where a run is: what a checkpoint must hold, beyond the weights, the optimizer and
-    the best-so-far bookkeeping (:class:`~gluon_unet.checkpoint.CheckpointSaver`), to
+    the best-so-far bookkeeping (:class:`CheckpointSaver`), to
     continue it exactly."""
     epoch: int = 0               # last completed epoch
     step: int = 0                # optimizer updates so far
@@ -45,6 +50,111 @@ class RunState:
                    train_seconds=meta.get('train_seconds', 0.0))
 
 
+class CheckpointSaver:
+    """Keeps the last ``keep_last`` checkpoints and a copy of the best one, and knows
+    which is best: the monitored value, its epoch and the epochs since it improved.
+
+    Parameters
+    ----------
+    folder : str or None
+        ``<run>/checkpoints``; None keeps score but writes nothing (the workers of a
+        multi-machine job other than rank 0).
+    monitor : str
+        Metric name in the per-epoch record, e.g. ``'val_iou'``.
+    mode : {'max', 'min'}
+    keep_last : int
+        Recent epoch checkpoints to keep (the best is kept separately as ``best.ckpt``).
+    min_delta : float
+        Smallest change that counts as an improvement.
+    """
+
+    def __init__(self, folder, monitor='val_iou', mode='max', keep_last=2, min_delta=0.0):
+        self.folder, self.monitor, self.mode = folder, monitor, mode
+        self.keep_last, self.min_delta = keep_last, min_delta
+        self.best, self.best_epoch, self.bad_epochs = None, 0, 0
+        if folder is not None:
+            with write_errors(folder):
+                os.makedirs(folder, exist_ok=True)
+
+    def is_better(self, value):
+        """Whether ``value`` beats the best so far by more than ``min_delta``."""
+        if value is None or not np.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == 'max':
+            return bool(value > self.best + self.min_delta)
+        return bool(value < self.best - self.min_delta)
+
+    def state(self):
+        """The bookkeeping a checkpoint stores, so a resumed run knows its best."""
+        return {'best': self.best, 'best_epoch': self.best_epoch, 'bad_epochs': self.bad_epochs}
+
+    def restore(self, meta):
+        """Take the bookkeeping back from a checkpoint's record."""
+        self.best, self.best_epoch = meta.get('best'), meta.get('best_epoch', 0)
+        self.bad_epochs = meta.get('bad_epochs', 0)
+
+    def end_epoch(self, net, trainer, meta, value, average=None):
+        """Score the epoch's ``value``, write its checkpoint (and ``best.ckpt`` when it is
+        the best so far), prune old ones. Returns whether it was the best."""
+        is_best = self.is_better(value)
+        if is_best:
+            self.best, self.best_epoch, self.bad_epochs = value, meta['epoch'], 0
+        else:
+            self.bad_epochs += 1
+        self.save(net, trainer, meta, is_best, average=average)
+        return is_best
+
+    def save(self, net, trainer, meta, is_best=False, step_in_epoch=0, average=None):
+        """Write a checkpoint (mid-epoch when ``step_in_epoch``); returns its path, or
+        None when this saver writes nothing."""
+        if self.folder is None:
+            return None
+        meta = dict(meta, **self.state())
+        name = 'epoch%04d.ckpt' % meta['epoch']
+        if step_in_epoch:
+            name = 'epoch%04d-step%06d.ckpt' % (meta['epoch'], step_in_epoch)
+        path = os.path.join(self.folder, name)
+        save_checkpoint(path, net, trainer, meta, average)
+        if is_best:
+            # A hard link is an atomic, free copy; fall back to writing it again where the
+            # file system has no hard links. Any other failure (full, read-only) is one.
+            best = os.path.join(self.folder, 'best.ckpt')
+            tmp = os.path.join(self.folder, '.tmp-best.ckpt')
+            try:
+                with write_errors(best):
+                    try:
+                        if os.path.lexists(tmp):
+                            os.remove(tmp)
+                        write_point(best)
+                        os.link(path, tmp)
+                        os.replace(tmp, best)
+                    except OSError as exc:
+                        if exc.errno not in _NO_HARD_LINKS:
+                            raise
+                        save_checkpoint(best, net, trainer, meta, average)
+            finally:
+                if os.path.lexists(tmp):
+                    try:
+                        os.remove(tmp)
+                    except OSError:
+                        pass
+        self._prune()
+        return path
+
+    def _prune(self):
+        # At least the newest one survives: it is what --resume auto continues from.
+        found = list_checkpoints(self.folder)
+        for old in found[:max(0, len(found) - max(1, self.keep_last))]:
+            os.remove(old)
+
+
+# What os.link raises where a file system cannot make hard links (FAT, some FUSE and
+# network mounts): best.ckpt is then written as a second copy.
+_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
 class RunRecorder:
     """The run folder's writer and the run's log.
 
@@ -55,7 +165,7 @@ class RunRecorder:
     monitor : str
         The metric that picks the best checkpoint (``train_loss`` without validation).
     data_id : dict
-        The data fingerprint stored in every checkpoint (see ``engine.data_fingerprint``).
+        The data fingerprint stored in every checkpoint (see ``data.prepare.data_fingerprint``).
     enabled : bool
         False: write nothing (keep score, log to the console only).
     verbose : bool

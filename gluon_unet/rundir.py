@@ -21,9 +21,8 @@ import os
 import socket
 import time
 
-from .errors import UserError
-from .paths import RUN_DIRS, remove_files, remove_if_empty, run_files
 from .errors import UserError, WriteError, errno_words
+from .paths import RUN_DIRS, remove_files, remove_if_empty, run_files
 from .utils import write_errors, write_point
 
 LOCK_NAME = '.lock'

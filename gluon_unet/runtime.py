@@ -299,7 +299,8 @@ def restrict_visible_gpus(gpus):
         ``{mxnet_gpu_index: gpu_id}`` (``{0: 4, 1: 5, 2: 6, 3: 7}``), empty when nothing
         was changed.
     """
-    from .devices import parse_gpu_list, set_gpu_renumbering
+    from .devices import parse_gpu_list
+    from .hardware import set_gpu_renumbering
     from .errors import UserError
     if 'mxnet' in sys.modules:
         return {}
@@ -322,8 +323,8 @@ def restrict_visible_gpus(gpus):
 
 
 def gpu_renumbering():
-    """:func:`gluon_unet.devices.gpu_renumbering`: the GPU ids this process made visible."""
-    from .devices import gpu_renumbering as renumbering
+    """:func:`gluon_unet.hardware.gpu_renumbering`: the GPU ids this process made visible."""
+    from .hardware import gpu_renumbering as renumbering
     return renumbering()
 
 

@@ -44,7 +44,7 @@ def skip_unless_cpu_bfloat16():
     there a bf16 AMP network fails at its first forward. Only that case skips; on a CPU
     that passes the probe, a failing bf16 test is a real failure.
     """
-    from gluon_unet.devices import cpu_bfloat16_support
+    from gluon_unet.hardware import cpu_bfloat16_support
     ok, reason = cpu_bfloat16_support()
     if not ok:
         pytest.skip(reason)
@@ -58,6 +58,14 @@ def requires_bf16():
 
 
 #: The model.json :func:`export_brightness_model` writes unless told otherwise.
+def export_names():
+    """The files an export holds here, sorted: with ``model.onnx`` where the onnx package
+    is installed (exports write it by default then), without it elsewhere."""
+    from gluon_unet.onnx_export import onnx_available
+    return sorted(['model-0000.params', 'model-symbol.json', 'model.json'] + (['model.onnx'] if onnx_available()[0]
+                                                                              else []))
+
+
 BRIGHTNESS_SIDECAR = {'in_channels': 1, 'classes': 1, 'multiple': 4, 'train_size': 32,
                       'resize_mode': 'resize', 'threshold': 0.5}
 
@@ -134,11 +142,11 @@ def run_in_own_group(argv, timeout, **kw):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (``@pytest.mark.gpu`` or ``@pytest.mark.gpu(min_gpus=2)``) run
     where MXNet sees enough GPUs; elsewhere they are collected and skipped with the reason
-    from :func:`gluon_unet.devices.gpu_status` (``pytest -m gpu -rs`` prints it)."""
+    from :func:`gluon_unet.hardware.gpu_status` (``pytest -m gpu -rs`` prints it)."""
     marked = [item for item in items if item.get_closest_marker('gpu')]
     if not marked:
         return
-    from gluon_unet.devices import gpu_status
+    from gluon_unet.hardware import gpu_status
     count, reason = gpu_status()
     for item in marked:
         need = item.get_closest_marker('gpu').kwargs.get('min_gpus', 1)

@@ -18,10 +18,10 @@ import mxnet as mx
 import numpy as np
 
 from gluon_unet.data import synthetic_nuclei
-from gluon_unet.engine import build_network
 from gluon_unet.losses import SegmentationLoss
 from gluon_unet.optim import make_trainer
 from gluon_unet.parallel import DataParallelStep
+from gluon_unet.step import build_network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -205,7 +205,7 @@ def check_sync_bn_uneven_batch_matches_one_device(make_ctxs, tiny, ndev=3, n=8, 
 AMP_SCRIPT = textwrap.dedent('''
     import json, sys
     import mxnet as mx
-    from gluon_unet.config import TrainConfig, ModelConfig
+    from gluon_unet.config import ModelConfig, TrainConfig
     from gluon_unet.engine import fit
     cfg = TrainConfig(model=ModelConfig(width=8, depth=2, in_channels=1), size=32, epochs=4,
                       batch_size=8, synthetic_count=48, workers=0, output=sys.argv[1], progress=False,
@@ -287,7 +287,7 @@ def engine_step_trainer(cfg, ctxs):
     """Build the step the way fit() does (strategy, update_on_kvstore, make_step), train
     one batch, and return the trainer (its kvstore is created at the first step)."""
     from gluon_unet import distributed
-    from gluon_unet.engine import make_step, resolve_update_on_kvstore
+    from gluon_unet.step import make_step, resolve_update_on_kvstore
     strategy = distributed.make_strategy(cfg.kvstore)
     net = build_network(cfg, ctxs)
     update_on_kv = resolve_update_on_kvstore(cfg, None, strategy)
@@ -304,7 +304,7 @@ def check_loader_pins_memory(pin_device):
     """A loader feeding GPU ``pin_device`` returns batches in page-locked host memory
     (``cpu_pinned``), from which copies to the GPU are asynchronous DMA."""
     from gluon_unet.data import synthetic_dataset
-    from gluon_unet.data.dataset import make_loader
+    from gluon_unet.data.loader import make_loader
     loader = make_loader(synthetic_dataset(4, size=32, seed=0), 2, shuffle=False, seed=0, pin_device=pin_device)
     batch = next(iter(loader))
     assert all(a.context == mx.Context('cpu_pinned', pin_device) for a in batch), [a.context for a in batch]

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gluon_unet.data import load_dataset
-from gluon_unet.data.dataset import EpochSampler, balanced_order
 from gluon_unet.data.io import image_kind, input_image, normalize_image, read_image
+from gluon_unet.data.sampler import EpochSampler, balanced_order
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -132,7 +132,7 @@ def test_sqrt_balance_draws_groups_in_proportion_to_the_square_root_of_their_siz
 
 
 def test_oversample_draws_every_group_as_often_as_the_largest_and_keeps_all_of_it():
-    from gluon_unet.engine import balanced_epoch_length
+    from gluon_unet.data.prepare import balanced_epoch_length
     length = balanced_epoch_length(GROUPS, 'oversample')
     assert length == 3 * 90 and balanced_epoch_length(GROUPS, 'groups') is None
     assert balanced_epoch_length(None, 'oversample') is None
@@ -276,7 +276,8 @@ def test_balance_groups_without_groups_is_refused_in_one_line(tiny):
 
 def test_denoise_is_a_setting_the_data_and_the_export_follow(tiny, tmp_path):
     """--denoise 0 reproduces the inputs of runs made before the denoise existed."""
-    from gluon_unet.engine import build_datasets, fit
+    from gluon_unet.data.prepare import build_datasets
+    from gluon_unet.engine import fit
     d = _folder(tmp_path, ['fluorescence', 'fluorescence', 'brightfield'])
     base = dict(data=str(d / 'images'), masks=str(d / 'masks'), crop=16, epochs=1, batch_size=2, val_split=0.0,
                 normalize='auto', cache_dir=str(tmp_path / 'cache'), in_channels=0, tune_postprocess=False)

@@ -1,4 +1,6 @@
-"""The package's joints (issue 15): no import cycles, nothing changed by ``import gluon_unet``,
+"""The package's joints (issues 15 and 46): no import cycles, imports that run one way
+(training -> inference -> shared), argument parsing in the CLI package only, modules of a
+readable size, scripts that use public names, nothing changed by ``import gluon_unet``,
 and logging that touches only its own handlers."""
 import ast
 import logging
@@ -135,6 +137,195 @@ def test_every_module_imports_in_a_fresh_interpreter():
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == str(len(names)), done.stderr[-2000:]
 
+
+
+# -- layers: which side of the package a module is on -----------------------------------------
+
+#: Training: the loop and everything only it uses. It may import the other layers.
+TRAINING = {'engine', 'step', 'validation', 'resume', 'stops', 'parallel', 'distributed', 'recorder', 'optim',
+            'losses', 'averaging', 'budget', 'benchmark', 'tblog'}
+#: Inference: exports, prediction, the post-processing search. Training ends in an export
+#: and a search, so it imports these; they never import training.
+INFERENCE = {'export', 'sidecar', 'search', 'inference', 'predict', 'predictions', 'postprocess', 'submission',
+             'overlay', 'tiling', 'onnx_export', 'onnx_numpy', 'onnx_runner', 'evaluate'}
+#: What both sides read (configs, the checkpoint format, the model, data, devices): it
+#: imports neither side.
+SHARED = {'', 'config', 'errors', 'utils', 'paths', 'checkpoint', 'model', 'metrics', 'scale', 'devices',
+          'hardware', 'runtime', 'reporting', 'limits', 'rundir', 'recipes', 'data', 'data.io', 'data.layouts',
+          'data.readers', 'data.cache', 'data.dataset', 'data.sampler', 'data.loader', 'data.pinned',
+          'data.augment', 'data.targets', 'data.weights', 'data.synthetic', 'data.prepare'}
+#: The entry points: the command line and the tools it runs; they may import anything.
+ENTRY = {'__main__', 'doctor', 'launch'}
+
+
+def _side(module):
+    name = module[len('gluon_unet.'):] if module.startswith('gluon_unet.') else ''
+    if name == 'cli' or name.startswith('cli.'):
+        return 'entry'
+    for side, members in (('training', TRAINING), ('inference', INFERENCE), ('shared', SHARED),
+                          ('entry', ENTRY)):
+        if name in members:
+            return side
+    return None
+
+
+def _reachable(graph, start):
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+#: Which sides a module of each side may reach (transitively).
+ALLOWED = {'training': {'training', 'inference', 'shared'}, 'inference': {'inference', 'shared'},
+           'shared': {'shared'}}
+
+
+def _layer_violations(graph, side_of):
+    """``['gluon_unet.x (inference) -> ... gluon_unet.y (training)', ...]``: each module that
+    reaches a module of a side its own side may not import."""
+    found = []
+    for module in sorted(graph):
+        side = side_of(module)
+        if side not in ALLOWED:
+            continue
+        bad = sorted(d for d in _reachable(graph, module) if side_of(d) not in ALLOWED[side] | {None})
+        found += ['%s (%s) reaches %s (%s)' % (module, side, d, side_of(d)) for d in bad]
+    return found
+
+
+def test_every_module_is_on_one_side():
+    sides = {m: _side(m) for m in _modules()}
+    assert not [m for m, side in sides.items() if side is None], 'a module on no side: add it to one of the lists'
+    assert not (TRAINING & INFERENCE or TRAINING & SHARED or INFERENCE & SHARED or ENTRY & (TRAINING | INFERENCE
+                                                                                            | SHARED))
+
+
+def test_imports_run_one_way_training_inference_shared():
+    # Function-level imports count too: they run as soon as the function does.
+    graph = _import_graph()
+    for module, deps in _import_graph(function_level=True).items():
+        graph[module] |= deps
+    assert not _layer_violations(graph, _side), '\n'.join(_layer_violations(graph, _side))
+
+
+def test_the_layer_check_finds_an_arrow_the_wrong_way():
+    sides = {'i': 'inference', 'j': 'inference', 't': 'training', 's': 'shared'}
+    graph = {'i': {'j'}, 'j': {'s', 't'}, 't': {'i'}, 's': set()}
+    assert _layer_violations(graph, sides.get) == ['i (inference) reaches t (training)',
+                                                   'j (inference) reaches t (training)']
+    assert _layer_violations({'t': {'i', 's'}, 'i': {'s'}, 's': set()}, sides.get) == []
+
+
+# -- only the CLI parses arguments --------------------------------------------------------------
+
+def _argv_uses(tree):
+    """Line numbers where a module imports argparse or reads ``sys.argv``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name.split('.')[0] == 'argparse' for a in node.names):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and (node.module == 'argparse' or (
+                node.module == 'sys' and any(a.name == 'argv' for a in node.names))):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == 'argv' and isinstance(node.value, ast.Name) \
+                and node.value.id == 'sys':
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_cli_package_parses_arguments():
+    # The library takes the values it uses; gluon_unet/cli/ turns command lines into configs.
+    found = []
+    for module, path in _modules().items():
+        if module == 'gluon_unet.cli' or module.startswith('gluon_unet.cli.'):
+            continue
+        with open(path) as f:
+            found += ['%s:%d' % (os.path.relpath(path, ROOT), n) for n in _argv_uses(ast.parse(f.read(), path))]
+    assert not found, 'argparse or sys.argv outside gluon_unet/cli/: %s' % ', '.join(found)
+
+
+def test_the_argument_check_sees_each_way_in():
+    for source in ('import argparse', 'from argparse import ArgumentParser', 'import sys\nx = sys.argv[1:]',
+                   'from sys import argv'):
+        assert _argv_uses(ast.parse(source)), source
+    assert not _argv_uses(ast.parse('import sys\nsys.exit(0)'))
+
+
+# -- modules of a readable size ----------------------------------------------------------------
+
+#: A module longer than this says why it is one module, in a docstring paragraph that
+#: begins with REASON.
+MAX_LINES = 500
+REASON = 'Why one module:'
+
+
+def test_no_module_is_long_without_saying_why():
+    long = []
+    for module, path in sorted(_modules().items()):
+        with open(path) as f:
+            text = f.read()
+        docstring = ast.get_docstring(ast.parse(text, path)) or ''
+        lines = text.count('\n')
+        if lines > MAX_LINES and not any(p.startswith(REASON) for p in docstring.split('\n\n')):
+            long.append('%s (%d lines)' % (os.path.relpath(path, ROOT), lines))
+    assert not long, 'over %d lines with no "%s" paragraph in the docstring: %s' % (MAX_LINES, REASON,
+                                                                                 ', '.join(long))
+
+
+# -- scripts use the public API ------------------------------------------------------------------
+
+def _private_uses(tree):
+    """``[(line, name), ...]``: names with a leading underscore that a script takes from
+    gluon_unet - imported (``from gluon_unet.x import _y``, ``gluon_unet._x``) or read off
+    a gluon_unet module it imported (``x._y``)."""
+    modules, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or '').split('.')[0] == 'gluon_unet':
+            parts = node.module.split('.')
+            found += [(node.lineno, node.module) for p in parts if p.startswith('_') and not p.startswith('__')]
+            for alias in node.names:
+                if alias.name.startswith('_'):
+                    found.append((node.lineno, alias.name))
+                modules.add(alias.asname or alias.name)  # may be a module (from gluon_unet import x)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split('.')[0] == 'gluon_unet':
+                    found += [(node.lineno, alias.name) for p in alias.name.split('.') if p.startswith('_')]
+                    modules.add(alias.asname or alias.name.split('.')[0])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith('_') and not node.attr.startswith('__'):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules:
+                found.append((node.lineno, node.attr))
+    return found
+
+
+def test_benchmarks_and_experiments_use_only_public_names():
+    found = []
+    for folder in ('benchmarks', 'experiments'):
+        for parent, _, files in os.walk(os.path.join(ROOT, folder)):
+            for name in sorted(files):
+                if name.endswith('.py'):
+                    path = os.path.join(parent, name)
+                    with open(path) as f:
+                        tree = ast.parse(f.read(), path)
+                    found += ['%s:%d %s' % (os.path.relpath(path, ROOT), line, what)
+                              for line, what in _private_uses(tree)]
+    assert not found, 'private gluon_unet names in scripts (give them a public name): %s' % ', '.join(found)
+
+
+def test_the_private_name_check_sees_each_way_in():
+    for source in ('from gluon_unet.export import _resolve_run', 'from gluon_unet import cache\ncache._intact = 1',
+                   'import gluon_unet.data.cache as c\nc._intact()', 'from gluon_unet._x import y'):
+        assert _private_uses(ast.parse(source)), source
+    assert not _private_uses(ast.parse('from gluon_unet import cache\nimport os\nos._exit(0)\ncache.intact()'))
 
 # -- logging ----------------------------------------------------------------------------------
 

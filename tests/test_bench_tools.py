@@ -245,8 +245,8 @@ def _fake_package(root, make_loader_body):
     pkg = root / 'gluon_unet' / 'data'
     pkg.mkdir(parents=True)
     (root / 'gluon_unet' / '__init__.py').write_text('')
-    (pkg / '__init__.py').write_text('def synthetic_dataset(n, size):\n    return list(range(n))\n')
-    (pkg / 'dataset.py').write_text('import os, signal, time\n\ndef make_loader(ds, **kw):\n' + make_loader_body)
+    (pkg / '__init__.py').write_text('import os, signal, time\n\ndef synthetic_dataset(n, size):\n'
+                                     '    return list(range(n))\n\ndef make_loader(ds, **kw):\n' + make_loader_body)
 
 
 def test_stress_loader_exit_counts_a_hung_run_and_leaves_no_process(tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import skip_unless_cpu_bfloat16
-from gluon_unet import devices
+from gluon_unet import hardware
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -29,9 +29,9 @@ ZEN3_CPUINFO = ('processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EP
 @pytest.fixture
 def fresh_probe():
     """The probe's result is cached per process: forget it before and after the test."""
-    devices.cpu_bfloat16_support.cache_clear()
+    hardware.cpu_bfloat16_support.cache_clear()
     yield
-    devices.cpu_bfloat16_support.cache_clear()
+    hardware.cpu_bfloat16_support.cache_clear()
 
 
 @pytest.fixture
@@ -39,11 +39,11 @@ def zen3(monkeypatch, tmp_path, fresh_probe):
     """Pretend to be an AVX2-only CPU: its /proc/cpuinfo, and oneDNN refusing bf16 convs."""
     cpuinfo = tmp_path / 'cpuinfo'
     cpuinfo.write_text(ZEN3_CPUINFO)
-    monkeypatch.setattr(devices, '_CPUINFO', str(cpuinfo))
+    monkeypatch.setattr(hardware, '_CPUINFO', str(cpuinfo))
 
     def refuse():
         raise mx.base.MXNetError(ONEDNN_ERROR)
-    monkeypatch.setattr(devices, '_bfloat16_probe', refuse)
+    monkeypatch.setattr(hardware, '_bfloat16_probe', refuse)
 
 
 def _bf16(x):
@@ -51,7 +51,7 @@ def _bf16(x):
 
 
 def test_probe_agrees_with_a_real_bfloat16_convolution(fresh_probe):
-    ok, reason = devices.cpu_bfloat16_support()
+    ok, reason = hardware.cpu_bfloat16_support()
     assert '\n' not in reason and 'this CPU (' in reason, reason
     if not ok:
         pytest.skip(reason)
@@ -70,7 +70,7 @@ def test_probe_agrees_with_a_real_bfloat16_convolution(fresh_probe):
     got = mx.nd.amp_cast(y, dtype='float32').asnumpy()
     assert np.abs(got - ref).max() <= 0.02 * np.abs(ref).max()
     assert np.isfinite(mx.nd.amp_cast(wb.grad, dtype='float32').asnumpy()).all()
-    assert devices.cpu_bfloat16_support() == (True, reason)  # cached, same answer
+    assert hardware.cpu_bfloat16_support() == (True, reason)  # cached, same answer
 
 
 def test_a_refused_probe_leaves_nothing_on_stderr(monkeypatch, fresh_probe, capfd):
@@ -80,15 +80,15 @@ def test_a_refused_probe_leaves_nothing_on_stderr(monkeypatch, fresh_probe, capf
     def refuse_loudly():
         os.write(2, b'[05:33:00] ../src/operator/nn/mkldnn/mkldnn_convolution.cc:139: could not create\n')
         raise mx.base.MXNetError(ONEDNN_ERROR)
-    monkeypatch.setattr(devices, '_bfloat16_probe', refuse_loudly)
-    ok, reason = devices.cpu_bfloat16_support()
+    monkeypatch.setattr(hardware, '_bfloat16_probe', refuse_loudly)
+    ok, reason = hardware.cpu_bfloat16_support()
     os.write(2, b'after\n')  # and file descriptor 2 works again
     assert not ok and 'could not create a primitive descriptor iterator' in reason
     assert capfd.readouterr().err == 'after\n'
 
 
 def test_probe_reports_the_cpu_when_onednn_refuses(zen3):
-    ok, reason = devices.cpu_bfloat16_support()
+    ok, reason = hardware.cpu_bfloat16_support()
     assert not ok
     assert 'AMD EPYC 7B13' in reason and 'no AVX-512' in reason and 'bfloat16' in reason, reason
     assert 'could not create a primitive descriptor iterator' in reason and '\n' not in reason, reason
@@ -102,14 +102,14 @@ def test_probe_failure_is_simulated_at_the_mxnet_call(monkeypatch, fresh_probe):
     def conv(*args, **kwargs):
         raise mx.base.MXNetError(ONEDNN_ERROR)
     monkeypatch.setattr(mx.nd, 'Convolution', conv)
-    ok, reason = devices.cpu_bfloat16_support()
+    ok, reason = hardware.cpu_bfloat16_support()
     monkeypatch.setattr(mx.nd, 'Convolution', real)
     assert not ok and 'could not create a primitive descriptor iterator' in reason
 
 
 def test_require_cpu_bfloat16_stops_with_one_line(zen3):
     with pytest.raises(UserError) as info:
-        devices.require_cpu_bfloat16()
+        hardware.require_cpu_bfloat16()
     message = str(info.value)
     assert '\n' not in message and info.value.exit_code == 2
     assert message.startswith('--amp: bfloat16 mixed precision needs a CPU with AVX-512')
@@ -117,10 +117,10 @@ def test_require_cpu_bfloat16_stops_with_one_line(zen3):
 
 
 def test_require_cpu_bfloat16_passes_where_the_probe_does(fresh_probe):
-    ok, reason = devices.cpu_bfloat16_support()
+    ok, reason = hardware.cpu_bfloat16_support()
     if not ok:
         pytest.skip(reason)
-    devices.require_cpu_bfloat16()
+    hardware.require_cpu_bfloat16()
 
 
 def test_bf16_tests_skip_only_when_the_probe_says_no(zen3):
@@ -130,7 +130,7 @@ def test_bf16_tests_skip_only_when_the_probe_says_no(zen3):
 
 
 def test_bf16_tests_run_where_the_probe_says_yes(monkeypatch, fresh_probe):
-    monkeypatch.setattr(devices, '_bfloat16_probe', lambda: None)
+    monkeypatch.setattr(hardware, '_bfloat16_probe', lambda: None)
     skip_unless_cpu_bfloat16()  # no skip
 
 
@@ -140,10 +140,10 @@ def test_train_amp_on_a_cpu_without_bf16_stops_with_one_line_before_training(tmp
     script = textwrap.dedent('''
         import sys
         import mxnet as mx
-        from gluon_unet import devices
+        from gluon_unet import hardware
         def refuse():
             raise mx.base.MXNetError(%r)
-        devices._bfloat16_probe = refuse
+        hardware._bfloat16_probe = refuse
         from gluon_unet.cli import train_main
         sys.exit(train_main(sys.argv[1:]))
     ''' % ONEDNN_ERROR)

@@ -20,7 +20,7 @@ def _whole_image(prob, threshold=0.5, min_size=0, h=0.5, smooth=1.0):
         small[0] = False
         mask &= ~small[comps]
     dist = ndi.gaussian_filter(ndi.distance_transform_edt(mask), smooth)
-    markers = postprocess._h_maxima_markers(dist, mask, h)
+    markers = postprocess.h_maxima_markers(dist, mask, h)
     labels = watershed(-dist, markers, mask=mask)
     orphan = mask & (labels == 0)
     if orphan.any():

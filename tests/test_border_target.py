@@ -15,12 +15,14 @@ from gluon_unet.config import TrainConfig
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import border_map, centre_map, contact_map, make_target
-from gluon_unet.engine import fit, validate
+from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model, predict_image
 from gluon_unet.losses import SegmentationLoss
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob, tune_postprocess
 from gluon_unet.metrics import dsb_image_score
+from gluon_unet.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.search import tune_postprocess
+from gluon_unet.validation import validate
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -206,7 +208,7 @@ def test_bad_target_values_are_one_line(tmp_path):
 
 def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.export import read_sidecar
+    from gluon_unet.sidecar import read_sidecar
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
                        ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
                        ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'"),
@@ -221,7 +223,7 @@ def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
 
 
 def test_resume_refuses_a_changed_target(tiny):
-    from gluon_unet.config import resume_conflicts
+    from gluon_unet.resume import resume_conflicts
     a, b = tiny(), tiny(target='mask+border')
     assert resume_conflicts(TrainConfig.from_dict(a.to_dict()), b) == ['--target mask (now mask+border)']
     assert b.model.outputs == 2 and a.model.outputs == 1

@@ -4,7 +4,7 @@ import json
 import mxnet as mx
 import pytest
 
-from gluon_unet.cli import config_from_args, train_parser
+from gluon_unet.cli.train import config_from_args, train_parser
 from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.devices import make_contexts, parse_gpu_ids
 from gluon_unet.errors import UserError

@@ -8,7 +8,8 @@ from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import border_map, contact_map, make_target
 from gluon_unet.data.weights import unet_weight_map
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob, tune_postprocess
+from gluon_unet.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.search import tune_postprocess
 from test_border_target import _touching_pair
 
 

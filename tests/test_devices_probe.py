@@ -18,7 +18,7 @@ import sys
 import mxnet as mx
 import pytest
 
-from gluon_unet import devices, runtime
+from gluon_unet import devices, hardware, runtime
 from gluon_unet.errors import UserError
 
 # What MXNet 1.9.1 raises at the first kernel on a GPU its wheel has no SASS for
@@ -44,7 +44,7 @@ def fake_gpus(monkeypatch):
     """A CUDA build of mxnet-cu117 that sees ``state['count']`` GPUs (A100s unless
     ``state['props']`` says otherwise); ``state['fail'][i]`` is the MXNetError text the
     probe kernels raise on gpu(i); ``state['calls']`` records the probes run."""
-    devices._reset_gpu_caches()
+    hardware._reset_gpu_caches()
     state = {'count': 8, 'props': {}, 'fail': {}, 'calls': []}
 
     def probe(ctx):
@@ -53,16 +53,16 @@ def fake_gpus(monkeypatch):
         if ctx.device_id in state['fail']:
             raise mx.base.MXNetError(state['fail'][ctx.device_id])
 
-    monkeypatch.setattr(devices, '_cuda_enabled', lambda: True)
-    monkeypatch.setattr(devices, '_mxnet_gpu_count', lambda: state['count'])
-    monkeypatch.setattr(devices, '_probe_kernels', probe)
-    monkeypatch.setattr(devices, 'gpu_properties', lambda i: state['props'].get(i, A100))
-    monkeypatch.setattr(devices, '_mxnet_distribution', lambda: 'mxnet-cu117')
+    monkeypatch.setattr(hardware, '_cuda_enabled', lambda: True)
+    monkeypatch.setattr(hardware, '_mxnet_gpu_count', lambda: state['count'])
+    monkeypatch.setattr(hardware, '_probe_kernels', probe)
+    monkeypatch.setattr(hardware, 'gpu_properties', lambda i: state['props'].get(i, A100))
+    monkeypatch.setattr(hardware, '_mxnet_distribution', lambda: 'mxnet-cu117')
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
-    monkeypatch.setattr(devices, '_renumbered', None)
+    monkeypatch.setattr(hardware, '_renumbered', None)
     monkeypatch.setattr(runtime, '_applied', dict(runtime._applied))
     yield state
-    devices._reset_gpu_caches()
+    hardware._reset_gpu_caches()
 
 
 def _error(spec):
@@ -87,8 +87,8 @@ def test_a_gpu_without_kernels_in_this_build_stops_gpus_in_one_line(fake_gpus):
 
 
 def test_the_message_does_without_name_and_capability(fake_gpus, monkeypatch):
-    monkeypatch.setattr(devices, 'gpu_properties', lambda i: (None, None))
-    monkeypatch.setattr(devices, '_mxnet_distribution', lambda: None)  # a source build
+    monkeypatch.setattr(hardware, 'gpu_properties', lambda i: (None, None))
+    monkeypatch.setattr(hardware, '_mxnet_distribution', lambda: None)  # a source build
     fake_gpus['fail'][0] = NO_KERNEL_IMAGE
     msg = _error('0')
     assert msg.startswith('--gpus 0: GPU 0 cannot run this MXNet build: no kernel image is available')
@@ -128,17 +128,17 @@ def test_cpu_runs_probe_nothing(fake_gpus):
 
 def test_the_probe_kernels_themselves_run_on_a_cpu_context():
     # The same operators, read back the same way, as on each GPU.
-    devices._probe_kernels(mx.cpu())
+    hardware._probe_kernels(mx.cpu())
 
 
 def test_build_supports_follows_the_wheels_arch_lists():
     # SASS only: same major, minor <= the GPU's (8.0 runs on 8.6 and Ada's 8.9).
     for cc, ok in [((5, 2), True), ((6, 1), True), ((7, 5), True), ((8, 0), True), ((8, 6), True),
                    ((8, 9), True), ((9, 0), False), ((10, 0), False), ((12, 0), False), ((3, 7), False)]:
-        assert devices.build_supports(cc, 'cu117') is ok, cc
-    assert devices.build_supports((3, 7), 'cu102') is True
-    assert devices.build_supports((8, 6), 'cu110') is True
-    assert devices.build_supports((9, 0), None) is None or devices._wheel_tag() is not None
+        assert hardware.build_supports(cc, 'cu117') is ok, cc
+    assert hardware.build_supports((3, 7), 'cu102') is True
+    assert hardware.build_supports((8, 6), 'cu110') is True
+    assert hardware.build_supports((9, 0), None) is None or hardware._wheel_tag() is not None
 
 
 MXNET_SOURCE = '/work/.mirror/apache+mxnet/repo'
@@ -146,7 +146,7 @@ MXNET_SOURCE = '/work/.mirror/apache+mxnet/repo'
 
 @pytest.mark.skipif(not os.path.isdir(MXNET_SOURCE), reason='no copy of the MXNet source here')
 def test_the_arch_table_is_mxnets_own():
-    for tag, archs in devices.WHEEL_CUDA_ARCHS.items():
+    for tag, archs in hardware.WHEEL_CUDA_ARCHS.items():
         text = subprocess.run(['git', '-C', MXNET_SOURCE, 'show', 'v1.9.x:config/distribution/linux_%s.cmake' % tag],
                               capture_output=True, text=True).stdout
         assert 'set(MXNET_CUDA_ARCH "%s"' % archs in text, tag
@@ -193,15 +193,15 @@ class FakeCuda:
 @pytest.fixture
 def cuda_build_without_gpus(fake_gpus, monkeypatch):
     fake_gpus['count'] = 0
-    return lambda lib: monkeypatch.setattr(devices, '_libcuda', lambda: lib)
+    return lambda lib: monkeypatch.setattr(hardware, '_libcuda', lambda: lib)
 
 
 def test_a_cuda_error_listing_the_gpus_is_shown_not_called_no_gpu(fake_gpus, monkeypatch):
     def fails():
         raise mx.base.MXNetError(DRIVER_MISMATCH)
-    monkeypatch.setattr(devices, '_mxnet_gpu_count', fails)
-    monkeypatch.setattr(devices, '_libcuda', lambda: FakeCuda(version=11040))
-    assert devices.num_gpus() == 0
+    monkeypatch.setattr(hardware, '_mxnet_gpu_count', fails)
+    monkeypatch.setattr(hardware, '_libcuda', lambda: FakeCuda(version=11040))
+    assert hardware.num_gpus() == 0
     msg = _error('0')
     assert msg == ('--gpus 0: mxnet-cu117 cannot list the GPUs: Check failed: e == cudaSuccess (803 vs. 0) :  CUDA: '
                    'system has unsupported display driver / cuda driver combination (NVIDIA driver for CUDA 11.4); '
@@ -236,22 +236,22 @@ def test_cuda_visible_devices_hiding_the_gpus_is_named(cuda_build_without_gpus, 
     cuda_build_without_gpus(FakeCuda(count=0))
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     assert "CUDA_VISIBLE_DEVICES='' hides every GPU" in _error('0')
-    devices._reset_gpu_caches()
+    hardware._reset_gpu_caches()
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '9')
     assert 'CUDA_VISIBLE_DEVICES=9 names none that exists' in _error('0')
 
 
 def test_gpu_properties_come_from_the_driver_in_cudas_numbering(monkeypatch):
-    monkeypatch.setattr(devices, '_libcuda', lambda: FakeCuda(count=2))
-    assert devices.gpu_properties(1) == H100
-    assert devices.gpu_properties(2) == (None, None)  # no such device
-    monkeypatch.setattr(devices, '_libcuda', lambda: 'libcuda.so.1 not found ()')
-    assert devices.gpu_properties(0) == (None, None)
+    monkeypatch.setattr(hardware, '_libcuda', lambda: FakeCuda(count=2))
+    assert hardware.gpu_properties(1) == H100
+    assert hardware.gpu_properties(2) == (None, None)  # no such device
+    monkeypatch.setattr(hardware, '_libcuda', lambda: 'libcuda.so.1 not found ()')
+    assert hardware.gpu_properties(0) == (None, None)
 
 
 def test_this_cpu_build_says_it_has_no_cuda():
-    devices._reset_gpu_caches()
-    count, reason = devices.gpu_status()
+    hardware._reset_gpu_caches()
+    count, reason = hardware.gpu_status()
     assert count == 0 and reason.startswith('this mxnet build has no CUDA support (available: cpu)')
 
 
@@ -262,7 +262,7 @@ def renumbered(fake_gpus, monkeypatch):
     """As after ``bin/train --gpus 4-7``: CUDA_VISIBLE_DEVICES=4,5,6,7 set by gluon_unet."""
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '4,5,6,7')
     monkeypatch.setitem(runtime._applied, 'CUDA_VISIBLE_DEVICES', '4,5,6,7')
-    monkeypatch.setattr(devices, '_renumbered', [4, 5, 6, 7])
+    monkeypatch.setattr(hardware, '_renumbered', [4, 5, 6, 7])
     fake_gpus['count'] = 4
     return fake_gpus
 
@@ -315,7 +315,7 @@ PROBE_FAILS_IN_THE_ENGINE = '''
 import sys
 sys.path.insert(0, sys.argv[1])
 import mxnet as mx
-from gluon_unet import devices
+from gluon_unet import hardware
 from gluon_unet.cli import train_main
 
 def failing_kernels(ctx):
@@ -324,11 +324,11 @@ def failing_kernels(ctx):
     second = mx.nd.linalg.potrf(bad * 2)
     first.asnumpy()
 
-devices._cuda_enabled = lambda: True
-devices._mxnet_gpu_count = lambda: 1
-devices.gpu_properties = lambda i: ('NVIDIA H100 80GB HBM3', (9, 0))
-devices._mxnet_distribution = lambda: 'mxnet-cu117'
-devices._probe_kernels = failing_kernels
+hardware._cuda_enabled = lambda: True
+hardware._mxnet_gpu_count = lambda: 1
+hardware.gpu_properties = lambda i: ('NVIDIA H100 80GB HBM3', (9, 0))
+hardware._mxnet_distribution = lambda: 'mxnet-cu117'
+hardware._probe_kernels = failing_kernels
 sys.exit(train_main(['--gpus', '0', '--output', sys.argv[2], '--no-progress']))
 '''
 

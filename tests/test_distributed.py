@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import pids_with, run_in_own_group, tiny_config
-from gluon_unet.data.dataset import EpochSampler
-from gluon_unet.errors import UserError
 from gluon_unet import distributed, launch
+from gluon_unet.cli import launch_main
+from gluon_unet.data.sampler import EpochSampler
+from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 LAUNCH = [sys.executable, os.path.join(ROOT, 'bin', 'launch')]
@@ -155,10 +156,10 @@ def test_launch_forwards_the_users_settings_but_not_gluon_unets_defaults(monkeyp
     monkeypatch.setenv('OMP_NUM_THREADS', '2')
     monkeypatch.setattr(runtime, '_applied', {'OMP_NUM_THREADS': '2'})  # chosen by this process
     monkeypatch.setenv('MXNET_CPU_TEMP_COPY', '64')  # the user's
-    assert launch.main(['-n', '1', '--port', '9000', '--', 'bin/train']) == 0
+    assert launch_main(['-n', '1', '--port', '9000', '--', 'bin/train']) == 0
     assert 'OMP_NUM_THREADS' not in seen['env'] and seen['env']['MXNET_CPU_TEMP_COPY'] == '64'
     monkeypatch.setenv('OMP_NUM_THREADS', '3')  # now the user's
-    launch.main(['-n', '1', '--port', '9000', '--', 'bin/train'])
+    launch_main(['-n', '1', '--port', '9000', '--', 'bin/train'])
     assert seen['env']['OMP_NUM_THREADS'] == '3'
 
 
@@ -182,8 +183,8 @@ def test_ssh_command_carries_env_cwd_and_quoting(tmp_path):
 
 
 def test_launch_usage_errors():
-    assert launch.main(['-n', '2']) == 2
-    assert launch.main(['-n', '2', '--launcher', 'ssh', '--', 'true']) == 2
+    assert launch_main(['-n', '2']) == 2
+    assert launch_main(['-n', '2', '--launcher', 'ssh', '--', 'true']) == 2
 
 
 def test_launch_prefixes_output_and_propagates_a_failure_fast(marker):

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from gluon_unet import doctor
+from gluon_unet.cli import doctor as doctor_cli, doctor_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', '--amp', 'horovod')
@@ -58,7 +59,7 @@ def test_doctor_usage_errors_are_one_line_exit_2():
 
 @pytest.fixture
 def in_process(monkeypatch):
-    monkeypatch.setattr(doctor, 'prepare_training_process', lambda *a, **kw: {})  # leave this process's env
+    monkeypatch.setattr(doctor_cli, 'prepare_training_process', lambda *a, **kw: {})  # leave this process's env
     import mxnet  # noqa: F401
 
 
@@ -70,7 +71,7 @@ def test_a_failing_device_is_named_in_one_line(in_process, monkeypatch, capsys):
             raise RuntimeError('cudaMalloc retry failed: out of memory\nmore detail')
         return real(ctx)
     monkeypatch.setattr(doctor, 'device_step', step)
-    assert doctor.main(['--cpus', '2']) == 1
+    assert doctor_main(['--cpus', '2']) == 1
     out, err = capsys.readouterr()
     assert 'ok  CPU 0:' in out and 'CPU 1' not in out.split('--amp')[1]
     assert err.strip().splitlines() == ['doctor: CPU 1: more detail']
@@ -92,6 +93,6 @@ def test_a_wrong_reduce_is_named_in_one_line(in_process, monkeypatch, capsys):
 
     monkeypatch.setattr(mx.kv, 'create', lambda kind: Broken(real_create(kind)))
     monkeypatch.setattr(doctor, 'device_step', lambda ctx: 0.5)
-    assert doctor.main(['--cpus', '2']) == 1
+    assert doctor_main(['--cpus', '2']) == 1
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ['doctor: kvstore device: CPU 0 received [1.0] instead of the sum 3.0']

@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from gluon_unet.averaging import WeightAverage
-from gluon_unet.checkpoint import load_checkpoint
-from gluon_unet.engine import build_datasets, fit, prepare_data, validate
+from gluon_unet.checkpoint import load_checkpoint, model_from_checkpoint
+from gluon_unet.data.prepare import build_datasets, prepare_data
+from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
-from gluon_unet.export import model_from_checkpoint
 from gluon_unet.losses import SegmentationLoss
+from gluon_unet.validation import validate
 
 
 def _arrays(path, prefix):

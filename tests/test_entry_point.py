@@ -81,15 +81,15 @@ def test_dispatcher_passes_argv_unchanged(monkeypatch):
 def test_every_config_field_has_one_help_group():
     names = [f.metadata.get('flag', f.name) for c in (TrainConfig, ModelConfig) for f in dataclasses.fields(c)
              if f.name != 'model']
-    grouped = [n for group in cli.FLAG_GROUPS.values() for n in group]
+    grouped = [n for group in cli.train.FLAG_GROUPS.values() for n in group]
     assert sorted(set(names)) == sorted(n for n in grouped if n in names), 'a field without a group'
     assert len(grouped) == len(set(grouped)), 'a field in two groups'
 
 
 def test_train_help_lists_choices_defaults_groups_and_examples():
-    parser = cli.train_parser()
+    parser = cli.train.train_parser()
     text = parser.format_help()
-    for title in cli.GROUP_TITLES.values():
+    for title in cli.train.GROUP_TITLES.values():
         assert '\n%s:\n' % title in text
     for key, allowed in _CHOICES.items():
         assert '%s {%s}' % (flag_name(key), ','.join(allowed)) in text, key
@@ -110,3 +110,45 @@ def test_other_helps_have_version_and_examples(command, capsys):
 def test_bin_shims_still_work():
     done = _run([os.path.join(ROOT, 'bin', 'launch'), '--version'])
     assert done.returncode == 0 and done.stdout.strip() == gluon_unet.version_string()
+
+
+def _command_parsers():
+    """command -> (its parser, the config dataclasses its flags come from, extra dests)."""
+    from gluon_unet.cli import doctor, evaluate, export, launch, predict, train
+    from gluon_unet.doctor import DoctorConfig
+    from gluon_unet.evaluate import EvaluateConfig
+    from gluon_unet.export import ExportConfig
+    from gluon_unet.launch import LaunchConfig
+    from gluon_unet.predict import PredictConfig
+    return {'train': (train.train_parser(), (TrainConfig, ModelConfig), {'config'}),
+            'predict': (predict.predict_parser(), (predict.PredictCommand, PredictConfig), set()),
+            'evaluate': (evaluate.evaluate_parser(), (EvaluateConfig,), set()),
+            'export': (export.export_parser(), (ExportConfig,), set()),
+            'doctor': (doctor.doctor_parser(), (DoctorConfig,), set()),
+            'launch': (launch.launch_parser(), (LaunchConfig,), set())}
+
+
+def test_every_commands_flags_are_its_config_fields_and_each_default_lives_there():
+    # One flag per field of the command's config dataclasses and no other (bin/train's
+    # --config aside); a flag left out takes the dataclass's default, not one of its own.
+    import argparse
+    parsers = _command_parsers()
+    assert sorted(parsers) == sorted(cli.COMMANDS)
+    for command, (parser, classes, extra) in parsers.items():
+        dests = sorted(a.dest for a in parser._actions if not isinstance(a, argparse._HelpAction)
+                       and a.dest not in (argparse.SUPPRESS, 'version'))
+        fields = sorted({f.name for c in classes for f in dataclasses.fields(c)
+                         if (c, f.name) != (TrainConfig, 'model')} | extra)
+        assert dests == fields, command
+        assert all(a.default is argparse.SUPPRESS for a in parser._actions if a.dest in set(fields) - extra), command
+        assert '--version' in parser._option_string_actions, command
+    from gluon_unet.cli.common import parse_configs
+    from gluon_unet.cli.predict import PredictCommand
+    from gluon_unet.predict import PredictConfig
+    command, config = parse_configs(parsers['predict'][0], ['--model', 'm', '--input', 'i', '--output', 'o'],
+                                    PredictCommand, PredictConfig)
+    assert config == PredictConfig() and command.allow_failures is False
+    _, config = parse_configs(parsers['predict'][0], ['--model', 'm', '--input', 'i', '--output', 'o', '--tta',
+                                                      '--no-progress', '--min-size', '16'], PredictCommand,
+                              PredictConfig)
+    assert (config.tta, config.progress, config.min_size) == (True, False, 16)

@@ -2,7 +2,8 @@
 import mxnet as mx
 import pytest
 
-from gluon_unet.errors import OneLineParser, UserError, mxnet_message, reports_errors
+from gluon_unet.cli.common import OneLineParser
+from gluon_unet.errors import UserError, mxnet_message, reports_errors
 
 
 def test_one_line_parser_usage_error_is_one_line_exit_2(capsys):

@@ -8,8 +8,9 @@ import cv2
 import numpy as np
 import pytest
 
+from gluon_unet.cli import evaluate_main as main
 from gluon_unet.errors import UserError
-from gluon_unet.evaluate import evaluate, main, read_labels
+from gluon_unet.evaluate import evaluate, read_labels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,18 +11,17 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from conftest import export_names
 from gluon_unet.checkpoint import load_checkpoint
+from gluon_unet.cli import export_main, predict_main
 from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.data.synthetic import synthetic_nuclei
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
-from gluon_unet.export import load_exported
-from gluon_unet.export import main as export_main
+from gluon_unet.inference import load_exported, predict_image
 from gluon_unet.model import build_model
-from gluon_unet.postprocess import rle_decode
-from gluon_unet.inference import predict_image
 from gluon_unet.predict import find_inputs, predict_paths
-from gluon_unet.predict import main as predict_main
+from gluon_unet.submission import rle_decode
 from gluon_unet.tiling import blend_window, choose_mode, tile_starts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,7 +141,7 @@ def test_export_errors_are_one_line(tiny, tmp_path, capsys):
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'export'), cfg.output, '--output', str(out)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(out)) == ['model-0000.params', 'model-symbol.json', 'model.json']
+    assert sorted(os.listdir(out)) == export_names()
 
     export = os.path.join(cfg.output, 'export')
     only_symbol = tmp_path / 'only_symbol'

@@ -9,9 +9,8 @@ import pytest
 
 from conftest import run_in_own_group
 from gluon_unet.config import ModelConfig
-from gluon_unet.data import dataset as dataset_mod
-from gluon_unet.data import synthetic_dataset
-from gluon_unet.data.dataset import default_workers, make_loader
+from gluon_unet.data import loader as loader_mod, synthetic_dataset
+from gluon_unet.data.loader import default_workers, make_loader
 from gluon_unet.data.weights import unet_weight_map
 from gluon_unet.errors import UserError
 from gluon_unet.losses import SegmentationLoss
@@ -89,12 +88,12 @@ def test_batches_for_gpus_come_in_a_few_reused_pinned_buffers():
 
 def test_too_little_shared_memory_warns_naming_shm_size(monkeypatch, caplog):
     ds = synthetic_dataset(4, size=32, seed=0)
-    monkeypatch.setattr(dataset_mod, '_shm_free', lambda: 1000)
+    monkeypatch.setattr(loader_mod, '_shm_free', lambda: 1000)
     with caplog.at_level(logging.WARNING, logger='gluon_unet'):
-        assert not dataset_mod.check_shared_memory(ds, 64, prefetch=4)
+        assert not loader_mod.check_shared_memory(ds, 64, prefetch=4)
     assert '--shm-size=' in caplog.text and '/dev/shm' in caplog.text
-    monkeypatch.setattr(dataset_mod, '_shm_free', lambda: 10 ** 12)
-    assert dataset_mod.check_shared_memory(ds, 64, prefetch=4)
+    monkeypatch.setattr(loader_mod, '_shm_free', lambda: 10 ** 12)
+    assert loader_mod.check_shared_memory(ds, 64, prefetch=4)
 
 
 class _Slow(type(synthetic_dataset(1, 8))):
@@ -118,8 +117,8 @@ def _slow(n=8, fail=False):
 
 
 def test_a_loader_time_out_is_one_line_naming_shm_size(monkeypatch):
-    monkeypatch.setattr(dataset_mod, 'BATCH_TIMEOUT_SECONDS', 1.0)
-    monkeypatch.setattr(dataset_mod, 'WORKER_EXIT_SECONDS', 0.5)
+    monkeypatch.setattr(loader_mod, 'BATCH_TIMEOUT_SECONDS', 1.0)
+    monkeypatch.setattr(loader_mod, 'WORKER_EXIT_SECONDS', 0.5)
     loader = make_loader(_slow(), 2, shuffle=False, seed=0, workers=2)
     with pytest.raises(UserError, match=r'sent no batch for 1 s.*--shm-size=2g.*--workers 0') as err:
         list(loader)
@@ -149,7 +148,7 @@ def test_many_loader_starts_and_stops_never_block_and_leave_no_process(monkeypat
     import gc
     import signal
     import time
-    monkeypatch.setattr(dataset_mod, 'WORKER_EXIT_SECONDS', 1.0)
+    monkeypatch.setattr(loader_mod, 'WORKER_EXIT_SECONDS', 1.0)
     ds = synthetic_dataset(12, 32, seed=0)
     reference = [b[0].asnumpy() for b in make_loader(ds, 3, shuffle=True, seed=1)]
     before = _our_children()
@@ -176,7 +175,7 @@ def test_many_loader_starts_and_stops_never_block_and_leave_no_process(monkeypat
             gc.collect()
         slowest = max(slowest, time.monotonic() - t0)
         assert all(p.exitcode is not None for p in procs), cycle
-    assert slowest < dataset_mod.WORKER_EXIT_SECONDS + 3
+    assert slowest < loader_mod.WORKER_EXIT_SECONDS + 3
     assert _our_children() == before
 
 
@@ -191,8 +190,8 @@ def test_a_loader_whose_idle_workers_were_killed_still_ends(tmp_path):
     script = textwrap.dedent("""
         import gc, multiprocessing, os, signal, sys, time
         sys.path.insert(0, sys.argv[1])
-        from gluon_unet.data import dataset, synthetic_dataset
-        loader = dataset.make_loader(synthetic_dataset(8, 32), batch_size=2, shuffle=False, seed=0, workers=2)
+        from gluon_unet.data import loader as loading, synthetic_dataset
+        loader = loading.make_loader(synthetic_dataset(8, 32), batch_size=2, shuffle=False, seed=0, workers=2)
         for _ in loader:
             pass
         for p in multiprocessing.active_children():
@@ -223,7 +222,7 @@ def test_a_loader_ends_even_when_a_worker_never_finishes_its_item(how, tmp_path)
     script = textwrap.dedent("""
         import os, signal, sys, time
         sys.path.insert(0, sys.argv[1])
-        from gluon_unet.data import dataset, synthetic_dataset
+        from gluon_unet.data import loader as loading, synthetic_dataset
 
         class Deaf(type(synthetic_dataset(1, 32))):
             def __getitem__(self, i):
@@ -233,10 +232,10 @@ def test_a_loader_ends_even_when_a_worker_never_finishes_its_item(how, tmp_path)
                     time.sleep(3600)
                 return super().__getitem__(i)
 
-        dataset.WORKER_EXIT_SECONDS = 1.0  # (exists since the fix; the test is as strong without it)
+        loading.WORKER_EXIT_SECONDS = 1.0  # (exists since the fix; the test is as strong without it)
         ds = synthetic_dataset(8, 32)
         ds.__class__ = Deaf
-        loader = dataset.make_loader(ds, batch_size=2, shuffle=False, seed=0, workers=2)
+        loader = loading.make_loader(ds, batch_size=2, shuffle=False, seed=0, workers=2)
         it = iter(loader)
         next(it)  # the batch with item 7 is asked for now, and never comes
         while not os.path.exists(sys.argv[3]):  # until a worker is in it

@@ -5,7 +5,7 @@ import os
 import socket
 import sys
 
-from gluon_unet.launch import main as launch_main
+from gluon_unet.cli import launch_main
 
 from conftest import ROOT, run_cli
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from gluon_unet import launch
+from gluon_unet.cli import launch_main
 from gluon_unet.errors import UserError
 
 SSH_OPTIONS = ['ssh', '-o', 'BatchMode=yes', '-o', 'StrictHostKeyChecking=accept-new']
@@ -65,7 +66,7 @@ def test_ordinary_host_names_pass(tmp_path):
 def test_bin_launch_refuses_the_hostfile_in_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(launch, 'Job', NoJob)
     path = _hostfile(tmp_path, '-oProxyCommand=touch /tmp/pwned\n')
-    assert launch.main(['-n', '1', '--launcher', 'ssh', '-H', path, '--', 'true']) == 2
+    assert launch_main(['-n', '1', '--launcher', 'ssh', '-H', path, '--', 'true']) == 2
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and err.startswith('error: -H %s line 1: ' % path), err
 
@@ -90,7 +91,7 @@ def test_bin_launch_refuses_a_bad_environment_name_before_starting(tmp_path, mon
     monkeypatch.setattr(launch, 'Job', NoJob)
     monkeypatch.setenv('MXNET_X;touch /tmp/pwned;Y', '1')  # forwarded: MXNET_ prefix
     path = _hostfile(tmp_path, 'node1\n')
-    assert launch.main(['-n', '1', '--launcher', 'ssh', '-H', path, '--', 'true']) == 2
+    assert launch_main(['-n', '1', '--launcher', 'ssh', '-H', path, '--', 'true']) == 2
     err = capsys.readouterr().err
     assert err.count('\n') == 1 and 'MXNET_X;touch' in err, err
 

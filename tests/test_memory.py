@@ -13,8 +13,9 @@ import pytest
 from gluon_unet.benchmark import synthetic_batch
 from gluon_unet.checkpoint import list_checkpoints
 from gluon_unet.config import ModelConfig, TrainConfig
-from gluon_unet.engine import build_network, fit, make_step
+from gluon_unet.engine import fit
 from gluon_unet.parallel import DataParallelStep, MirroredStep
+from gluon_unet.step import build_network, make_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +89,7 @@ def _peak_rss_mib(memory):
     code = ('import sys; sys.path.insert(0, %r)\n'
             'import mxnet as mx\n'
             'from gluon_unet.config import ModelConfig, TrainConfig\n'
-            'from gluon_unet.engine import build_network, make_step\n'
+            'from gluon_unet.step import build_network, make_step\n'
             'from gluon_unet.benchmark import synthetic_batch\n'
             'cfg = TrainConfig(model=ModelConfig(in_channels=1, width=16, depth=3), size=128, batch_size=4,\n'
             '                  memory=%r, progress=False)\n'

@@ -7,11 +7,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
+from gluon_unet.cli import predict_main
 from gluon_unet.config import TrainConfig
 from gluon_unet.data import load_dataset
 from gluon_unet.data.io import BRIGHT_BACKGROUND, normalize_image
 from gluon_unet.errors import UserError
-from gluon_unet.predict import main as predict_main
 from gluon_unet.predict import predict_paths
 
 

@@ -60,9 +60,10 @@ KINDS = {
 }
 
 
-def _export_kind(folder, depth=4, in_channels=1, **model):
+def _export_kind(folder, depth=4, in_channels=1, onnx=False, **model):
     """A random width-4 U-Net of one kind, exported as training does (biases and BatchNorm
-    statistics made non-trivial, so a wrong bias or BatchNormalization shows)."""
+    statistics made non-trivial, so a wrong bias or BatchNormalization shows); its
+    model.onnx only with ``onnx`` (the tests add it with add_onnx)."""
     mx.random.seed(0)
     cfg = TrainConfig(model=ModelConfig(in_channels=in_channels, width=4, depth=depth, **model), size=64)
     from gluon_unet.export import export_block
@@ -76,7 +77,7 @@ def _export_kind(folder, depth=4, in_channels=1, **model):
             p.set_data(mx.nd.array(rng.normal(0, 0.2, p.shape)))
         elif name.endswith(('running_var', 'gamma')):
             p.set_data(mx.nd.array(rng.uniform(0.5, 2, p.shape)))
-    export_block(net, cfg, folder)
+    export_block(net, cfg, folder, onnx=onnx)
     return cfg
 
 
@@ -213,14 +214,16 @@ def test_a_stale_or_damaged_model_onnx_is_refused(kinds, tmp_path):
         f.write(b'xxxxx')
     with pytest.raises(DamagedFile, match='model.onnx is damaged'):
         onnx_path(folder)
-    # A later export of other weights into the folder: its model.json does not list the old file.
+    # A later export of other weights into the folder, without ONNX, takes the old file away...
     _export_kind(folder, batch_norm=False)
+    assert not os.path.exists(os.path.join(folder, ONNX_FILE))
+    with pytest.raises(UserError, match='the export has no model.onnx'):
+        onnx_path(folder)
+    # ... and one put back by hand is not listed in its model.json: refused.
+    shutil.copy(os.path.join(kinds['no-batchnorm']['folder'], ONNX_FILE), folder)
     with pytest.raises(UserError, match='is not recorded in .*model.json') as err:
         onnx_path(folder)
     assert '\n' not in str(err.value)
-    os.remove(os.path.join(folder, ONNX_FILE))
-    with pytest.raises(UserError, match='the export has no model.onnx'):
-        onnx_path(folder)
 
 
 def test_predict_imports_no_mxnet_until_it_predicts_with_mxnet():
@@ -251,13 +254,13 @@ def test_without_onnxruntime_the_onnx_path_is_one_line(kinds):
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
     """A small mask+border model trained by fit (its export written by the end of training,
-    as bin/train does), its model.onnx, and images to predict."""
+    as bin/train does, model.onnx included: the onnx package is installed), and images to
+    predict."""
     from gluon_unet.data.synthetic import synthetic_nuclei
     from gluon_unet.engine import fit
     root = tmp_path_factory.mktemp('trained')
     cfg = tiny_config(root, epochs=4, width=8, batch_norm=True, target='mask+border', size=64, crop=32)
     fit(cfg, verbose=False)
-    add_onnx(cfg.output)
     images = root / 'images'
     images.mkdir()
     pictures, _, _ = synthetic_nuclei(3, size=88, seed=11)
@@ -268,6 +271,66 @@ def trained(tmp_path_factory):
     return cfg.output, str(images), root
 
 
+def test_training_writes_model_onnx_into_its_export_and_bin_export_follows_the_flags(trained, tmp_path, capsys):
+    from gluon_unet.cli import export_main
+    from gluon_unet.sidecar import read_sidecar
+    run, _, _ = trained
+    export = os.path.join(run, 'export')
+    meta = read_sidecar(os.path.join(export, 'model.json'))
+    assert meta['onnx']['opset'] == OPSET and meta['onnx']['parity']['max_abs_diff'] <= TOLERANCE
+    assert onnx_path(run)[0] == os.path.join(export, ONNX_FILE)  # recorded, its digest matches
+    # --no-onnx: the new export has none, and the old model.onnx (of other weights, maybe)
+    # does not outlive the files it was made from.
+    out = str(tmp_path / 'again')
+    assert export_main([run, '--output', out]) == 0
+    assert sorted(os.listdir(out)) == ['model-0000.params', 'model-symbol.json', 'model.json', 'model.onnx']
+    assert capsys.readouterr().out.startswith('exported %s/model-symbol.json, %s/model-0000.params and %s/model.onnx'
+                                              % (out, out, out))
+    assert export_main([run, '--output', out, '--no-onnx']) == 0
+    assert sorted(os.listdir(out)) == ['model-0000.params', 'model-symbol.json', 'model.json']
+    assert ONNX_FILE not in read_sidecar(os.path.join(out, 'model.json'))['digest']
+    assert export_main([run, '--output', out, '--onnx']) == 0 and os.path.isfile(os.path.join(out, ONNX_FILE))
+
+
+def test_without_the_onnx_package_an_export_says_so_in_one_line(trained, tmp_path):
+    # Asked for (--onnx): an error naming the requirements file, before anything is written.
+    # By default: the export without model.onnx, and one note line.
+    run, _, _ = trained
+    script = textwrap.dedent('''
+        import sys
+        sys.modules['onnx'] = None  # as if it were not installed
+        from gluon_unet.cli import export_main
+        sys.exit(export_main(sys.argv[1:]))
+    ''')
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    asked = subprocess.run([sys.executable, '-c', script, run, '--output', str(tmp_path / 'a'), '--onnx'],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert asked.returncode == 2 and asked.stderr.count('\n') == 1, asked.stderr
+    assert asked.stderr.startswith('error: --onnx: ONNX export needs the onnx package')
+    assert 'pip install -r requirements-onnx-export.txt' in asked.stderr and not (tmp_path / 'a').exists()
+    default = subprocess.run([sys.executable, '-c', script, run, '--output', str(tmp_path / 'b')],
+                             capture_output=True, text=True, env=env, timeout=300)
+    assert default.returncode == 0, default.stderr
+    notes = [line for line in default.stdout.splitlines() if line.startswith('note:')]
+    assert len(notes) == 1 and notes[0].startswith('note: no model.onnx (it predicts without MXNet): ONNX export '
+                                                   'needs the onnx package'), default.stdout
+    assert sorted(os.listdir(tmp_path / 'b')) == ['model-0000.params', 'model-symbol.json', 'model.json']
+
+
+def test_providers_choose_onnxruntime_even_where_mxnet_is_installed(trained, tmp_path, capsys):
+    # Here (mxnet, no onnxruntime) --providers routes bin/predict to the export's model.onnx
+    # on onnxruntime: the one line says what to install for it.
+    from gluon_unet.cli import predict_main
+    if subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True).returncode == 0:
+        pytest.skip('onnxruntime is installed beside mxnet here')
+    run, images, _ = trained
+    assert predict_main(['--model', run, '--input', images, '--output', str(tmp_path / 'out'),
+                         '--providers', 'cpu']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: onnxruntime is not installed in this Python') and err.count('\n') == 1, err
+    assert 'pip install -r requirements-onnx.txt' in err and not (tmp_path / 'out').exists()
+
+
 def _outputs(folder):
     names = sorted(n for n in os.listdir(folder) if n.endswith('.png'))
     return {n: cv2.imread(os.path.join(folder, n), cv2.IMREAD_UNCHANGED) for n in names}
@@ -276,7 +339,7 @@ def _outputs(folder):
 @pytest.mark.parametrize('flags', [['--mode', 'tile', '--overlay'], ['--mode', 'whole', '--tta', '--cpus', '2'],
                                    ['--mode', 'tile', '--diameter', 'auto']])
 def test_predict_without_mxnet_writes_the_same_labels_as_mxnet(trained, flags):
-    from gluon_unet.predict import main as predict_main
+    from gluon_unet.cli import predict_main
     run, images, root = trained
     tag = '-'.join(f.strip('-') for f in flags)
     mx_out, ort_out = str(root / ('mx-' + tag)), str(root / ('ort-' + tag))

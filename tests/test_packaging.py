@@ -1,10 +1,14 @@
-"""Packaging that tells the truth (issue 14 item 5): pyproject.toml says which Pythons and
-dependencies, the sdist holds what installing and testing need, constraints.txt pins CI."""
+"""Packaging that tells the truth (issue 14 item 5, issue 46): pyproject.toml says which
+Pythons and dependencies, the sdist holds what installing and testing need, the wheel
+built from it holds the package and its commands, setup.py and ``pip install .`` work,
+constraints.txt pins CI."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 
 import pytest
 
@@ -33,6 +37,7 @@ def test_pyproject_states_pythons_dependencies_extras_and_scripts():
     extras = project['optional-dependencies']
     assert extras['cpu'] == ['mxnet==1.9.1'] and extras['cu117'] == ['mxnet-cu117==1.9.1']
     assert {'cu112', 'cu110', 'test', 'tensorboard'} <= set(extras)
+    assert extras['onnx-export'] == _requirements('requirements-onnx-export.txt')
     assert all(re.fullmatch(r'mxnet-cu\d+==1\.9\.1', extras[k][0]) for k in extras if k.startswith('cu'))
     scripts = project['scripts']
     assert scripts['gluon-unet'] == 'gluon_unet.cli:main'
@@ -75,11 +80,23 @@ def test_horovod_is_pinned_and_ci_builds_it_as_the_file_says():
     assert pins['horovod'] == '0.28.1'
 
 
+def _package_modules():
+    """The package's files as a wheel names them: ``gluon_unet/cli/train.py``, ..."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(ROOT, 'gluon_unet')):
+        dirs[:] = [d for d in dirs if d != '__pycache__']
+        found += [os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, '/') for f in files
+                  if f.endswith(('.py', '.json'))]
+    return sorted(found)
+
+
 @pytest.mark.skipif(subprocess.run([sys.executable, '-c', 'import build'], capture_output=True).returncode,
                     reason='needs the build package (pip install build)')
-def test_sdist_builds_and_holds_what_installing_needs(tmp_path):
-    done = subprocess.run([sys.executable, '-m', 'build', '--sdist', '--no-isolation', '--outdir', str(tmp_path),
-                           ROOT], capture_output=True, text=True, timeout=120)
+def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
+    # python -m build makes the sdist, then the wheel from the unpacked sdist: a file the
+    # sdist leaves out is missing from the wheel too.
+    done = subprocess.run([sys.executable, '-m', 'build', '--no-isolation', '--outdir', str(tmp_path), ROOT],
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     path = tmp_path / ('gluon_unet-%s.tar.gz' % gluon_unet.__version__)
     with tarfile.open(path) as tar:
@@ -87,23 +104,58 @@ def test_sdist_builds_and_holds_what_installing_needs(tmp_path):
         top = 'gluon_unet-%s/' % gluon_unet.__version__
         pkg_info = tar.extractfile(top + 'PKG-INFO').read().decode()
         requires = tar.extractfile(top + 'gluon_unet.egg-info/requires.txt').read().decode()
-    for needed in ('pyproject.toml', 'README.md', 'requirements-base.txt', 'requirements.txt',
+    for needed in ('pyproject.toml', 'setup.py', 'README.md', 'requirements-base.txt', 'requirements.txt',
                    'constraints.txt', 'gluon_unet/__main__.py', 'gluon_unet/doctor.py',
                    'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini',
                    # the recipes (package data), what the docs tests read and the scripts tests import
-                   'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'tools/gen_reference.py',
+                   'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'gluon_unet/cli/reference.py',
                    'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py'):
         assert needed in names, needed
     assert not any('__pycache__' in n or n.endswith('.pyc') for n in names)
     assert 'Requires-Python: <3.12,>=3.9' in pkg_info
     assert '\n[cu117]\nmxnet-cu117==1.9.1\n' in requires and 'numpy<1.24,>=1.21' in requires
+    # The wheel: every module and recipe of the package, nothing else, and the commands.
+    wheel = tmp_path / ('gluon_unet-%s-py3-none-any.whl' % gluon_unet.__version__)
+    with zipfile.ZipFile(wheel) as z:
+        files = z.namelist()
+        info = 'gluon_unet-%s.dist-info/' % gluon_unet.__version__
+        entry_points = z.read(info + 'entry_points.txt').decode()
+    assert sorted(f for f in files if not f.startswith(info)) == _package_modules()
+    scripts = _pyproject()['project']['scripts']
+    assert sorted(line.split(' = ') for line in entry_points.splitlines() if ' = ' in line) == \
+        sorted([name, target] for name, target in scripts.items())
+
+
+def test_pip_install_dot_installs_the_package_and_its_commands(tmp_path):
+    # What a user's "pip install ." does, in a clean copy of the files it reads (pip builds
+    # in the tree it is given), without the dependencies (this Python has them): the
+    # gluon-unet command answers from the installed files, outside any checkout.
+    tree = tmp_path / 'tree'
+    shutil.copytree(os.path.join(ROOT, 'gluon_unet'), str(tree / 'gluon_unet'),
+                    ignore=shutil.ignore_patterns('__pycache__'))
+    for name in ('pyproject.toml', 'setup.py', 'MANIFEST.in', 'README.md'):
+        shutil.copy(os.path.join(ROOT, name), str(tree / name))
+    target = tmp_path / 'installed'
+    done = subprocess.run([sys.executable, '-m', 'pip', 'install', '--quiet', '--no-deps', '--no-build-isolation',
+                           '--no-index', '--target', str(target), str(tree)], capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    env = dict(os.environ, PYTHONPATH=str(target))
+    version = subprocess.run([str(target / 'bin' / 'gluon-unet'), '--version'], capture_output=True, text=True,
+                             env=env, cwd=str(tmp_path), timeout=60)
+    assert version.returncode == 0 and version.stdout.strip() == gluon_unet.version_string(), version.stderr
+    where = subprocess.run([sys.executable, '-c', 'import gluon_unet.cli, gluon_unet.recipes as r; '
+                            'print(gluon_unet.cli.__file__); print(r.path("dsb2018"))'],
+                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
+    module, recipe = where.stdout.split()
+    assert module.startswith(str(target)) and recipe.startswith(str(target)) and os.path.isfile(recipe), where
 
 
 def test_the_recipes_are_package_data(tmp_path):
     # build_py lays out what a wheel (and so pip install .) installs: --config NAME must
     # find its recipe there, not only in a checkout.
-    done = subprocess.run([sys.executable, '-c', 'from setuptools import setup; setup()', '-q', 'build_py',
-                           '-d', str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, 'setup.py', '-q', 'build_py', '-d', str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     shipped = sorted(p.name for p in (tmp_path / 'gluon_unet' / 'recipes').glob('*.json'))
     from gluon_unet import recipes

@@ -68,18 +68,10 @@ def test_predict_paths_overrides_apply_to_a_copy_and_unknown_ones_fail(tmp_path)
         predict_paths('m', str(tmp_path), str(tmp_path / 'out'), colour=True)
 
 
-def test_old_import_paths_of_predict_keep_working():
-    from gluon_unet import inference, predict, tiling
-    assert predict.predict_image is inference.predict_image and predict.image_jobs is inference.image_jobs
-    assert predict.tile_starts is tiling.tile_starts and predict.choose_mode is tiling.choose_mode
-    from gluon_unet.postprocess import SPLITS
-    assert predict.SPLITS is SPLITS
-
-
 def test_bin_predict_whole_mode_spreads_images_over_the_devices_and_buckets_keep_masks(tmp_path, capsys):
     import cv2
     from conftest import export_brightness_model, nuclei_png
-    from gluon_unet.predict import main
+    from gluon_unet.cli import predict_main as main
 
     model = export_brightness_model(str(tmp_path / 'model'))
     (tmp_path / 'in').mkdir()

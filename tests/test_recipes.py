@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gluon_unet import recipes
-from gluon_unet.cli import config_from_args
+from gluon_unet.cli.train import config_from_args
 from gluon_unet.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

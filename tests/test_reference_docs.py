@@ -1,4 +1,4 @@
-"""docs/reference/ is generated from the code (tools/gen_reference.py): it must match it."""
+"""docs/reference/ is generated from the code (gluon_unet/cli/reference.py): it must match it."""
 import dataclasses
 import os
 import subprocess
@@ -18,7 +18,7 @@ def _read(name):
 
 def test_committed_reference_matches_the_code():
     # In a child: the entry points it asks for their parsers set process-wide knobs.
-    done = subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'gen_reference.py'), '--check'],
+    done = subprocess.run([sys.executable, '-m', 'gluon_unet.cli.reference', '--check'], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -39,8 +39,7 @@ def test_reference_reads_the_same_on_every_supported_python():
     # help and call the optionals group 'optional arguments'; 3.11 does neither. The
     # committed reference must not depend on which one generated it.
     import argparse
-    sys.path.insert(0, os.path.join(ROOT, 'tools'))
-    import gen_reference
+    from gluon_unet.cli import reference as gen_reference
     parser = argparse.ArgumentParser(prog='x')
     action = parser.add_argument('--progress', action=argparse.BooleanOptionalAction, default=True, help='bars')
     plain = gen_reference._help(action, 'x')

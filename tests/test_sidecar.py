@@ -5,9 +5,9 @@ import os
 
 import pytest
 
+from gluon_unet.cli import predict_main
 from gluon_unet.errors import UserError
-from gluon_unet.export import load_exported
-from gluon_unet.predict import main as predict_main
+from gluon_unet.inference import load_exported
 from gluon_unet.predict import predict_paths
 
 from conftest import export_brightness_model, nuclei_png, run_cli

@@ -70,7 +70,8 @@ def test_sync_bn_on_cpu_contexts_does_not_hang_with_a_single_scratch_buffer(tmp_
         import mxnet as mx, numpy as np
         from conftest import tiny_config
         from gluon_unet.data import synthetic_nuclei
-        from gluon_unet.engine import _StopFlag, build_network, make_step, train_epoch
+        from gluon_unet.step import build_network, make_step, train_epoch
+        from gluon_unet.stops import StopFlag
         cfg = tiny_config(pathlib.Path(sys.argv[1]), batch_norm=True, sync_bn=True, cpus=3, batch_size=3)
         ctxs = [mx.cpu(i) for i in range(3)]
         step = make_step(cfg, build_network(cfg, ctxs), ctxs)
@@ -78,7 +79,7 @@ def test_sync_bn_on_cpu_contexts_does_not_hang_with_a_single_scratch_buffer(tmp_
         x, y = images.transpose(0, 3, 1, 2).astype(np.float32) / 255, masks[:, None].astype(np.float32)
         batches = [(mx.nd.array(x[i:i + 3]), mx.nd.array(y[i:i + 3])) for i in range(0, 12, 3)]
         for epoch in range(12):
-            print(json.dumps(train_epoch(step, batches, epoch, _StopFlag())['train_loss']), flush=True)
+            print(json.dumps(train_epoch(step, batches, epoch, StopFlag())['train_loss']), flush=True)
     ''')
     env = dict(_env(), MXNET_CPU_TEMP_COPY='1')
     try:

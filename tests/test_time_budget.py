@@ -7,12 +7,13 @@ import os
 import pytest
 
 from gluon_unet import engine
-from gluon_unet.budget import planned_epochs, search_estimate
+from gluon_unet.budget import planned_epochs
 from gluon_unet.checkpoint import load_checkpoint
 from gluon_unet.config import TrainConfig
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.optim import make_lr_scheduler, resize_lr_scheduler
+from gluon_unet.search import search_estimate
 
 
 def test_planned_epochs_fits_what_is_left_and_never_passes_epochs():
@@ -130,9 +131,10 @@ def test_the_search_is_kept_aside_and_probed_once(tiny, tmp_path, clock, monkeyp
 def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     import mxnet as mx
 
-    from gluon_unet.engine import build_datasets, build_network, search_images, search_seconds
-    from gluon_unet.export import geometry
-    from gluon_unet.postprocess import search_labelings
+    from gluon_unet.data.prepare import build_datasets
+    from gluon_unet.search import search_images, search_labelings, search_seconds
+    from gluon_unet.sidecar import geometry
+    from gluon_unet.step import build_network
     cfg = tiny(synthetic_count=40, val_split=0.25)
     _, val_ds = build_datasets(cfg)
     net = build_network(cfg, [mx.cpu()])
@@ -146,7 +148,7 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     with pytest.raises(StopIteration):
         next(readings)  # three readings: before, between and after
     # A two-map model: each kind of markers is timed on its own and scaled by its own count.
-    from gluon_unet.postprocess import search_arms
+    from gluon_unet.search import search_arms
     assert search_arms('border') == [('border', 28), ('distance', 27)] and search_labelings('border') == 55
     readings = iter([0.0, 1.0, 2.0, 4.0])  # border markers 1 s for all images, the distance 2 s
     assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second='border',

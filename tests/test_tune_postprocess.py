@@ -5,11 +5,11 @@ import os
 import numpy as np
 import pytest
 
+from gluon_unet import predict as predict_mod
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference import load_model
-from gluon_unet.postprocess import TUNE_GRID, tune_postprocess
-from gluon_unet import predict as predict_mod
+from gluon_unet.search import TUNE_GRID, tune_postprocess
 
 import mxnet as mx
 
@@ -107,15 +107,15 @@ def test_the_search_scores_whole_validation_images_predicted_like_bin_predict(ti
     """A model trained on crops is tuned on its validation images whole (tiled, as
     bin/predict sees them), scored against their whole instance labels - not on the
     training-time crops, whose settings need not suit whole images."""
-    from gluon_unet import engine
+    from gluon_unet import search
     seen = []
-    real = engine.predict_image
+    real = search.predict_image
 
     def spy(net, meta, image, ctxs, **kw):
         seen.append((image.shape, meta['resize_mode'], meta['train_size']))
         return real(net, meta, image, ctxs, **kw)
 
-    monkeypatch.setattr(engine, 'predict_image', spy)
+    monkeypatch.setattr(search, 'predict_image', spy)
     from gluon_unet.data.synthetic import synthetic_dataset
     train_ds, val_ds = synthetic_dataset(12, 64, channels=1, seed=1), synthetic_dataset(6, 64, channels=1, seed=2)
     history = fit(tiny(epochs=1, size=64, crop=32), train_ds, val_ds, verbose=False)
@@ -173,8 +173,9 @@ def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, cap
 def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch):
     import mxnet as mx
     from gluon_unet.data.synthetic import synthetic_dataset
-    from gluon_unet.engine import build_network, tune_postprocessing
-    from gluon_unet.export import geometry
+    from gluon_unet.search import tune_postprocessing
+    from gluon_unet.sidecar import geometry
+    from gluon_unet.step import build_network
     cfg = tiny(size=64, crop=32)
     net = build_network(cfg, [mx.cpu()])
     val_ds = synthetic_dataset(5, 64, channels=1, seed=2)
@@ -182,34 +183,34 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=10)['images'] == 1
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_images=3)['images'] == 3
     # An image larger than the budget alone is cut to its centre, labels and image alike.
-    from gluon_unet import engine
-    shapes, real = [], engine.predict_image
+    from gluon_unet import search
+    shapes, real = [], search.predict_image
 
     def spy(net, meta, image, ctxs, **kw):
         shapes.append(image.shape)
         return real(net, meta, image, ctxs, **kw)
 
-    monkeypatch.setattr(engine, 'predict_image', spy)
+    monkeypatch.setattr(search, 'predict_image', spy)
     assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=32 * 32)['images'] == 1
     assert shapes == [(32, 32, 1)]
-    assert engine._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
+    assert search._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
 
 
 def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(tiny, monkeypatch, capsys):
     """--tune-mode / --tune-tta (and bin/export --tune-postprocess --mode M --tta): the
     search scores maps predicted that way, the export records it, and bin/predict notes
     when its own --mode / --tta differ."""
-    from gluon_unet import engine
+    from gluon_unet import search
     from gluon_unet.cli import export_main
     from gluon_unet.postprocess import settings_text
     calls = []
-    real = engine.predict_image
+    real = search.predict_image
 
     def spy(net, meta, image, ctxs, **kw):
         calls.append((kw.get('mode', 'auto'), kw.get('tta', False)))
         return real(net, meta, image, ctxs, **kw)
 
-    monkeypatch.setattr(engine, 'predict_image', spy)
+    monkeypatch.setattr(search, 'predict_image', spy)
     history = fit(tiny(epochs=1, val_split=0.25, tune_mode='tile', tune_tta=True), verbose=False)
     sidecar = os.path.join(history.output, 'export', 'model.json')
     tuned = json.load(open(sidecar))['postprocess']
@@ -248,7 +249,7 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
 
 def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.export import read_sidecar
+    from gluon_unet.sidecar import read_sidecar
     for bad, words in (({'tta': 'yes'}, "'postprocess' 'tta' must be true or false"),
                        ({'mode': 'tiles'}, "'postprocess' 'mode' must be one of auto, resize, tile, whole")):
         folder = export_brightness_model(str(tmp_path / next(iter(bad))), dict(BRIGHTNESS_SIDECAR, postprocess=bad))

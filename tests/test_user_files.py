@@ -11,21 +11,20 @@ import sys
 import numpy as np
 import pytest
 
-from gluon_unet.cli import config_from_args
+from gluon_unet.cli import evaluate_main, export_main
+from gluon_unet.cli.train import config_from_args
 from gluon_unet.data.io import read_image, read_labels, read_mask
 from gluon_unet.engine import fit
 from gluon_unet.errors import UserError
-from gluon_unet.evaluate import main as evaluate_main
-from gluon_unet.export import load_exported
-from gluon_unet.export import main as export_main
+from gluon_unet.inference import load_exported
 
-from gluon_unet.predict import main as predict_main
+from gluon_unet.cli import predict_main
 from gluon_unet.rundir import claim_run_folder, holds_run
 
-from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, nuclei_png, run_cli, tiny_config
+from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, export_names, nuclei_png, run_cli, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPORT = ['model-0000.params', 'model-symbol.json', 'model.json']
+EXPORT = export_names()
 MANIFEST = 'gluon_unet-predictions.json'  # gluon_unet.paths.MANIFEST
 
 
@@ -156,13 +155,13 @@ def test_plain_export_keeps_the_post_processing_training_searched(run, tmp_path,
 _STOPPED_SEARCH = '''
 import os, signal, sys, time
 sys.path.insert(0, %r)
-from gluon_unet import cli, engine
+from gluon_unet import cli, search
 
-def search(*args, **kwargs):  # the search, stopped part way
+def stopped(*args, **kwargs):  # the search, stopped part way
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 
-engine.tune_postprocessing = search
+search.tune_postprocessing = stopped
 sys.exit(cli.export_main([sys.argv[1], '--tune-postprocess']))
 '''
 

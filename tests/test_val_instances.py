@@ -3,9 +3,10 @@ import numpy as np
 import mxnet as mx
 
 from gluon_unet.data.augment import make_transform
-from gluon_unet.data.dataset import SegmentationDataset, make_loader
-from gluon_unet.engine import val_instances
+from gluon_unet.data.dataset import SegmentationDataset
+from gluon_unet.data.loader import make_loader
 from gluon_unet.metrics import DSBMetric
+from gluon_unet.validation import val_instances
 
 
 def _touching_pair(n=4, size=48):

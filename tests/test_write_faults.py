@@ -20,7 +20,7 @@ import pytest
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.cli import evaluate_main, export_main, predict_main, train_main
 from gluon_unet.data.synthetic import synthetic_nuclei
-from gluon_unet.export import load_exported
+from gluon_unet.inference import load_exported
 from gluon_unet.utils import WriteFaults
 
 from conftest import run_cli

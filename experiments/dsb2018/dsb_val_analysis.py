@@ -67,9 +67,11 @@ def validation_set(run):
     validation split its config builds."""
     import mxnet as mx
 
-    from gluon_unet.engine import build_datasets
-    from gluon_unet.export import _resolve_run, geometry, model_from_checkpoint
-    ckpt, export_dir = _resolve_run(run, None)
+    from gluon_unet.checkpoint import model_from_checkpoint
+    from gluon_unet.data.prepare import build_datasets
+    from gluon_unet.export import resolve_run
+    from gluon_unet.sidecar import geometry
+    ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
     net.hybridize(static_alloc=True, static_shape=True)
     cfg.progress = False
@@ -319,7 +321,7 @@ def cmd_object_filter(args):
 def setting_scores(images, settings, label_fn, jobs=1):
     """(images, settings x min scores) DSB scores: every image labelled by
     ``label_fn(maps, setting)`` for each setting, then cut at each of the search's min
-    scores (``postprocess.TUNE_MIN_SCORES``)."""
+    scores (``search.TUNE_MIN_SCORES``)."""
     items = [(m, t) for m, t, _ in images.values()]
     work = functools.partial(_image_row, settings=settings, label_fn=label_fn)
     if jobs > 1:
@@ -330,7 +332,8 @@ def setting_scores(images, settings, label_fn, jobs=1):
 
 
 def _image_row(item, settings, label_fn):
-    from gluon_unet.postprocess import TUNE_MIN_SCORES, cut_scores
+    from gluon_unet.postprocess import cut_scores
+    from gluon_unet.search import TUNE_MIN_SCORES
     m, t = item
     return [score for setting in settings for score in cut_scores(label_fn(m, setting), m[0], t, TUNE_MIN_SCORES)]
 
@@ -352,7 +355,7 @@ def leave_one_out(scores, groups=None):
 def _grid_settings():
     import itertools
 
-    from gluon_unet.postprocess import TUNE_GRID
+    from gluon_unet.search import TUNE_GRID
     keys = ('threshold', 'h', 'min_size')
     return [dict(zip(keys, v)) for v in itertools.product(*(TUNE_GRID[k] for k in keys))]
 
@@ -387,10 +390,10 @@ def _distance_times_prob(prob, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
+    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * prob, 1.0)
-    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+    return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
 
 
 def _variant_labels(m, setting):
@@ -420,10 +423,10 @@ def cmd_markers(args):
 
 def _centre_level(maps, threshold, min_size, level):
     """Markers: the components of the centre map above ``level`` (not its h-maxima)."""
-    from gluon_unet.postprocess import _level_markers, keep_orphans
+    from gluon_unet.postprocess import keep_orphans, level_markers
     from skimage.segmentation import watershed
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
-    markers, elevation = _level_markers(maps[1], mask, level)
+    markers, elevation = level_markers(maps[1], mask, level)
     return keep_orphans(watershed(elevation, markers, mask=mask), mask)
 
 
@@ -434,10 +437,10 @@ def _distance_times_centre(maps, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import _h_maxima_markers, keep_orphans
+    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * maps[1], 1.0)
-    return keep_orphans(watershed(-elevation, _h_maxima_markers(elevation, mask, h), mask=mask), mask)
+    return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
 
 
 def _centre_labels(m, setting):
@@ -463,7 +466,7 @@ def cmd_centre(args):
     per = {name: setting_scores(images, settings, _centre_labels, args.jobs) for name, settings in arms.items()}
     print('%d images; best setting on all of them / each scored with the one chosen on the others' % len(images))
     for name, scores in per.items():
-        from gluon_unet.postprocess import TUNE_MIN_SCORES
+        from gluon_unet.search import TUNE_MIN_SCORES
         best = scores.mean(0).argmax()
         setting = dict(arms[name][best // len(TUNE_MIN_SCORES)], min_score=TUNE_MIN_SCORES[best % len(TUNE_MIN_SCORES)])
         print('%-24s %.4f / %.4f   best: %s' % (name, scores.mean(0).max(), leave_one_out(scores).mean(), setting))

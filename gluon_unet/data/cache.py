@@ -128,14 +128,14 @@ def load(cache_dir, key, verify=True, report=True):
                 arrays[name] = np.zeros(shape, spec['dtype'])
             else:
                 arrays[name] = np.memmap(fname, dtype=spec['dtype'], mode='r', shape=shape)
-            if verify and not _intact(fname, spec, arrays[name], report):
+            if verify and not intact(fname, spec, arrays[name], report):
                 return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return CacheEntry(path, meta, arrays)
 
 
-def _intact(fname, spec, array, report=True):
+def intact(fname, spec, array, report=True):
     """Whether ``array`` (read from ``fname``) matches the digest in its ``spec``; with
     ``report``, says why not in one line."""
     stored = spec.get(DIGEST)

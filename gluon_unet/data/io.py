@@ -60,6 +60,11 @@ of 0, since lossy compression leaves small non-zero values around every edge.
 Any file that cannot be decoded (missing, corrupt, truncated, unknown format), and a
 float image holding NaN or infinite pixels, raises :class:`~gluon_unet.errors.UserError`
 naming the file.
+
+Why one module: every image, mask and label file the package reads (training, prediction,
+evaluation) goes through these readers, and the input normalization that training and
+prediction share starts from exactly what they decode; a sixth of its length is this
+account of the formats.
 """
 import os
 

@@ -10,6 +10,9 @@ import math
 import numpy as np
 from scipy import ndimage as ndi
 
+#: The losses that take this weight map as a third input (``--loss``): their batches carry it.
+WEIGHTED = ('wbce', 'wbce_dice')
+
 #: Cap on the class-balancing weight, so an image with a handful of foreground pixels
 #: does not get a weight of thousands on them.
 MAX_CLASS_WEIGHT = 10.0

@@ -1,15 +1,15 @@
-"""Command-line entry points: ``bin/train``, ``bin/predict``, ``bin/evaluate`` and
-``bin/export`` call the ``*_main`` functions here (``bin/launch`` calls ``launch.main``).
-Training flags are generated from the config dataclasses, so every option has one name
-(``batch_size`` <-> ``--batch-size``) and one default.
+"""``gluon-unet train`` / ``bin/train``: flags generated from ``TrainConfig``, then :func:`~gluon_unet.engine.fit`.
 
-Importing this module does not import mxnet. Each entry point first applies the
+Every ``TrainConfig`` (and ``ModelConfig``) field is a flag (``batch_size`` <->
+``--batch-size``) with one default, shown in groups (:data:`FLAG_GROUPS`); ``--config
+FILE.json`` or ``--config RECIPE`` sets them from a file (:func:`config_from_args`).
+
+Importing this module does not import mxnet: :func:`train_main` first applies the
 process-wide settings that libmxnet reads only when it loads (``OMP_NUM_THREADS``,
-``MXNET_CPU_TEMP_COPY``: :func:`~gluon_unet.runtime.apply_runtime_defaults`), then imports
-the modules that need mxnet: ``train_main`` after reading its flags, for its number of
-CPU contexts; the others for one.
+``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``:
+:func:`~gluon_unet.runtime.prepare_training_process`) for the devices its flags name,
+then imports the training modules.
 """
-import argparse
 import dataclasses
 import json
 import os
@@ -17,24 +17,19 @@ import sys
 import typing
 import warnings
 
-from . import add_version_flag, recipes, version_string
-from .config import _CHOICES, ModelConfig, TrainConfig, check_types, flag_name
-from .errors import OneLineParser, UserError, reports_errors, signals_raise
-from .reporting import get_logger
-from .runtime import apply_runtime_defaults, prepare_training_process, process_gpus
-from .utils import read_json
+from .. import recipes
+from ..config import _CHOICES, ModelConfig, TrainConfig, check_types
+from ..errors import UserError, reports_errors
+from ..reporting import get_logger
+from ..runtime import apply_runtime_defaults, prepare_training_process, process_gpus
+from ..utils import read_json
+from .common import command_parser, config_flag
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
 DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size': 16,
                  'synthetic_count': 320, 'lr': 3e-3, 'lr_schedule': 'cosine',
                  'loss': 'bce_dice', 'patience': 0}
-
-
-def _arg_type(tp):
-    if typing.get_origin(tp) is typing.Union:
-        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
-    return tp
 
 
 # ``bin/train --help`` shows the flags in these groups, in this order (the sections of
@@ -72,44 +67,11 @@ TRAIN_EXAMPLES = """examples:
 (bin/train and python -m gluon_unet train take the same flags.)"""
 
 
-def _field_help(f, default):
-    """The help text of a config field: its description, its allowed values when it has
-    a fixed set (shown in the metavar instead), its default once."""
-    text = f.metadata.get('help', '')
-    if 'default' in text:  # the description already says what the default means
-        return text
-    if default is None:
-        return text
-    shown = ('on' if default else 'off') if isinstance(default, bool) else repr(default) \
-        if default == '' else str(default)
-    demo = DEMO_DEFAULTS.get(f.name)
-    if demo is not None and demo != default:
-        return '%s (default: %s; demo without --data: %s)' % (text, shown, demo)
-    return '%s (default: %s)' % (text, shown)
-
-
-def _config_flag(f, hints):
-    """(flag, add_argument keyword arguments) for one config field."""
-    tp = _arg_type(hints[f.name])
-    default = f.default if f.default is not dataclasses.MISSING else None
-    kwargs = dict(dest=f.name, default=argparse.SUPPRESS, help=_field_help(f, default))
-    if tp is bool:
-        kwargs['action'] = argparse.BooleanOptionalAction
-    else:
-        kwargs['type'] = tp
-        # The allowed values are checked by TrainConfig.validate() (one message for flags
-        # and --config files alike), not by argparse: shown, not enforced, here.
-        choices = _CHOICES.get(f.name)
-        kwargs['metavar'] = ('{%s}' % ','.join(choices) if choices else _METAVARS.get(f.name)
-                             or {int: 'N', float: 'X'}.get(tp) or f.name.upper())
-    return flag_name(f.name), kwargs
-
-
-def add_config_arguments(parser, cls=TrainConfig):
-    """Add one flag per config field (nested ModelConfig fields included), in the
+def add_config_arguments(parser):
+    """Add one flag per TrainConfig field (nested ModelConfig fields included), in the
     groups of :data:`FLAG_GROUPS`."""
     fields = {}
-    for c in (TrainConfig, ModelConfig) if cls is TrainConfig else (cls,):
+    for c in (TrainConfig, ModelConfig):
         hints = typing.get_type_hints(c)
         fields.update({f.metadata.get('flag', f.name): (f, hints) for f in dataclasses.fields(c)
                        if f.name != 'model'})
@@ -119,12 +81,18 @@ def add_config_arguments(parser, cls=TrainConfig):
             continue
         target = parser.add_argument_group(GROUP_TITLES[group])
         for name in present:
-            flag, kwargs = _config_flag(*fields.pop(name))
-            target.add_argument(flag, **kwargs)
+            flags, kwargs = _train_flag(*fields.pop(name))
+            target.add_argument(*flags, **kwargs)
     for f, hints in fields.values():  # a field no group names yet: still a flag
-        flag, kwargs = _config_flag(f, hints)
-        parser.add_argument(flag, **kwargs)
+        flags, kwargs = _train_flag(f, hints)
+        parser.add_argument(*flags, **kwargs)
     return parser
+
+
+def _train_flag(f, hints):
+    # The allowed values are checked by TrainConfig.validate() (one message for flags
+    # and --config files alike), not by argparse: shown, not enforced, here.
+    return config_flag(f, hints, metavars=_METAVARS, demo=DEMO_DEFAULTS, shown_choices=_CHOICES)
 
 
 #: A --config file is a few hundred bytes of settings; anything past this is not one.
@@ -179,14 +147,13 @@ def config_from_args(given, config_file=None):
 
 
 def train_parser(prog='train'):
-    parser = OneLineParser(
-        prog=prog, usage='%(prog)s [--data PATH] [--gpus IDS | --cpus N] [options]',
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TRAIN_EXAMPLES,
+    """The ``bin/train`` parser: ``--config`` and one flag per config field."""
+    parser = command_parser(
+        prog, usage='%(prog)s [--data PATH] [--gpus IDS | --cpus N] [options]', epilog=TRAIN_EXAMPLES,
         description='Train a U-Net on all the given devices. Without --data, trains on generated\n'
                     'nuclei (a demo that ends in an exported model). Every flag is a field of\n'
                     'TrainConfig (gluon_unet/config.py); --config FILE.json or --config RECIPE sets them\n'
                     'from a file.')
-    add_version_flag(parser)
     parser.add_argument('--config', metavar='FILE.json|RECIPE',
                         help='JSON file with config values, or the name of a shipped recipe (%s); flags '
                              'override it' % ', '.join(recipes.names()))
@@ -213,10 +180,12 @@ def train_main(argv=None):
     # Under --kvstore horovod, --gpus names the host's GPUs and this process takes its share.
     prepare_training_process(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus, cfg.memory)
     if cfg.benchmark:
-        from .benchmark import benchmark_main
+        from ..benchmark import benchmark_main
         return benchmark_main(cfg)
-    from .data.cache import CacheWarning
-    from .engine import Diverged, Interrupted, fit
+    from ..data.cache import CacheWarning
+    from ..engine import fit
+    from ..step import Diverged
+    from ..stops import Interrupted
     # The log says it in one line; Python's warning would repeat it with a source line.
     warnings.simplefilter('ignore', CacheWarning)
     try:
@@ -240,8 +209,9 @@ def demo_predictions(cfg, run_dir, count=8):
     Writes ``<run_dir>/demo_inputs/*.png`` (images the model never saw, seed + 1) and
     ``<run_dir>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
-    from .data.synthetic import synthetic_nuclei
-    from .predict import predict_paths, write_png
+    from ..data.synthetic import synthetic_nuclei
+    from ..predict import predict_paths
+    from ..predictions import write_png
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(run_dir, 'demo_inputs')
@@ -256,137 +226,3 @@ def demo_predictions(cfg, run_dir, count=8):
         raise UserError('demo: %s; the trained model in %s is intact' % (records.summary(), run_dir), exit_code=1)
     get_logger().info('demo: segmented %d new images (%d nuclei) into %s', len(records),
                       sum(r['objects'] for r in records), out)
-
-
-def _asks_version(argv):
-    """Print the versions when ``argv`` holds ``--version`` (before any ``--``): answered
-    here, before the command's module (and mxnet) loads. True when it did."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if '--version' in args[:args.index('--') if '--' in args else len(args)]:
-        print(version_string())
-        return True
-    return False
-
-
-def predict_main(argv=None):
-    """``bin/predict``: :func:`gluon_unet.predict.main`, with the process settings its
-    devices and mode need applied before mxnet loads."""
-    if _asks_version(argv):
-        return 0
-    peek = argparse.ArgumentParser(add_help=False)
-    peek.add_argument('--gpus', default='')
-    peek.add_argument('--cpus', default='1')
-    peek.add_argument('--mode', default='auto')
-    known, _ = peek.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cpus = int(known.cpus)
-    except ValueError:
-        cpus = 1  # predict's own parser reports the bad value
-    prepare_training_process(known.gpus, max(1, cpus))
-    if known.mode == 'whole' and 'MXNET_CUDNN_AUTOTUNE_DEFAULT' not in os.environ and 'mxnet' not in sys.modules:
-        # Whole images come in many sizes, and cuDNN times every convolution algorithm
-        # for each new shape on each GPU (the variable is read per new shape:
-        # cudnn_convolution-inl.h): its heuristics are the better deal there.
-        os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
-    from .predict import main
-    with signals_raise():  # SIGTERM: temporary files removed, one line, exit 143
-        return main(argv)
-
-
-def evaluate_main(argv=None):
-    """``bin/evaluate``: :func:`gluon_unet.evaluate.main` with all the cores."""
-    if _asks_version(argv):
-        return 0
-    apply_runtime_defaults()
-    from .evaluate import main
-    with signals_raise():
-        return main(argv)
-
-
-def export_main(argv=None):
-    """``bin/export``: :func:`gluon_unet.export.main` with all the cores."""
-    if _asks_version(argv):
-        return 0
-    apply_runtime_defaults()
-    from .engine import retune
-    from .export import main
-    with signals_raise():
-        return main(argv, retune=retune)
-
-
-def doctor_main(argv=None):
-    """``gluon-unet doctor``: :func:`gluon_unet.doctor.main` (it chooses the thread
-    settings for its own ``--cpus`` before mxnet loads, as ``bin/train`` does)."""
-    from .doctor import main
-    return main(argv)
-
-
-def launch_main(argv=None):
-    """``bin/launch``: :func:`gluon_unet.launch.main` (sets nothing: each process of the
-    job chooses its own settings)."""
-    from .launch import main
-    return main(argv)
-
-
-# -- the one entry point: gluon-unet / python -m gluon_unet -----------------------------------
-
-# command -> (entry point in this module, one line for the overview)
-COMMANDS = {
-    'train': ('train_main', 'train a U-Net on the given devices (no --data: the built-in demo)'),
-    'predict': ('predict_main', 'segment images with an exported model (tiling, TTA, instances)'),
-    'evaluate': ('evaluate_main', 'score predicted masks against ground truth (DSB score, IoU, Dice)'),
-    'export': ('export_main', 'export a run or checkpoint for inference (symbol + params + model.json)'),
-    'launch': ('launch_main', 'run a command as a distributed job (scheduler, servers, workers)'),
-    'doctor': ('doctor_main', 'check the install: versions, MXNet features, GPUs, threads; --gpus runs a step'),
-}
-
-
-def overview(prog):
-    """The top-level ``--help`` text."""
-    width = max(len(c) for c in COMMANDS)
-    lines = ['usage: %s COMMAND [ARGS ...]' % prog, '       %s --version' % prog, '',
-             'Train U-Net segmentation models on all the GPUs of a machine with MXNet Gluon.', '',
-             'commands:']
-    lines += ['  %-*s  %s' % (width, name, text) for name, (_, text) in COMMANDS.items()]
-    lines += ['', "'%s COMMAND --help' lists a command's flags. bin/train, bin/predict, ... and the" % prog,
-              'gluon-unet-train, gluon-unet-predict, ... scripts are the same commands.', '',
-              'examples:',
-              '  # the built-in demo (~1-2 min on 2 CPU cores)', '  %s train' % prog,
-              '  # check the GPU build and every card before a long run', '  %s doctor --gpus all' % prog,
-              '  # train on eight GPUs, then segment new images',
-              '  %s train --data DIR --gpus 0-7 --batch-size 64 --output runs/a' % prog,
-              '  %s predict --model runs/a --input images/ --output masks/' % prog]
-    return '\n'.join(lines)
-
-
-def main(argv=None, prog='gluon-unet'):
-    """``gluon-unet COMMAND ARGS`` / ``python -m gluon_unet COMMAND ARGS``: run COMMAND's
-    entry point with ARGS exactly as ``bin/COMMAND ARGS`` would (same flags, output and
-    exit code). Returns the exit code; a usage error is one line and exit code 2."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv:
-        print('%s: error: a command is required: %s (%s --help for more)'
-              % (prog, ', '.join(COMMANDS), prog), file=sys.stderr)
-        return 2
-    command, rest = argv[0], argv[1:]
-    if command in ('-h', '--help', 'help'):
-        print(overview(prog))
-        return 0
-    if command == '--version':
-        print(version_string())
-        return 0
-    if command not in COMMANDS:
-        print('%s: error: unknown command %r (choose from %s)' % (prog, command, ', '.join(COMMANDS)),
-              file=sys.stderr)
-        return 2
-    entry = globals()[COMMANDS[command][0]]
-    try:
-        code = entry(rest)
-    except SystemExit as exc:  # argparse: --help, --version, usage errors
-        code = exc.code
-    if code is None:
-        return 0
-    if not isinstance(code, int):
-        print(code, file=sys.stderr)
-        return 1
-    return code

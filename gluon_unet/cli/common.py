@@ -1,0 +1,157 @@
+"""What every command's parser shares: one flag per config field, ``--version``, one-line
+usage errors.
+
+Each command's options are the fields of a config dataclass that lives next to the code
+it configures (``TrainConfig`` in ``config.py``, ``PredictConfig`` in ``predict.py``, ...):
+:func:`add_fields` makes one flag per field (``batch_size`` -> ``--batch-size``), with the
+field's help, its default shown once, and a metavar saying what the value is; the parsed
+flags become the dataclass again (:func:`parse_configs`), whose own ``validate()`` refuses
+bad values in one line naming the flag. So an option has one name and one default, kept
+with the code that uses it, and no command writes its flags by hand.
+"""
+import argparse
+import dataclasses
+import sys
+import typing
+
+from .. import version_string
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (flag and problem) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, '%s: error: %s\n' % (self.prog, message))
+
+
+def add_version_flag(parser):
+    """Give an argparse parser ``--version`` (prints :func:`~gluon_unet.version_string`, exit 0)."""
+
+    class _Version(argparse.Action):
+        def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+            super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(version_string(), file=sys.stdout)
+            parser.exit(0)
+
+    parser.add_argument('--version', action=_Version, help='print the gluon_unet, mxnet and Python versions and exit')
+    return parser
+
+
+def command_parser(prog, description, epilog=None, usage=None):
+    """A command's parser: one-line usage errors, ``--version``, the description and
+    examples printed as written."""
+    parser = OneLineParser(prog=prog, usage=usage, description=description, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    return add_version_flag(parser)
+
+
+def asks_version(argv):
+    """Print the versions when ``argv`` holds ``--version`` (before any ``--``): answered
+    before the command's modules (and mxnet) load. True when it did."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if '--version' in args[:args.index('--') if '--' in args else len(args)]:
+        print(version_string())
+        return True
+    return False
+
+
+def arg_type(tp):
+    """The type a flag's value converts to: ``Optional[float]`` -> ``float``."""
+    if typing.get_origin(tp) is typing.Union:
+        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+    return tp
+
+
+def default_of(f):
+    """A dataclass field's default (None when it has none)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def field_help(f, default, demo=None):
+    """The help text of a config field: its description, its default once (unless the
+    description already says what the default means), and the demo's value where
+    ``demo`` (field name -> value) sets another one."""
+    text = f.metadata.get('help', '')
+    if 'default' in text or default is None or default == []:
+        return text
+    shown = ('on' if default else 'off') if isinstance(default, bool) else repr(default) \
+        if default == '' else str(default)
+    value = (demo or {}).get(f.name)
+    if value is not None and value != default:
+        return '%s (default: %s; demo without --data: %s)' % (text, shown, value)
+    return '%s (default: %s)' % (text, shown)
+
+
+def config_flag(f, hints, metavars=None, demo=None, shown_choices=None):
+    """``(names, add_argument keyword arguments)`` for the config field ``f``.
+
+    A flag absent from the command line leaves no value (``argparse.SUPPRESS``): the
+    dataclass's own default applies, or a ``--config`` file's value for ``bin/train``.
+    ``metavars`` (field name -> placeholder) and ``shown_choices`` (field name -> allowed
+    values shown but checked by the config's ``validate()``, not by argparse) are the
+    caller's; the field's metadata (:func:`gluon_unet.config.option`) wins over both.
+    """
+    meta = f.metadata
+    tp = arg_type(hints[f.name])
+    kwargs = dict(default=argparse.SUPPRESS, help=field_help(f, default_of(f), demo))
+    if meta.get('positional'):
+        names = [f.name]
+        kwargs['metavar'] = meta.get('metavar', f.name.upper())
+        if meta.get('rest'):
+            kwargs['nargs'] = argparse.REMAINDER
+            return names, kwargs
+    else:
+        names = ([meta['short']] if 'short' in meta else []) + ['--' + meta.get('flag', f.name).replace('_', '-')]
+        kwargs['dest'] = f.name
+        if meta.get('required'):
+            kwargs['required'] = True
+    if tp is bool:
+        kwargs['action'] = argparse.BooleanOptionalAction
+        return names, kwargs
+    kwargs['type'] = tp
+    if 'choices' in meta:
+        kwargs['choices'] = meta['choices']
+    if 'metavar' in meta or 'choices' not in meta:
+        shown = (shown_choices or {}).get(f.name)
+        kwargs['metavar'] = meta.get('metavar') or ('{%s}' % ','.join(shown) if shown else None) or \
+            (metavars or {}).get(f.name) or {int: 'N', float: 'X'}.get(tp) or f.name.upper()
+    return names, kwargs
+
+
+def add_fields(target, cls, names=None):
+    """Add one flag per field of the config dataclass ``cls`` (those in ``names``, in
+    that order) to a parser or argument group ``target``."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for name in names or fields:
+        flags, kwargs = config_flag(fields[name], hints)
+        target.add_argument(*flags, **kwargs)
+    return target
+
+
+def config_parser(prog, cls, description, epilog=None, usage=None):
+    """A command's parser (:func:`command_parser`) with one flag per field of ``cls``."""
+    return add_fields(command_parser(prog, description, epilog, usage), cls)
+
+
+def given(namespace, cls):
+    """The fields of ``cls`` that the command line set (a dict)."""
+    values = vars(namespace)
+    return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+
+
+def parse_configs(parser, argv, *classes):
+    """Parse ``argv`` into one instance of each config dataclass of ``classes`` (their
+    defaults where a flag is absent), each validated when it has ``validate()``."""
+    namespace = parser.parse_args(argv)
+    configs = []
+    for cls in classes:
+        config = cls(**given(namespace, cls))
+        configs.append(config.validate() if hasattr(config, 'validate') else config)
+    return configs

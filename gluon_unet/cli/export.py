@@ -1,0 +1,45 @@
+"""``gluon-unet export`` / ``bin/export``: flags generated from
+:class:`~gluon_unet.export.ExportConfig`, then :func:`~gluon_unet.export.run_export`."""
+import os
+
+from ..errors import reports_errors, signals_raise
+from ..runtime import apply_runtime_defaults
+from .common import asks_version, config_parser, parse_configs
+
+EXAMPLES = """examples:
+  # the run's best checkpoint (else its latest) to runs/a/export/
+  gluon-unet export runs/a
+  # one checkpoint, to another folder
+  gluon-unet export runs/a/checkpoints/epoch0040.ckpt --output models/a-epoch40"""
+
+
+def export_parser():
+    """The ``bin/export`` parser: one flag per :class:`ExportConfig` field."""
+    from ..export import ExportConfig
+    return config_parser('export', ExportConfig, epilog=EXAMPLES,
+                         description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
+                                     '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
+
+
+@reports_errors
+def export_main(argv=None):
+    """``bin/export``: export a run's best (or a given) checkpoint; returns the exit code."""
+    if asks_version(argv):
+        return 0
+    apply_runtime_defaults()
+    from ..export import ExportConfig, run_export
+    from ..onnx_runner import ONNX_FILE
+    from ..postprocess import settings_text
+    with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
+        config, = parse_configs(export_parser(), argv, ExportConfig)
+        prefix, notes, tuned = run_export(config)
+    files = [prefix + '-symbol.json', prefix + '-0000.params']
+    onnx = os.path.join(os.path.dirname(prefix), ONNX_FILE)
+    files += [onnx] if os.path.isfile(onnx) else []
+    print('exported %s and %s' % (', '.join(files[:-1]), files[-1]))
+    for note in notes:
+        print(note)
+    if tuned:
+        print('post-processing chosen on %d validation images: %s (val DSB %.4f, untuned %.4f)'
+              % (tuned['images'], settings_text(tuned), tuned['score'], tuned['base_score']))
+    return 0

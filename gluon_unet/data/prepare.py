@@ -1,0 +1,135 @@
+"""The run's data, ready to train on: datasets built from the config (or given), their
+channel count resolved, transforms attached, a fingerprint for ``--resume`` and the
+model card, and ``--balance``'s sampling of the appearance groups.
+
+Used by training (:func:`gluon_unet.engine.fit`) and by the post-processing search that
+``bin/export --tune-postprocess`` reruns on a run's own validation split
+(:func:`gluon_unet.search.retune`): both rebuild the same data from a config.
+"""
+import functools
+import hashlib
+
+import numpy as np
+
+from ..errors import UserError
+from ..scale import median_diameter
+from . import readers
+from .augment import make_transform
+from .dataset import split_indices
+from .synthetic import synthetic_dataset
+from .weights import WEIGHTED, unet_weight_map
+
+
+def build_datasets(cfg):
+    """Training and validation datasets for ``cfg`` (generated nuclei when ``data`` is None).
+
+    Returns
+    -------
+    (train_ds, val_ds) : SegmentationDataset, SegmentationDataset or None
+    """
+    side = cfg.crop or cfg.size
+    if cfg.data is None:
+        full = synthetic_dataset(cfg.synthetic_count, side, channels=cfg.model.in_channels or 1,
+                                 seed=cfg.seed)
+        val = None
+    else:
+        opts = readers.LoadOptions(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
+                                   channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
+                                   skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
+                                   denoise=cfg.denoise)
+        full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
+        val = readers.load_dataset(cfg.val_data, options=opts) if cfg.val_data else None
+    if val is None and cfg.val_split > 0:
+        train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
+        return full.subset(train_idx), full.subset(val_idx)
+    return full, val
+
+
+def attach_transforms(cfg, train_ds, val_ds):
+    """Augmentation (and crops) for training; deterministic crops for validation."""
+    weight_fn = None
+    if cfg.loss in WEIGHTED:
+        # wbce is the paper's map, class balancing included. wbce_dice keeps only its
+        # border term: the Dice term already balances nuclei against background, so the
+        # BCE stays calibrated as in bce_dice and the searched threshold means the same.
+        weight_fn = functools.partial(unet_weight_map, class_balance=cfg.loss == 'wbce')
+    train_tf = val_tf = None
+    if cfg.augment or cfg.crop or cfg.elastic:
+        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
+        if cfg.crop:
+            # validate() draws per-sample seeds from a fixed sampler seed, so these
+            # crops are the same every epoch: comparable numbers across epochs.
+            val_tf = make_transform(augment=False, crop=cfg.crop)
+    train_ds.transform, train_ds.weight_fn, train_ds.target = train_tf, weight_fn, cfg.model.target
+    if val_ds is not None:
+        val_ds.transform, val_ds.weight_fn, val_ds.target = val_tf, weight_fn, cfg.model.target
+
+
+def data_channels(ds):
+    """Channel count of a dataset's images."""
+    channels = getattr(ds, 'channels', None)
+    return channels or int(np.asarray(ds.images[0]).shape[-1])
+
+
+def data_fingerprint(train_ds, val_ds, num_workers=1):
+    """What identifies the data a run trains on, for resume to compare and the model card
+    to record: sample counts, a digest of the sample names in order (the split and the
+    batches follow from them), a digest of the decoded images and masks, and the number
+    of workers (with a dist kvstore they set the global batch)."""
+    names, content = hashlib.sha1(), hashlib.sha1()
+    for ds in (train_ds, val_ds):
+        names.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
+        for i in range(0 if ds is None else len(ds)):
+            for arr in (ds.images[i], ds.masks[i]):
+                arr = np.ascontiguousarray(arr)
+                content.update(str(arr.shape).encode())
+                content.update(arr.data)
+    return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
+            'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers}
+
+
+def prepare_data(cfg, train_ds, val_ds, num_workers=1):
+    """The datasets (built from ``cfg`` when not given), ``cfg.model.in_channels``
+    resolved from them, transforms attached, and their fingerprint."""
+    if train_ds is None:
+        train_ds, val_ds = build_datasets(cfg)
+    channels = data_channels(train_ds)
+    if cfg.model.in_channels == 0:
+        cfg.model.in_channels = channels
+    elif cfg.model.in_channels != channels:
+        raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
+    attach_transforms(cfg, train_ds, val_ds)
+    data_id = data_fingerprint(train_ds, val_ds, num_workers)
+    # The nuclei's median size as the network saw them, for bin/predict --diameter.
+    data_id['diameter'] = median_diameter(train_ds.instances(i) for i in range(len(train_ds)))
+    return train_ds, val_ds, data_id
+
+
+#: ``--balance``: each group's share of an epoch grows as its size to this power.
+BALANCE_POWER = {'groups': 0.0, 'sqrt': 0.5, 'oversample': 0.0}
+
+
+def balanced_epoch_length(groups, balance):
+    """Draws per epoch for ``--balance``: ``oversample`` draws every group as often as
+    the largest one (groups x largest); the others keep the dataset's size (None)."""
+    if balance != 'oversample' or groups is None:
+        return None
+    counts = np.unique(np.asarray(groups), return_counts=True)[1]
+    return int(len(counts) * counts.max())
+
+
+def log_groups(log, groups, balance):
+    """Log the training images' appearance groups and what ``--balance`` does with them."""
+    if groups is None:
+        return
+    names, counts = np.unique(np.asarray(groups), return_counts=True)
+    sizes = ', '.join('%s %d' % (n, c) for n, c in zip(names, counts))
+    if balance in BALANCE_POWER:
+        weights = counts.astype(float) ** BALANCE_POWER[balance]
+        draws_per_epoch = balanced_epoch_length(groups, balance) or len(groups)
+        draws = ', '.join('%s ~%d' % (n, draws_per_epoch * w / weights.sum()) for n, w in zip(names, weights))
+        log.info('appearance groups of the training images: %s; --balance %s draws per epoch: %s',
+                 sizes, balance, draws)
+    else:
+        log.info('appearance groups of the training images: %s (--balance groups would draw them equally often)',
+                 sizes)
