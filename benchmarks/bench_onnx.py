@@ -104,24 +104,33 @@ def train_model(data, ids, folder, epochs):
     return run
 
 
+# Linux carries a forking process's peak RSS into its child's ru_maxrss (exec keeps the old
+# address space's high-water mark), and this process grows in the export part: a small
+# Python forks the measured command and reports its children's peak, so the figure is the
+# command's own.
+_PEAK = ('import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); '
+         'print("peak-rss-kib %d" % resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); '
+         'sys.exit(r.returncode)')
+
+
 def run_predict(python, model, images, out, mode):
     """One bin/predict: (images/s of its summary line, wall seconds, peak RSS MiB, stderr)."""
-    cmd = [python, os.path.join(ROOT, 'bin', 'predict'), '--model', model, '--input', images, '--output', out,
+    cmd = [sys.executable, '-c', _PEAK, python, os.path.join(ROOT, 'bin', 'predict'), '--model', model, '--input', images, '--output', out,
            '--mode', mode, '--overwrite']  # the summary line (stdout) comes with --progress
     start = time.perf_counter()
     with tempfile.TemporaryFile('w+') as so, tempfile.TemporaryFile('w+') as se:
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        returncode = subprocess.run(cmd, stdout=so, stderr=se, text=True).returncode
         wall = time.perf_counter() - start
         so.seek(0)
         se.seek(0)
         stdout, stderr = so.read(), se.read()
-    if proc.returncode:
-        sys.exit('%s failed: %s' % (' '.join(cmd), stderr[-2000:]))
+    if returncode:
+        sys.exit('%s failed: %s' % (' '.join(cmd[3:]), stderr[-2000:]))
+    peak = re.search(r'^peak-rss-kib (\d+)\n?', stderr, re.M)
+    stderr = stderr[:peak.start()] + stderr[peak.end():]
     speed = re.search(r'in [0-9.]+ s: ([0-9.]+) images/s', stdout)
     # bin/predict's images/s counts from the first image to the last: model loading excluded.
-    return float(speed.group(1)), wall, usage.ru_maxrss / 1024, stderr.strip()
+    return float(speed.group(1)), wall, int(peak.group(1)) / 1024, stderr.strip()
 
 
 def compare(mx_out, ort_out, truth):
