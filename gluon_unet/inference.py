@@ -11,6 +11,7 @@ devices stay busy and memory stays at a batch per device whatever the image size
 :func:`predict_image` does it all for one image in memory. Inputs are the uint8 image /
 255, as in training.
 """
+import contextlib
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -81,48 +82,45 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
     yield ImageDone(finish)
 
 
-class _Scheduler:
+class Scheduler:
     """Runs batches of equal-shape jobs over the devices round-robin, keeping work in
-    flight on every device.
+    flight on every device; subclasses say how a part is issued to a device
+    (:meth:`_issue`) and read back (:meth:`_result`): :class:`MXNetScheduler` here,
+    :class:`~gluon_unet.onnx_runner.OnnxScheduler` for onnxruntime.
 
     A batch of ``m`` jobs is split over ``min(m, n)`` of the ``n`` devices, starting at
     the device after the last one used (parts as ``split_and_load(even_split=False)``
     sizes them: the first get one more), so a stream of single-image batches - ``whole``
     mode, where every image has its own shape - goes to device 0, 1, ..., n-1, 0, ...
-    instead of always to the first. MXNet is asynchronous: a forward only queues work, so
-    every part is issued before any result is read back, and results are read in the
-    order they were issued. After a batch is issued, the oldest parts are read back until
-    at most one part per device is still outstanding: each device has the part it is
-    computing and the next one queued while the host post-processes.
+    instead of always to the first. Issuing a part does not wait for its result (MXNet's
+    engine is asynchronous; onnxruntime runs it on the device's thread), so every part is
+    issued before any result is read back, and results are read in the order they were
+    issued. After a batch is issued, the oldest parts are read back until at most one part
+    per device is still outstanding: each device has the part it is computing and the next
+    one queued while the host post-processes.
 
-    ``jobs_per_device`` and ``forwards_per_device`` count, per device (in ``ctxs``
-    order), the network inputs it was given and the forward calls that carried them.
+    ``jobs_per_device`` and ``forwards_per_device`` count, per device, the network inputs
+    it was given and the forward calls that carried them.
     """
 
-    def __init__(self, net, ctxs, second=None):
-        self.net, self.ctxs, self.second = net, list(ctxs), second
-        self.next = 0  # index in ctxs of the device the next part goes to
-        self.pending = deque()  # [jobs, device output, finishers] per part, in issue order
-        self.jobs_per_device = [0] * len(self.ctxs)
-        self.forwards_per_device = [0] * len(self.ctxs)
+    def __init__(self, n_devices, second=None):
+        self.second = second
+        self.next = 0  # the device the next part goes to
+        self.pending = deque()  # [jobs, issued part, finishers] per part, in issue order
+        self.jobs_per_device = [0] * n_devices
+        self.forwards_per_device = [0] * n_devices
 
     def submit(self, jobs, finishers):
-        import mxnet as mx  # here, not at the top: bin/predict on ONNX runs without mxnet (onnx_runner)
-
-        from .model import probability_maps
-        n = len(self.ctxs)
+        n = len(self.jobs_per_device)
         used = min(len(jobs), n)
         x = np.stack([j.input for j in jobs])
         size, extra = divmod(len(jobs), used)
         start = 0
-        with mx.autograd.predict_mode():
+        with self._issuing():
             for i in range(used):
                 stop = start + size + (i < extra)
                 dev = (self.next + i) % n
-                # Made on the host, then copied by an engine operation: issuing never waits.
-                part = mx.nd.array(x[start:stop], ctx=mx.cpu()).as_in_context(self.ctxs[dev])
-                out = probability_maps(self.net(part), self.second)
-                self.pending.append([jobs[start:stop], out, []])
+                self.pending.append([jobs[start:stop], self._issue(x[start:stop], dev), []])
                 self.jobs_per_device[dev] += stop - start
                 self.forwards_per_device[dev] += 1
                 start = stop
@@ -142,13 +140,47 @@ class _Scheduler:
         while self.pending:
             self._collect(self.pending.popleft())
 
-    @staticmethod
-    def _collect(entry):
-        jobs, out, finishers = entry
-        for job, p in zip(jobs, out.asnumpy()):
+    def _collect(self, entry):
+        jobs, issued, finishers = entry
+        for job, p in zip(jobs, self._result(issued)):
             job.callback(p)
         for fn in finishers:
             fn()
+
+    def _issuing(self):
+        """A context around issuing a batch's parts."""
+        return contextlib.nullcontext()
+
+    def _issue(self, part, dev):
+        """Start the network on ``part`` (N, C, H, W numpy) on device ``dev``; a handle."""
+        raise NotImplementedError
+
+    def _result(self, issued):
+        """The (N, K, H, W) probability maps of an issued part, as numpy."""
+        raise NotImplementedError
+
+
+class MXNetScheduler(Scheduler):
+    """:class:`Scheduler` for an MXNet network on ``ctxs``."""
+
+    def __init__(self, net, ctxs, second=None):
+        super().__init__(len(ctxs), second)
+        self.net, self.ctxs = net, list(ctxs)
+
+    def _issuing(self):
+        import mxnet as mx  # here, not at the top: bin/predict on ONNX runs without mxnet (onnx_runner)
+        return mx.autograd.predict_mode()
+
+    def _issue(self, part, dev):
+        import mxnet as mx
+
+        from .model import probability_maps
+        # Made on the host, then copied by an engine operation: issuing never waits.
+        part = mx.nd.array(part, ctx=mx.cpu()).as_in_context(self.ctxs[dev])
+        return probability_maps(self.net(part), self.second)
+
+    def _result(self, issued):
+        return issued.asnumpy()
 
 
 def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
@@ -159,16 +191,16 @@ def run_jobs(net, ctxs, jobs, batch_size=8, second=None):
 
     Consecutive jobs of one shape form a batch of up to ``batch_size``; batches are
     spread over the devices round-robin with work in flight on each
-    (:class:`_Scheduler`). A :class:`ImageDone` runs once every job before it has been
+    (:class:`Scheduler`). A :class:`ImageDone` runs once every job before it has been
     post-processed.
 
     Returns
     -------
-    _Scheduler
+    Scheduler
         Its ``jobs_per_device`` / ``forwards_per_device`` say how the work was spread.
     """
     # A network that brings its own scheduler (onnx_runner.OnnxNetwork) runs the batches itself.
-    runner = net.scheduler(ctxs, second) if hasattr(net, 'scheduler') else _Scheduler(net, ctxs, second)
+    runner = net.scheduler(ctxs, second) if hasattr(net, 'scheduler') else MXNetScheduler(net, ctxs, second)
     batch, finishers = [], []
     for job in jobs:
         if isinstance(job, ImageDone):

@@ -20,12 +20,12 @@ providers need the ``onnxruntime-gpu`` package; they are what runs these models 
 MXNet 1.9.1 has no kernels for (Hopper, Blackwell).
 """
 import os
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .errors import UserError
+from .inference import Scheduler
 
 #: The ONNX file of an export, beside ``model-symbol.json`` (:mod:`gluon_unet.onnx_export`).
 ONNX_FILE = 'model.onnx'
@@ -204,71 +204,35 @@ class OnnxNetwork:
         return OnnxScheduler(self, second)
 
 
-class OnnxScheduler:
-    """:class:`gluon_unet.inference._Scheduler` for onnxruntime: the same interface and
-    the same order of results, batches spread over the sessions round-robin.
+class OnnxScheduler(Scheduler):
+    """:class:`gluon_unet.inference.Scheduler` for onnxruntime: the same order of
+    results, batches spread over the sessions round-robin.
 
     ``session.run`` blocks (and releases the GIL), so each session has a thread of its
-    own: a part is handed to its session's thread and results are read back in the order
-    they were issued, with at most one part per device outstanding after each batch - the
-    device computes the next batch while the host post-processes the last one, as with
-    MXNet's asynchronous engine.
+    own: a part is handed to its session's thread, and the device computes the next batch
+    while the host post-processes the last one, as with MXNet's asynchronous engine.
     """
 
     def __init__(self, net, second=None):
-        self.net, self.second = net, second
-        n = len(net.sessions)
-        self.pool = [ThreadPoolExecutor(1, thread_name_prefix='onnx%d' % i) for i in range(n)]
-        self.next = 0
-        self.pending = deque()
-        self.jobs_per_device = [0] * n
-        self.forwards_per_device = [0] * n
+        super().__init__(len(net.sessions), second)
+        self.net = net
+        self.pool = [ThreadPoolExecutor(1, thread_name_prefix='onnx%d' % i) for i in range(len(net.sessions))]
 
-    def submit(self, jobs, finishers):
-        n = len(self.pool)
-        used = min(len(jobs), n)
-        x = np.stack([j.input for j in jobs])
-        size, extra = divmod(len(jobs), used)
-        start = 0
-        for i in range(used):
-            stop = start + size + (i < extra)
-            dev = (self.next + i) % n
-            part = x[start:stop]
-            future = self.pool[dev].submit(self._forward, part, dev)
-            self.pending.append([jobs[start:stop], future, []])
-            self.jobs_per_device[dev] += stop - start
-            self.forwards_per_device[dev] += 1
-            start = stop
-        self.next = (self.next + used) % n
-        self.pending[-1][2].extend(finishers)
-        while len(self.pending) > n:
-            self._collect(self.pending.popleft())
+    def _issue(self, part, dev):
+        return self.pool[dev].submit(self._forward, part, dev)
 
     def _forward(self, part, dev):
         return probability_maps(self.net(part, dev), self.second)
 
-    def after_pending(self, fn):
-        """Run ``fn`` once every part issued so far is collected (now if there is none)."""
-        if self.pending:
-            self.pending[-1][2].append(fn)
-        else:
-            fn()
+    def _result(self, issued):
+        return issued.result()
 
     def drain(self):
         try:
-            while self.pending:
-                self._collect(self.pending.popleft())
+            super().drain()
         finally:
             for pool in self.pool:
                 pool.shutdown(wait=True)
-
-    @staticmethod
-    def _collect(entry):
-        jobs, future, finishers = entry
-        for job, p in zip(jobs, future.result()):
-            job.callback(p)
-        for fn in finishers:
-            fn()
 
 
 def onnx_path(model):

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 import warnings
 
 import pytest
@@ -120,6 +121,20 @@ def pids_with(marker):
         except OSError:
             pass
     return found
+
+
+def reaped_tag(prefix):
+    """A unique tag (``prefix-<hex>``) for a test's processes to carry on their command
+    line; a generator for a fixture: after the test, leftovers are killed and reported."""
+    tag = '%s-%s' % (prefix, uuid.uuid4().hex[:12])
+    yield tag
+    left = pids_with(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not left, 'processes left behind: %s' % left
 
 
 def run_in_own_group(argv, timeout, **kw):

@@ -131,13 +131,18 @@ def test_checkpoints_and_exports_written_before_digests_still_load(run):
     load_exported(run)
 
 
-def test_a_cache_entry_damaged_in_place_is_rebuilt_not_trained_on(tmp_path, monkeypatch, caplog):
-    images, masks, _ = synthetic_nuclei(4, size=40, channels=1, seed=5)
+def _paired_folders(root, n, size, seed):
+    """``root/im/a<i>.png`` and ``root/mk/a<i>_mask.png``: ``n`` synthetic nuclei images."""
+    images, masks, _ = synthetic_nuclei(n, size=size, channels=1, seed=seed)
     for folder in ('im', 'mk'):
-        (tmp_path / folder).mkdir()
-    for i in range(4):
-        cv2.imwrite(str(tmp_path / 'im' / ('a%d.png' % i)), images[i])
-        cv2.imwrite(str(tmp_path / 'mk' / ('a%d_mask.png' % i)), masks[i] * 255)
+        (root / folder).mkdir()
+    for i in range(n):
+        cv2.imwrite(str(root / 'im' / ('a%d.png' % i)), images[i])
+        cv2.imwrite(str(root / 'mk' / ('a%d_mask.png' % i)), masks[i] * 255)
+
+
+def test_a_cache_entry_damaged_in_place_is_rebuilt_not_trained_on(tmp_path, monkeypatch, caplog):
+    _paired_folders(tmp_path, 4, size=40, seed=5)
     decoded = []
     real = readers.decode_sample
     monkeypatch.setattr(readers, 'decode_sample', lambda *a, **k: decoded.append(1) or real(*a, **k))
@@ -168,12 +173,7 @@ def test_a_cache_entry_damaged_in_place_is_rebuilt_not_trained_on(tmp_path, monk
 
 def test_a_run_trains_on_the_rebuilt_cache_not_the_damaged_one(tiny, tmp_path, caplog):
     # The same through fit(): the first half of the masks zeroed would teach "no nuclei".
-    images, masks, _ = synthetic_nuclei(8, size=32, channels=1, seed=2)
-    for folder in ('im', 'mk'):
-        (tmp_path / folder).mkdir()
-    for i in range(8):
-        cv2.imwrite(str(tmp_path / 'im' / ('a%d.png' % i)), images[i])
-        cv2.imwrite(str(tmp_path / 'mk' / ('a%d_mask.png' % i)), masks[i] * 255)
+    _paired_folders(tmp_path, 8, size=32, seed=2)
     cfg = dict(data=str(tmp_path / 'im'), masks=str(tmp_path / 'mk'), cache_dir=str(tmp_path / 'cache'),
                epochs=1, val_split=0.25)
     first = fit(tiny(output=str(tmp_path / 'a'), **cfg), verbose=False)

@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
 
-from conftest import pids_with, run_in_own_group, tiny_config
+from conftest import pids_with, reaped_tag, run_in_own_group, tiny_config
 from gluon_unet import distributed, launch
 from gluon_unet.cli import launch_main
 from gluon_unet.data.sampler import EpochSampler
@@ -38,15 +37,7 @@ def role_of(pid):
 @pytest.fixture
 def marker():
     """A unique tag for this test's processes; leftovers are killed (and reported)."""
-    tag = 'distjob-' + uuid.uuid4().hex[:12]
-    yield tag
-    left = pids_with(tag)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, 'processes left behind: %s' % left
+    yield from reaped_tag('distjob')
 
 
 def write_config(path, cfg):

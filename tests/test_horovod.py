@@ -14,13 +14,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import pids_with, run_in_own_group, tiny_config
+from conftest import pids_with, reaped_tag, run_in_own_group, tiny_config
 from gluon_unet import distributed, runtime
 from gluon_unet.errors import UserError
 
@@ -47,15 +46,7 @@ def horovodrun_or_skip():
 @pytest.fixture
 def marker():
     """A unique tag for this test's processes; leftovers are killed (and reported)."""
-    tag = 'hvdjob-' + uuid.uuid4().hex[:12]
-    yield tag
-    left = pids_with(tag)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert not left, 'processes left behind: %s' % left
+    yield from reaped_tag('hvdjob')
 
 
 # -- pieces, without Horovod -----------------------------------------------------------------
