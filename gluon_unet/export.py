@@ -6,7 +6,6 @@ whatever the training used (several devices, SyncBatchNorm, AMP): it is rebuilt 
 the config and the checkpoint, not from the live training block.
 """
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -24,11 +23,11 @@ from .onnx_export import onnx_available, write_onnx
 from .onnx_runner import ONNX_FILE
 from .paths import EXPORT_FILES, check_apart, export_files, remove_files, remove_if_empty
 from .postprocess import settings_text
-from .quantize import CALIB_MODES, DEFAULT_CALIB_INPUTS
+from .quantize import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, run_calibration
 from .reporting import get_logger
 from .runtime import apply_runtime_defaults, user_environ
 from .search import retune
-from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
+from .sidecar import (INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
                       update_sidecar, weights_digest)
 from .tiling import MODES
 from .utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
@@ -89,8 +88,8 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', i
         A note for the user when ``'auto'`` wrote no ``model.onnx`` (why, what to
         install), else ''.
 
-    ``int8``: also write the int8 variant (:mod:`gluon_unet.quantize`) - a
-    :class:`Int8Calibration` (the calibration inputs and mode), or None for none.
+    ``int8``: also write the int8 variant (:mod:`gluon_unet.quantize`) calibrated as
+    this :class:`~gluon_unet.quantize.Int8Calibration` says (None: none).
     """
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
@@ -134,10 +133,9 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', i
                          for name in (SYMBOL, PARAMS) + ((ONNX_FILE,) if record is not None else ())}
     if int8 is not None:
         from .inference import second_map
-        from .quantize import INT8_SYMBOL, int8_digests, write_int8
-        with write_errors(os.path.join(final, INT8_SYMBOL), folder):
-            sidecar['int8'] = write_int8(net, folder, int8.inputs, int8.images, int8.calib_mode, cfg.threshold,
-                                         second_map(sidecar))
+        from .quantize import int8_digests, write_int8
+        with write_errors(os.path.join(final, INT8_SYMBOL), folder):  # every int8 file as its symbol
+            sidecar['int8'] = write_int8(net, folder, int8, cfg.threshold, second_map(sidecar))
         sidecar['digest'].update(int8_digests(folder))
     with write_errors(os.path.join(final, SIDECAR), folder):
         with open(os.path.join(folder, SIDECAR), 'w') as f:
@@ -330,58 +328,25 @@ class ExportConfig:
     onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
                                         'is not installed (default: when the onnx package is installed: pip install '
                                         '-r requirements-onnx-export.txt)')
-    int8: bool = option(False, "also write an int8 variant (model-int8-symbol.json, model-int8-0000.params) for "
-                               "bin/predict --precision int8 on the CPU, quantized with MXNet's oneDNN and calibrated "
-                               "on the run's own validation images (its data must still be where it trained); the "
-                               "float32 model stays the default")
+    int8: bool = option(False, "also write an int8 variant (model-int8-*) for bin/predict --precision int8 on the "
+                               "CPU, quantized with MXNet's oneDNN and calibrated on the run's own validation images "
+                               "(its data must still be where it trained); float32 stays the default")
     int8_inputs: Optional[int] = option(None, 'with --int8: how many network inputs (windows of the first validation '
                                               'images, as bin/predict --mode auto cuts them) to calibrate on '
                                               '(default %d)' % DEFAULT_CALIB_INPUTS, metavar='N')
-    int8_calibration: Optional[str] = option(None, "with --int8: naive (each layer's int8 range is its min..max on "
-                                                   "the calibration inputs) or entropy (the range whose int8 "
-                                                   "histogram loses the least information; slower) (default naive)",
-                                             choices=CALIB_MODES)
+    int8_calibration: Optional[str] = option(None, "with --int8: each layer's int8 range is its min..max on the "
+                                                   "inputs (naive) or the cut that loses the least information "
+                                                   "(entropy; slower) (default naive)", choices=CALIB_MODES)
 
     def validate(self):
         """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
-        int8 option without ``--int8`` or out of range."""
+        int8 option without ``--int8`` or out of range (:func:`~gluon_unet.quantize.check_options`)."""
         for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
             if given and not self.tune_postprocess:
                 raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
                                 'images)' % flag)
-        for flag, given in (('--int8-inputs', self.int8_inputs is not None),
-                            ('--int8-calibration', self.int8_calibration is not None)):
-            if given and not self.int8:
-                raise UserError('%s goes with --int8 (it says how the int8 variant is calibrated)' % flag)
-        if self.int8_inputs is not None and self.int8_inputs < 1:
-            raise UserError('--int8-inputs must be >= 1 (got %r)' % self.int8_inputs)
-        if self.int8_calibration is not None and self.int8_calibration not in CALIB_MODES:
-            raise UserError('--int8-calibration must be one of %s (got %r)'
-                            % (', '.join(CALIB_MODES), self.int8_calibration))
+        check_options(self.int8, self.int8_inputs, self.int8_calibration)
         return self
-
-
-@dataclass
-class Int8Calibration:
-    """What :func:`write_export` calibrates an int8 variant on: ``inputs`` (N, C, H, W)
-    float32, the ``images`` they come from, and MXNet's ``calib_mode``."""
-    inputs: object
-    images: list
-    calib_mode: str = 'naive'
-
-
-def int8_calibration(cfg, count, calib_mode):
-    """The :class:`Int8Calibration` of a run (its config ``cfg``): ``count`` network
-    inputs of its own validation split, rebuilt from the config as
-    :func:`~gluon_unet.search.retune` rebuilds it (the images the run validated on)."""
-    from .data.prepare import build_datasets
-    from .quantize import calibration_inputs
-    _, val_ds = build_datasets(dataclasses.replace(cfg, progress=False))
-    if val_ds is None or not len(val_ds):
-        raise UserError('export --int8: the run has no validation images (--val-split 0 and no --val-data) to '
-                        'calibrate the int8 variant on')
-    inputs, images = calibration_inputs(val_ds, geometry(cfg), count)
-    return Int8Calibration(inputs, images, calib_mode)
 
 
 def run_export(config):
@@ -400,10 +365,7 @@ def run_export(config):
         if not available:
             raise UserError('--onnx: %s' % why)
     if config.int8:
-        from .hardware import cpu_int8_support
-        supported, why = cpu_int8_support()
-        if not supported:
-            raise UserError('--int8: %s' % why)
+        check_support('--int8')
     ckpt, out = resolve_run(config.run, config.output)
     if config.output:
         check_export_output(config.output, ckpt)
@@ -422,9 +384,8 @@ def run_export(config):
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
                                           ("the run's --val-data", cfg.val_data)],
                     'export --tune-postprocess' if config.tune_postprocess else 'export --int8')
-    int8 = None
-    if config.int8:
-        int8 = int8_calibration(cfg, config.int8_inputs or DEFAULT_CALIB_INPUTS, config.int8_calibration or 'naive')
+    int8 = run_calibration(cfg, config.int8_inputs or DEFAULT_CALIB_INPUTS,
+                           config.int8_calibration or 'naive') if config.int8 else None
     tuned, notes = None, []
     # The new export is built aside and only its last step replaces the old one: stopped
     # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import UserError, mxnet_message
 from .postprocess import DEFAULT_MARKER
-from .sidecar import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
+from .sidecar import INT8_PARAMS, INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -321,10 +321,7 @@ def load_exported(prefix_or_dir, ctx=None, precision='float32'):
     folder = os.path.dirname(prefix)
     if precision not in ('float32', 'int8'):
         raise UserError("--precision must be 'float32' or 'int8' (got %r)" % precision)
-    names = (SYMBOL, PARAMS)
-    if precision == 'int8':
-        from .quantize import INT8_PARAMS, INT8_SYMBOL
-        names = (INT8_SYMBOL, INT8_PARAMS)
+    names = (INT8_SYMBOL, INT8_PARAMS) if precision == 'int8' else (SYMBOL, PARAMS)
     symbol, params = (os.path.join(folder, name) for name in names)
     for path in (prefix + '-symbol.json', prefix + '-0000.params'):
         if not os.path.isfile(path):

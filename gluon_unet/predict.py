@@ -39,6 +39,7 @@ from .errors import UserError
 from .inference import ImageDone, load_model, match_channels, predict_image
 from .paths import MANIFEST, check_apart, check_replaceable
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
+from .quantize import PRECISIONS, check_support
 from .predictions import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
                           write_image_outputs)
 from .scale import estimate_diameter, rescale_factor
@@ -50,8 +51,6 @@ from .utils import check_writable, write_errors
 #: Name endings of our outputs (and of masks in a paired folder): such a file is not an
 #: input when the image it belongs to sits next to it.
 DERIVED_SUFFIXES = ('_mask', '_labels', '_overlay')
-#: ``--precision``: the export's float32 network, or its int8 variant (:mod:`gluon_unet.quantize`).
-PRECISIONS = ('float32', 'int8')
 
 
 # -- options -------------------------------------------------------------------------------
@@ -153,10 +152,9 @@ class PredictConfig:
             raise UserError('--split must be one of %s (got %r)' % (', '.join(SPLITS), self.split))
         if self.precision not in PRECISIONS:
             raise UserError('--precision must be one of %s (got %r)' % (', '.join(PRECISIONS), self.precision))
-        if self.precision == 'int8' and self.providers:
-            raise UserError('--precision int8 runs the int8 variant on MXNet, not onnxruntime: drop --providers')
-        if self.precision == 'int8' and self.gpus:
-            raise UserError('--precision int8 runs on the CPU (MXNet has int8 kernels for oneDNN only): drop --gpus')
+        for flag, given in (('--providers', self.providers), ('--gpus', self.gpus)):
+            if self.precision == 'int8' and given:  # MXNet has int8 kernels for oneDNN (CPU) only
+                raise UserError('--precision int8 runs on MXNet on the CPU: drop %s' % flag)
         return self
 
 
@@ -406,10 +404,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if config.precision == 'int8':  # before any work: the probe is a fraction of a second
         if runtime != 'mxnet':
             raise UserError('--precision int8 runs on MXNet, but %s' % why)
-        from .hardware import cpu_int8_support
-        supported, reason = cpu_int8_support()
-        if not supported:
-            raise UserError('--precision int8: %s' % reason)
+        check_support('--precision int8')
     ctxs = make_contexts(config.gpus, config.cpus) if runtime == 'mxnet' else None
     files = find_inputs(inputs)
     if os.path.isfile(output_dir):

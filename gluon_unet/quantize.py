@@ -14,25 +14,71 @@ The float32 export stays the default and is never changed by this; the sidecar's
 ``int8`` record says how the variant was calibrated and how far its probabilities are
 from float32 on the calibration inputs.
 """
+import dataclasses
 import json
 import os
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import UserError
+from .sidecar import INT8_PARAMS, INT8_SYMBOL, geometry
 from .utils import DIGEST, file_crc32
 
-#: The int8 variant's prefix and files, in an export folder.
-INT8_PREFIX = 'model-int8'
-INT8_SYMBOL, INT8_PARAMS = INT8_PREFIX + '-symbol.json', INT8_PREFIX + '-0000.params'
+#: The int8 variant's prefix in an export folder (its files: ``sidecar.INT8_SYMBOL``, ``INT8_PARAMS``).
+INT8_PREFIX = INT8_SYMBOL[:-len('-symbol.json')]
+#: ``bin/predict --precision``: the export's float32 network, or its int8 variant.
+PRECISIONS = ('float32', 'int8')
 #: Calibration modes ``bin/export --int8-calibration`` offers (MXNet's names).
 CALIB_MODES = ('naive', 'entropy')
 #: Network inputs the calibration uses unless told otherwise.
 DEFAULT_CALIB_INPUTS = 32
 # Operators of a quantized graph that run on int8 (or only convert): the others stay float32.
 _INT8_OPS = ('_contrib_quantize_v2', '_contrib_quantize', '_contrib_dequantize', '_contrib_requantize')
+
+
+@dataclass
+class Int8Calibration:
+    """What :func:`gluon_unet.export.write_export` calibrates an int8 variant on:
+    ``inputs`` (N, C, H, W) float32, the ``images`` they come from, MXNet's ``calib_mode``."""
+    inputs: object
+    images: list
+    calib_mode: str = 'naive'
+
+
+def run_calibration(cfg, count, calib_mode):
+    """The :class:`Int8Calibration` of a run (its config ``cfg``): ``count`` network
+    inputs of its own validation split, rebuilt from the config as
+    :func:`~gluon_unet.search.retune` rebuilds it (the images the run validated on)."""
+    from .data.prepare import build_datasets
+    _, val_ds = build_datasets(dataclasses.replace(cfg, progress=False))
+    if val_ds is None or not len(val_ds):
+        raise UserError('export --int8: the run has no validation images (--val-split 0 and no --val-data) to '
+                        'calibrate the int8 variant on')
+    inputs, images = calibration_inputs(val_ds, geometry(cfg), count)
+    return Int8Calibration(inputs, images, calib_mode)
+
+
+def check_options(int8, inputs, calibration):
+    """Refuse, naming the flag, ``bin/export``'s int8 options without ``--int8`` or out of range."""
+    for flag, given in (('--int8-inputs', inputs is not None), ('--int8-calibration', calibration is not None)):
+        if given and not int8:
+            raise UserError('%s goes with --int8 (it says how the int8 variant is calibrated)' % flag)
+    if inputs is not None and inputs < 1:
+        raise UserError('--int8-inputs must be >= 1 (got %r)' % inputs)
+    if calibration is not None and calibration not in CALIB_MODES:
+        raise UserError('--int8-calibration must be one of %s (got %r)' % (', '.join(CALIB_MODES), calibration))
+
+
+def check_support(flag):
+    """Raise a one-line :class:`UserError` starting with ``flag`` where this machine cannot
+    run int8 (:func:`~gluon_unet.hardware.cpu_int8_support`), before any work."""
+    from .hardware import cpu_int8_support
+    supported, why = cpu_int8_support()
+    if not supported:
+        raise UserError('%s: %s' % (flag, why))
 
 
 def calibration_inputs(dataset, meta, count):
@@ -121,8 +167,9 @@ def float_layers(symbol_file):
     return kept
 
 
-def write_int8(net, folder, inputs, images, calib_mode, threshold, second=None):
-    """Quantize ``net``, write its int8 files into ``folder`` and check them.
+def write_int8(net, folder, calibration, threshold, second=None):
+    """Quantize ``net`` as the :class:`Int8Calibration` ``calibration`` says, write its
+    int8 files into ``folder`` and check them.
 
     The written files are loaded back and run on the calibration inputs against the
     float32 ``net``: the record keeps the largest and mean difference of the
@@ -136,6 +183,7 @@ def write_int8(net, folder, inputs, images, calib_mode, threshold, second=None):
     import mxnet as mx
 
     from .model import probability_maps
+    inputs, images, calib_mode = calibration.inputs, calibration.images, calibration.calib_mode
     t0 = time.time()
     qnet = quantize_block(net, inputs, calib_mode)
     qnet.hybridize()

@@ -30,7 +30,7 @@ def export_main(argv=None):
     from ..export import ExportConfig, run_export
     from ..onnx_runner import ONNX_FILE
     from ..postprocess import settings_text
-    from ..quantize import INT8_PARAMS, INT8_SYMBOL
+    from ..sidecar import INT8_PARAMS, INT8_SYMBOL
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
         prefix, notes, tuned = run_export(config)
