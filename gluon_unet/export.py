@@ -23,10 +23,11 @@ from .onnx_export import onnx_available, write_onnx
 from .onnx_runner import ONNX_FILE
 from .paths import EXPORT_FILES, check_apart, export_files, remove_files, remove_if_empty
 from .postprocess import settings_text
+from .quantize import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, run_calibration
 from .reporting import get_logger
 from .runtime import apply_runtime_defaults, user_environ
 from .search import retune
-from .sidecar import (PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
+from .sidecar import (INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
                       update_sidecar, weights_digest)
 from .tiling import MODES
 from .utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
@@ -72,7 +73,7 @@ def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None, onnx='auto'):
     return os.path.join(os.path.abspath(out_dir), 'model')
 
 
-def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto'):
+def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', int8=None):
     """Write the export files of ``net`` straight into ``folder`` (a staging folder of
     :func:`staged_export`: a reader there could see them half-written).
 
@@ -86,6 +87,9 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto'):
     str
         A note for the user when ``'auto'`` wrote no ``model.onnx`` (why, what to
         install), else ''.
+
+    ``int8``: also write the int8 variant (:mod:`gluon_unet.quantize`) calibrated as
+    this :class:`~gluon_unet.quantize.Int8Calibration` says (None: none).
     """
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
@@ -127,6 +131,12 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto'):
     # What load_exported (and the ONNX runner) check the model files against.
     sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(folder, name)))
                          for name in (SYMBOL, PARAMS) + ((ONNX_FILE,) if record is not None else ())}
+    if int8 is not None:
+        from .inference import second_map
+        from .quantize import int8_digests, write_int8
+        with write_errors(os.path.join(final, INT8_SYMBOL), folder):  # every int8 file as its symbol
+            sidecar['int8'] = write_int8(net, folder, int8, cfg.threshold, second_map(sidecar))
+        sidecar['digest'].update(int8_digests(folder))
     with write_errors(os.path.join(final, SIDECAR), folder):
         with open(os.path.join(folder, SIDECAR), 'w') as f:
             json.dump(sidecar, f, indent=2)
@@ -318,13 +328,24 @@ class ExportConfig:
     onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
                                         'is not installed (default: when the onnx package is installed: pip install '
                                         '-r requirements-onnx-export.txt)')
+    int8: bool = option(False, "also write an int8 variant (model-int8-*) for bin/predict --precision int8 on the "
+                               "CPU, quantized with MXNet's oneDNN and calibrated on the run's own validation images "
+                               "(its data must still be where it trained); float32 stays the default")
+    int8_inputs: Optional[int] = option(None, 'with --int8: how many network inputs (windows of the first validation '
+                                              'images, as bin/predict --mode auto cuts them) to calibrate on '
+                                              '(default %d)' % DEFAULT_CALIB_INPUTS, metavar='N')
+    int8_calibration: Optional[str] = option(None, "with --int8: each layer's int8 range is its min..max on the "
+                                                   "inputs (naive) or the cut that loses the least information "
+                                                   "(entropy; slower) (default naive)", choices=CALIB_MODES)
 
     def validate(self):
-        """Refuse, naming the flag, a search option without ``--tune-postprocess``."""
+        """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
+        int8 option without ``--int8`` or out of range (:func:`~gluon_unet.quantize.check_options`)."""
         for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
             if given and not self.tune_postprocess:
                 raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
                                 'images)' % flag)
+        check_options(self.int8, self.int8_inputs, self.int8_calibration)
         return self
 
 
@@ -343,6 +364,8 @@ def run_export(config):
         available, why = onnx_available()
         if not available:
             raise UserError('--onnx: %s' % why)
+    if config.int8:
+        check_support('--int8')
     ckpt, out = resolve_run(config.run, config.output)
     if config.output:
         check_export_output(config.output, ckpt)
@@ -357,16 +380,19 @@ def run_export(config):
             exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
                         % (exc.args[0], earlier, earlier),)
         raise
-    if config.tune_postprocess:
+    if config.tune_postprocess or config.int8:
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
-                                          ("the run's --val-data", cfg.val_data)], 'export --tune-postprocess')
+                                          ("the run's --val-data", cfg.val_data)],
+                    'export --tune-postprocess' if config.tune_postprocess else 'export --int8')
+    int8 = run_calibration(cfg, config.int8_inputs or DEFAULT_CALIB_INPUTS,
+                           config.int8_calibration or 'naive') if config.int8 else None
     tuned, notes = None, []
     # The new export is built aside and only its last step replaces the old one: stopped
     # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
     installed = []
     with _stops_on_sigterm('export %s' % config.run, out, installed):
         with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
-            notes.append(write_export(net, cfg, stage, meta, onnx=onnx))
+            notes.append(write_export(net, cfg, stage, meta, onnx=onnx, int8=int8))
             if config.tune_postprocess:
                 tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
             else:

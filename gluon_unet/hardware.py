@@ -19,7 +19,7 @@ into contexts is :mod:`gluon_unet.devices`.
 
 Why one module: the GPU and the CPU probes ask MXNet the same careful way - its C++
 side's stderr silenced while they run, its engine's stored errors cleared after them
-(:func:`_native_stderr_silenced`, :func:`_clear_engine_errors`) - and ``gluon-unet
+(:func:`native_stderr_silenced`, :func:`_clear_engine_errors`) - and ``gluon-unet
 doctor`` reports them side by side.
 """
 import contextlib
@@ -359,7 +359,7 @@ def probe_gpu(device_id):
     """
     import mxnet as mx
     try:
-        with _native_stderr_silenced():  # the C++ side logs a failure there too; the line below says it
+        with native_stderr_silenced():  # the C++ side logs a failure there too; the line below says it
             try:
                 _probe_kernels(mx.gpu(device_id))
             finally:
@@ -477,7 +477,7 @@ def _bfloat16_probe():
 
 
 @contextlib.contextmanager
-def _native_stderr_silenced():
+def native_stderr_silenced():
     """Send file descriptor 2 to /dev/null for a moment. Where the probe fails, MXNet's C++
     side also logs the failure there ('[05:33:00] ../src/operator/nn/mkldnn/
     mkldnn_convolution.cc:139: could not create a primitive descriptor iterator'); that
@@ -511,7 +511,7 @@ def cpu_bfloat16_support():
     where = "in MXNet %s's oneDNN" % mx.__version__
     cpu = 'this CPU (%s)' % cpu_description()
     try:
-        with _native_stderr_silenced():
+        with native_stderr_silenced():
             try:
                 deviation = _bfloat16_probe()
             finally:
@@ -538,3 +538,83 @@ def require_cpu_bfloat16():
     if not ok:
         raise UserError('--amp: bfloat16 mixed precision needs a CPU with AVX-512, but %s; '
                         'train without --amp (float32)' % reason)
+
+
+# -- int8 on CPU ----------------------------------------------------------------------------
+
+def cpu_flags():
+    """The CPU's feature flags from /proc/cpuinfo (an empty set where there is none)."""
+    try:
+        with open(_CPUINFO) as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                if key.strip() == 'flags':
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def _int8_probe():
+    """Quantize a 3x3 convolution + ReLU with MXNet's oneDNN flow and run it; returns its
+    largest deviation from float32, relative to the output's magnitude. Raises where
+    this build or platform has no int8 kernels (MXNet's quantized operators are oneDNN's,
+    on Linux only)."""
+    import warnings
+
+    import mxnet as mx
+    import numpy as np
+    from mxnet.contrib.quantization import quantize_net
+    rng = np.random.RandomState(0)
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Conv2D(8, 3, padding=1, in_channels=4, activation='relu'))
+    net.initialize(mx.init.Uniform(0.5), ctx=mx.cpu())
+    x = mx.nd.array(rng.uniform(0, 1, size=(1, 4, 16, 16)), ctx=mx.cpu())
+    net.hybridize()
+    ref = net(x).asnumpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        qnet = quantize_net(net, quantized_dtype='auto', calib_mode='naive', calib_data=[[x]],
+                            num_calib_examples=1, ctx=mx.cpu())
+    got = qnet(x).asnumpy()
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_int8_support():
+    """Whether this machine runs MXNet's int8 (oneDNN quantized) networks, and how fast.
+
+    Probes for real (:func:`_int8_probe`, a fraction of a second, once per process): the
+    quantized operators exist only in oneDNN builds of MXNet on Linux x86-64. Where it
+    runs, the reason says whether the CPU has VNNI (``avx512_vnni`` or ``avx_vnni``: int8
+    dot products in one instruction), without which int8 brings little speed.
+
+    Returns
+    -------
+    (bool, str)
+        The answer and a one-line reason naming the CPU.
+    """
+    import platform
+
+    import mxnet as mx
+    cpu = 'this CPU (%s)' % cpu_description()
+    if platform.system() != 'Linux' or platform.machine().lower() not in ('x86_64', 'amd64'):
+        return False, ("MXNet's int8 operators run on Linux x86-64 only (this is %s %s)"
+                       % (platform.system(), platform.machine()))
+    if not mx.runtime.Features().is_enabled('MKLDNN'):
+        return False, 'this MXNet %s build has no oneDNN (MKLDNN), which its int8 operators need' % mx.__version__
+    try:
+        with native_stderr_silenced():
+            try:
+                deviation = _int8_probe()
+            finally:
+                _clear_engine_errors()
+    except mx.base.MXNetError as exc:
+        return False, '%s cannot run int8 convolutions in MXNet %s (%s)' % (cpu, mx.__version__, mxnet_message(exc))
+    if not deviation <= 0.05:
+        return False, ('%s computes wrong int8 convolutions in MXNet %s (off by %.0f %% of the output)'
+                       % (cpu, mx.__version__, 100 * deviation))
+    flags = cpu_flags()
+    vnni = [f for f in ('avx512_vnni', 'avx_vnni', 'amx_int8') if f in flags]
+    return True, ('%s runs int8 convolutions in MXNet %s, %s' % (
+        cpu, mx.__version__, 'with %s' % '/'.join(vnni) if vnni else 'without VNNI (int8 may be no faster than float32)'))

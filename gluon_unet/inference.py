@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import UserError, mxnet_message
 from .postprocess import DEFAULT_MARKER
-from .sidecar import PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
+from .sidecar import INT8_PARAMS, INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -331,7 +331,7 @@ class LoadedModel:
         return run_jobs(self.net, self.ctxs, jobs, batch_size, self.second)
 
 
-def load_exported(prefix_or_dir, ctx=None):
+def load_exported(prefix_or_dir, ctx=None, precision='float32'):
     """Load an export with ``SymbolBlock.imports``.
 
     Parameters
@@ -339,6 +339,9 @@ def load_exported(prefix_or_dir, ctx=None):
     prefix_or_dir : str
         The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
     ctx : mx.Context or list, optional
+    precision : {'float32', 'int8'}
+        Which network of the export: the float32 model, or its int8 variant
+        (:mod:`gluon_unet.quantize`, written by ``bin/export --int8``; CPU only).
 
     Returns
     -------
@@ -348,13 +351,23 @@ def load_exported(prefix_or_dir, ctx=None):
     import mxnet as mx
     prefix = find_export(prefix_or_dir)
     folder = os.path.dirname(prefix)
-    symbol, params = prefix + '-symbol.json', prefix + '-0000.params'
-    for path in (symbol, params):
+    if precision not in ('float32', 'int8'):
+        raise UserError("--precision must be 'float32' or 'int8' (got %r)" % precision)
+    names = (INT8_SYMBOL, INT8_PARAMS) if precision == 'int8' else (SYMBOL, PARAMS)
+    symbol, params = (os.path.join(folder, name) for name in names)
+    for path in (prefix + '-symbol.json', prefix + '-0000.params'):
         if not os.path.isfile(path):
             raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
-    verify_export(meta, {SYMBOL: symbol, PARAMS: params}, sidecar_path)
+    if precision == 'int8':
+        if not isinstance(meta.get('int8'), dict):
+            raise UserError('--precision int8: the export %s has no int8 variant (%s); make one with bin/export '
+                            'RUN --int8' % (folder or os.curdir, INT8_SYMBOL))
+        for path in (symbol, params):
+            if not os.path.isfile(path):
+                raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
+    verify_export(meta, dict(zip(names, (symbol, params))), sidecar_path)
     # Each file is read on its own first, so a damaged one is named as such - not taken
     # for a pair of good files that do not fit each other.
     sym = _load_export_file(symbol, mx.sym.load, 'not a complete MXNet symbol file')
@@ -370,7 +383,7 @@ def load_exported(prefix_or_dir, ctx=None):
         _check_param_shapes(sym, saved, meta)
     except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
         raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
-                        % (folder, PARAMS, SYMBOL, mxnet_message(exc))) from None
+                        % (folder, names[1], names[0], mxnet_message(exc))) from None
     return net, meta
 
 
@@ -403,8 +416,9 @@ def _check_param_shapes(sym, arrays, meta):
     sym.infer_shape_partial(**inputs, **saved)
 
 
-def load_model(model, ctxs):
-    """Load an export (run folder, export folder or prefix) onto ``ctxs``, hybridized.
+def load_model(model, ctxs, precision='float32'):
+    """Load an export (run folder, export folder or prefix) onto ``ctxs``, hybridized
+    (``precision``: its float32 network or its int8 variant, see :func:`load_exported`).
 
     The threshold, watershed ``h`` and minimum object size are those chosen on the
     validation split after training when the sidecar has them (``postprocess``), else
@@ -412,7 +426,7 @@ def load_model(model, ctxs):
     ``--normalize`` it was trained with ('none' for exports from before it existed), and
     ``denoise`` its denoise before the stretch (0 for exports from before that existed).
     """
-    net, meta = load_exported(model, ctx=ctxs)
+    net, meta = load_exported(model, ctx=ctxs, precision=precision)
     net.hybridize(static_alloc=True)
     return loaded_model(net, meta, ctxs, model_channels(net, meta))
 

@@ -9,7 +9,8 @@ removes a folder only when it created it and it is empty. "Recognise" is concret
 * run files, at the top of a run folder: :data:`RUN_FILES`;
 * checkpoints, in ``<run>/checkpoints/``: ``best.ckpt``, ``epochNNNN.ckpt``,
   ``epochNNNN-stepNNNNNN.ckpt`` and the ``.tmp-*.ckpt`` a killed write leaves;
-* an export: ``model-symbol.json``, ``model-0000.params`` and ``model.json``, but only in
+* an export: ``model-symbol.json``, ``model-0000.params``, ``model.json`` (and the optional
+  ``model.onnx``, ``model-int8-symbol.json``, ``model-int8-0000.params``), but only in
   a folder whose ``model.json`` is a gluon_unet sidecar (a JSON object whose ``format``
   starts with ``gluon_unet-export``): the two model files have the names MXNet gives
   every export, and ``model.json`` is a common name;
@@ -43,8 +44,10 @@ RUN_FILES = ('config.json', 'train.log', 'metrics.csv', 'curves.png')
 RUN_DIRS = ('checkpoints', 'export', 'predictions', 'demo_inputs', 'tb')
 #: An export's files (``bin/export``, the end of training), in the order they are installed:
 #: ``model.json`` last, so a reader that finds it finds the model files of the same export
-#: (``model.onnx`` is optional: an export without it removes an older one).
-EXPORT_FILES = ('model-symbol.json', 'model-0000.params', 'model.onnx', 'model.json')
+#: (``model.onnx`` and the int8 variant ``model-int8-*`` are optional: an export without
+#: them removes older ones, which belong to other weights).
+EXPORT_FILES = ('model-symbol.json', 'model-0000.params', 'model.onnx', 'model-int8-symbol.json',
+                'model-int8-0000.params', 'model.json')
 #: The sidecar ``format`` prefix that marks a ``model.json`` as gluon_unet's.
 EXPORT_FORMAT_PREFIX = 'gluon_unet-export'
 #: The prediction manifest bin/predict keeps in its output folder.

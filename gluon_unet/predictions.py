@@ -171,8 +171,11 @@ class Manifest:
         if any(old_model.get(k) != self.model[k] for k in _MODEL_IDENTITY):
             return 'another model (%s, epoch %s)' % (old_model.get('export'), old_model.get('epoch'))
         old = self.old.get('settings') or {}
-        changed = ['%s %s -> %s' % (k, json.dumps(old.get(k)), json.dumps(v)) for k, v in self.settings.items()
-                   if old.get(k) != v]
+        # Both sides' keys: a setting recorded only when it is not the default (precision)
+        # is missing from one of them.
+        keys = list(self.settings) + [k for k in old if k not in self.settings]
+        changed = ['%s %s -> %s' % (k, json.dumps(old.get(k)), json.dumps(self.settings.get(k))) for k in keys
+                   if old.get(k) != self.settings.get(k)]
         return 'this model with other settings: %s' % ', '.join(changed[:3])
 
     def begin(self, files):

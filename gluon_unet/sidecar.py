@@ -26,6 +26,8 @@ from .tiling import MODES
 from .utils import DIGEST, atomic_open, file_crc32, read_json
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
+#: The int8 variant's files (:mod:`gluon_unet.quantize`), beside the float32 ones.
+INT8_SYMBOL, INT8_PARAMS = 'model-int8-symbol.json', 'model-int8-0000.params'
 
 
 def geometry(cfg):

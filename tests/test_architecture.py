@@ -146,7 +146,7 @@ TRAINING = {'engine', 'step', 'validation', 'resume', 'stops', 'parallel', 'dist
             'losses', 'averaging', 'budget', 'benchmark', 'tblog'}
 #: Inference: exports, prediction, the post-processing search. Training ends in an export
 #: and a search, so it imports these; they never import training.
-INFERENCE = {'export', 'sidecar', 'search', 'inference', 'predict', 'predictions', 'postprocess', 'submission',
+INFERENCE = {'export', 'quantize', 'sidecar', 'search', 'inference', 'predict', 'predictions', 'postprocess', 'submission',
              'overlay', 'tiling', 'onnx_export', 'onnx_numpy', 'onnx_runner', 'evaluate'}
 #: What both sides read (configs, the checkpoint format, the model, data, devices): it
 #: imports neither side.

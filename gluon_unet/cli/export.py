@@ -30,12 +30,15 @@ def export_main(argv=None):
     from ..export import ExportConfig, run_export
     from ..onnx_runner import ONNX_FILE
     from ..postprocess import settings_text
+    from ..sidecar import INT8_PARAMS, INT8_SYMBOL
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
         prefix, notes, tuned = run_export(config)
     files = [prefix + '-symbol.json', prefix + '-0000.params']
     onnx = os.path.join(os.path.dirname(prefix), ONNX_FILE)
     files += [onnx] if os.path.isfile(onnx) else []
+    if config.int8:
+        files += [os.path.join(os.path.dirname(prefix), name) for name in (INT8_SYMBOL, INT8_PARAMS)]
     print('exported %s and %s' % (', '.join(files[:-1]), files[-1]))
     for note in notes:
         print(note)
