@@ -359,11 +359,7 @@ def probe_gpu(device_id):
     """
     import mxnet as mx
     try:
-        with native_stderr_silenced():  # the C++ side logs a failure there too; the line below says it
-            try:
-                _probe_kernels(mx.gpu(device_id))
-            finally:
-                _clear_engine_errors()
+        _run_probe(_probe_kernels, mx.gpu(device_id))
         return None
     except (mx.base.MXNetError, RuntimeError) as exc:
         cause = mxnet_message(exc, limit=300)
@@ -383,6 +379,17 @@ def probe_gpu(device_id):
     return '%s failed a test kernel: %s%s' % (label, cause, hint)
 
 
+def _run_probe(probe, *args):
+    """``probe(*args)``'s result, run with MXNet's native stderr silenced (the C++ side
+    logs a failure there too; the caller's one line says it) and the engine's errors of
+    failed operators cleared afterwards, whatever happened (:func:`_clear_engine_errors`)."""
+    with native_stderr_silenced():
+        try:
+            return probe(*args)
+        finally:
+            _clear_engine_errors()
+
+
 def _clear_engine_errors():
     """Take the errors of failed operators out of MXNet's engine.
 
@@ -390,7 +397,8 @@ def _clear_engine_errors():
     operator's error until the next ``waitall`` (``ThreadedEngine::WaitForAll``,
     ``global_exception_refs_``), and the one at exit (``MXNotifyShutdown``) would print
     it as "Exception ignored in atexit callback: _notify_shutdown ...": a second
-    message after the probe's one line. Their message is the one already caught."""
+    message after the probe's one line (seen under doctor on Zen 3, from the bfloat16
+    probe's "could not create a primitive descriptor iterator"). Their message is the one already caught."""
     import mxnet as mx
     try:
         mx.nd.waitall()
@@ -511,15 +519,7 @@ def cpu_bfloat16_support():
     where = "in MXNet %s's oneDNN" % mx.__version__
     cpu = 'this CPU (%s)' % cpu_description()
     try:
-        with native_stderr_silenced():
-            try:
-                deviation = _bfloat16_probe()
-            finally:
-                # The probe's other failed operators keep their errors in the engine, which
-                # rethrows one at exit ('Exception ignored in atexit callback:
-                # _notify_shutdown ... could not create a primitive descriptor iterator', seen
-                # under doctor on Zen 3).
-                _clear_engine_errors()
+        deviation = _run_probe(_bfloat16_probe)
     except mx.base.MXNetError as exc:
         return False, '%s cannot run bfloat16 convolutions %s (%s)' % (cpu, where, mxnet_message(exc))
     if deviation is not None and not deviation <= 0.05:
@@ -604,11 +604,7 @@ def cpu_int8_support():
     if not mx.runtime.Features().is_enabled('MKLDNN'):
         return False, 'this MXNet %s build has no oneDNN (MKLDNN), which its int8 operators need' % mx.__version__
     try:
-        with native_stderr_silenced():
-            try:
-                deviation = _int8_probe()
-            finally:
-                _clear_engine_errors()
+        deviation = _run_probe(_int8_probe)
     except mx.base.MXNetError as exc:
         return False, '%s cannot run int8 convolutions in MXNet %s (%s)' % (cpu, mx.__version__, mxnet_message(exc))
     if not deviation <= 0.05:

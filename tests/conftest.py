@@ -1,4 +1,5 @@
 """Shared fixtures: tiny configs so the whole suite runs in minutes on 2 CPU cores."""
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +32,20 @@ def tiny_config(tmp_path, **overrides):
                 output=str(tmp_path / 'run'), progress=False, augment=False, patience=0)
     base.update(overrides)
     return TrainConfig(**base)
+
+
+def write_config(path, cfg):
+    """``cfg`` as the JSON file ``bin/train --config`` reads; returns its path."""
+    with open(path, 'w') as f:
+        json.dump(cfg.to_dict(), f)
+    return str(path)
+
+
+def load_dump(path):
+    """The arrays of one ``.npz`` parameter dump (tests/dist_helper.py) as a dict."""
+    import numpy as np  # here: this module sets OMP_NUM_THREADS before anything loads numpy
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import pids_with, reaped_tag, run_in_own_group, tiny_config
+from conftest import load_dump, pids_with, reaped_tag, run_in_own_group, tiny_config, write_config
 from gluon_unet import distributed, launch
 from gluon_unet.cli import launch_main
 from gluon_unet.data.sampler import EpochSampler
@@ -38,17 +38,6 @@ def role_of(pid):
 def marker():
     """A unique tag for this test's processes; leftovers are killed (and reported)."""
     yield from reaped_tag('distjob')
-
-
-def write_config(path, cfg):
-    with open(path, 'w') as f:
-        json.dump(cfg.to_dict(), f)
-    return str(path)
-
-
-def load_dump(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
 
 
 def max_diff(a, b, replica_b=0):

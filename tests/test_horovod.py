@@ -19,7 +19,8 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from conftest import pids_with, reaped_tag, run_in_own_group, tiny_config
+from conftest import load_dump, pids_with, reaped_tag, run_in_own_group, tiny_config, write_config
+from device_checks import max_diff
 from gluon_unet import distributed, runtime
 from gluon_unet.errors import UserError
 
@@ -224,21 +225,6 @@ def hvd_config(tmp_path, **kw):
                 lr=0.05, momentum=0.9, batch_norm=False, monitor='val_loss', output=str(tmp_path / 'run'))
     base.update(kw)
     return tiny_config(tmp_path, **base)
-
-
-def write_config(path, cfg):
-    with open(path, 'w') as f:
-        json.dump(cfg.to_dict(), f)
-    return str(path)
-
-
-def load_dump(path):
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
-
-
-def max_diff(a, b):
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
 class _Dump:
