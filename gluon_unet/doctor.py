@@ -23,8 +23,8 @@ from . import __version__, mxnet_distribution
 from .config import GPU_IDS, option
 from .devices import cpu_context_count, make_contexts
 from .errors import UserError, mxnet_message
-from .hardware import cpu_bfloat16_support, cpu_description, gpu_status
-from .runtime import recommended_settings, runtime_settings
+from .hardware import cpu_bfloat16_support, cpu_description, cpu_int8_support, gpu_status
+from .runtime import amx_state, recommended_settings, runtime_settings
 
 # The build features a multi-GPU U-Net run depends on (mx.runtime.Features names;
 # MXNet 2 calls oneDNN ONEDNN, 1.x MKLDNN).
@@ -118,6 +118,15 @@ def horovod_status():
         version, controllers, operations, runner or 'not on PATH')
 
 
+def amx_row():
+    """The AMX row: whether bfloat16 training and int8 inference use AMX in gluon_unet's
+    programs (:func:`~gluon_unet.runtime.enable_amx`, which doctor's own start ran), and why."""
+    used, reason = amx_state()
+    if used:
+        return 'yes: %s; bin/train --amp and --precision int8 use it' % reason
+    return 'no: %s' % reason
+
+
 def table_rows(contexts=1):
     """The ``(name, value)`` rows of the table (imports mxnet)."""
     import mxnet as mx
@@ -132,6 +141,7 @@ def table_rows(contexts=1):
     threads += ', MXNET_CPU_TEMP_COPY=%d, MXNET_CPU_WORKER_NTHREADS=%d, engine %s' % (
         settings['cpu_temp_copy'], settings['cpu_worker_threads'], settings['engine'])
     bf16_ok, bf16_reason = cpu_bfloat16_support()
+    int8_ok, int8_reason = cpu_int8_support()
     rows = [('gluon_unet', '%s (%s)' % (__version__, os.path.dirname(os.path.abspath(__file__)))),
             ('mxnet', '%s (package %s, %s)' % (mx.__version__, mxnet_distribution().split()[0],
                                                 os.path.dirname(os.path.abspath(mx.__file__)))),
@@ -142,6 +152,8 @@ def table_rows(contexts=1):
                                                       settings['physical_cores'])),
              ('threads', '%s (for %d CPU context%s)' % (threads, contexts, '' if contexts == 1 else 's')),
              ('bfloat16', '%s: %s' % ('yes' if bf16_ok else 'no', bf16_reason)),
+             ('AMX', amx_row()),
+             ('int8', '%s: %s' % ('yes' if int8_ok else 'no', int8_reason)),
              ('--amp', amp_plan(gpu_count, bf16_ok)),
              ('horovod', horovod_status())]
     return rows

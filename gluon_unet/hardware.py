@@ -12,7 +12,9 @@
 * :func:`physical_gpu` says which GPU MXNet's ``gpu(i)`` is when ``CUDA_VISIBLE_DEVICES``
   renumbered them (:func:`set_gpu_renumbering`);
 * :func:`cpu_description` and :func:`cpu_bfloat16_support` say what the CPU is and
-  whether it runs MXNet's bfloat16 convolutions (``--amp`` on CPU).
+  whether it runs MXNet's bfloat16 convolutions (``--amp`` on CPU);
+* :func:`request_amx_tiles` asks Linux for the AMX tile state that MXNet's oneDNN needs
+  before it may use AMX (``runtime.enable_amx`` decides whether to).
 
 mxnet is imported inside the functions that need it. Turning ``--gpus`` / ``--cpus``
 into contexts is :mod:`gluon_unet.devices`.
@@ -538,6 +540,64 @@ def require_cpu_bfloat16():
     if not ok:
         raise UserError('--amp: bfloat16 mixed precision needs a CPU with AVX-512, but %s; '
                         'train without --amp (float32)' % reason)
+
+
+# -- AMX (Intel Advanced Matrix Extensions) -------------------------------------------------
+
+# Linux x86-64: syscall number of arch_prctl, its codes for the extended-state permissions,
+# and the XSAVE feature number of the AMX tile data (arch/x86/include/uapi/asm/prctl.h).
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def cpu_has_amx(flags=None):
+    """True when the CPU flags include AMX tiles with bfloat16 (Intel Sapphire Rapids on).
+
+    Parameters
+    ----------
+    flags : set of str, optional
+        The CPU flags (default: :func:`cpu_flags`).
+    """
+    flags = cpu_flags() if flags is None else flags
+    return {'amx_tile', 'amx_bf16'} <= set(flags)
+
+
+def _arch_prctl(code, arg):
+    """``arch_prctl(code, arg)`` through libc's ``syscall``: (return code, errno)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.syscall(ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(code), arg)
+    return rc, ctypes.get_errno()
+
+
+@functools.lru_cache(maxsize=None)
+def request_amx_tiles():
+    """Ask Linux for the AMX tile state, once per process; whether AMX may now be used.
+
+    Since Linux 5.16 a process must request the tile data state
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``) before its first AMX
+    instruction, or the kernel kills it with SIGILL. oneDNN 3 (PyTorch) asks by itself;
+    MXNet 1.9.1's oneDNN 2.4.4 does not, which is why ``DNNL_MAX_CPU_ISA=AVX512_CORE_AMX``
+    alone crashes MXNet at its first bfloat16 convolution. The permission holds for the
+    whole process and is inherited by ``fork()`` children (loader workers), not across
+    ``exec()`` (measured), so every program that wants AMX asks for itself.
+
+    Returns
+    -------
+    (bool, str)
+        Granted or not, and a one-line reason naming the CPU.
+    """
+    import platform
+    cpu = 'this CPU (%s)' % cpu_description()
+    if platform.system() != 'Linux' or platform.machine().lower() not in ('x86_64', 'amd64'):
+        return False, 'AMX needs Linux on x86-64 (this is %s %s)' % (platform.system(), platform.machine())
+    if not cpu_has_amx():
+        return False, '%s has no AMX (no amx_tile/amx_bf16 in /proc/cpuinfo)' % cpu
+    rc, err = _arch_prctl(_ARCH_REQ_XCOMP_PERM, ctypes.c_long(_XFEATURE_XTILEDATA))
+    if rc != 0:
+        return False, ('Linux refused AMX tile state to this process (arch_prctl: %s; it needs Linux '
+                       '5.16 or newer)' % os.strerror(err))
+    return True, '%s has AMX and Linux granted this process its tile state' % cpu
 
 
 # -- int8 on CPU ----------------------------------------------------------------------------

@@ -8,18 +8,44 @@ from mxnet.gluon.contrib.nn import SyncBatchNorm
 from .errors import UserError
 
 
+class _Float32ReLU(nn.HybridBlock):
+    """ReLU in float32 for a bfloat16 network on AMX: the same function, but its output and
+    its gradient leave in the plain NCHW layout.
+
+    Why: MXNet 1.9.1's oneDNN BatchNorm backward falls back to oneDNN's reference kernel
+    (about 200x slower: 250 ms for 16x16x128x128 on a 2-core Xeon, half the step) when its
+    input and its gradient arrive in two different blocked layouts; it reorders one of them
+    only when the other is plain (``src/operator/nn/mkldnn/mkldnn_batch_norm-inl.h``).
+    With AMX that happens at layers of fewer than 32 channels: the AMX forward
+    convolution writes ``acdb`` while the backward one, which oneDNN 2.4 has no AMX kernel
+    for at so few channels, writes ``aBcd16b``. ``amp_cast`` is a oneDNN reorder to the
+    plain layout (``src/operator/tensor/amp_cast.cc``), forward and backward, so the
+    gradient reaching BatchNorm is plain and is reordered: the fast kernel runs. The cost,
+    a few reorders of the narrowest maps, is small beside it (docs/performance.md).
+    """
+
+    def hybrid_forward(self, F, x):
+        return F.Activation(F.amp_cast(x, dtype='float32'), act_type='relu')
+
+
+#: Layers narrower than this get :class:`_Float32ReLU` on AMX (oneDNN 2.4's AMX
+#: convolutions pack channels in pairs of 16 and have no backward kernel below 32).
+AMX_NARROW = 32
+
+
 class _DoubleConv(nn.HybridBlock):
     """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match."""
 
-    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, **kwargs):
+    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, amx=False, **kwargs):
         super().__init__(**kwargs)
         self.body = nn.HybridSequential()
+        plain = amx and batch_norm and channels < AMX_NARROW
         for _ in range(2):
             # A bias in front of BatchNorm is cancelled by its mean subtraction.
             self.body.add(nn.Conv2D(channels, 3, padding=1, use_bias=not batch_norm))
             if batch_norm:
                 self.body.add(norm_layer(**norm_kwargs))
-            self.body.add(nn.Activation('relu'))
+            self.body.add(_Float32ReLU() if plain else nn.Activation('relu'))
 
     # What the symbolic training graph recomputes in backward (see :func:`recompute`);
     # None: nothing. Read only while a symbol is built: CachedOp ignores the attribute.
@@ -78,7 +104,8 @@ class _TransposedConv2x2(nn.HybridBlock):
 class _Up(nn.HybridBlock):
     """Double the resolution and halve the channels, then concatenate the skip."""
 
-    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, amp_dtype=None, **kwargs):
+    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, amp_dtype=None, amx=False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.mode = mode
         if mode == 'deconv':
@@ -90,7 +117,7 @@ class _Up(nn.HybridBlock):
         else:
             # Resize + conv avoids the checkerboard artefacts of transposed convs.
             self.up = nn.Conv2D(channels, 3, padding=1)
-        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs)
+        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs, amx)
         # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
         # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
         # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
@@ -140,12 +167,17 @@ class UNet(nn.HybridBlock):
         must come first), None for float32. Under 'bfloat16' the 2x2 transposed
         convolutions are computed as 1x1 convolutions (:class:`_TransposedConv2x2`, the
         same parameters): MXNet 1.9 cannot train a hybridized bfloat16 Deconvolution.
+    amx : bool
+        The bfloat16 network will run on AMX (``runtime.amx_state()``): layers narrower
+        than :data:`AMX_NARROW` compute their ReLU in float32 (:class:`_Float32ReLU`),
+        which keeps oneDNN 2.4's BatchNorm backward on its fast kernel. The same
+        function and parameters, so checkpoints are interchangeable.
 
     Input ``(N, in_channels, H, W)``; output logits ``(N, classes, H, W)``.
     """
 
     def __init__(self, in_channels=1, classes=1, width=32, depth=4, batch_norm=True,
-                 dropout=0.0, upsample='deconv', sync_bn_devices=0, amp_dtype=None, **kwargs):
+                 dropout=0.0, upsample='deconv', sync_bn_devices=0, amp_dtype=None, amx=False, **kwargs):
         super().__init__(**kwargs)
         self.in_channels, self.depth = in_channels, depth
         if sync_bn_devices:
@@ -155,13 +187,13 @@ class UNet(nn.HybridBlock):
         with self.name_scope():
             self.down = nn.HybridSequential()
             for level in range(depth):
-                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs))
+                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs, amx))
             self.pool = nn.MaxPool2D(2, 2)
-            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs)
+            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs, amx)
             self.drop = nn.Dropout(dropout) if dropout > 0 else None
             self.up = nn.HybridSequential()
             for level in reversed(range(depth)):
-                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs, amp_dtype))
+                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs, amp_dtype, amx))
             self.head = nn.Conv2D(classes, 1)
 
     def forward(self, x, *args):
@@ -216,16 +248,17 @@ def probability_maps(logits, second=None):
     return foreground_probability(logits).expand_dims(axis=1)
 
 
-def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None):
+def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None, amx=False):
     """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
 
     ``amp_dtype`` is the dtype of the AMP already initialized (``step.init_amp``'s
-    result), None for float32 (see :class:`UNet`).
+    result), None for float32; ``amx``: it will run on AMX (see :class:`UNet`).
     """
     return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.outputs,
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
-                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype)
+                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype,
+                amx=amx and amp_dtype == 'bfloat16')
 
 
 RECOMPUTE = ('activations', 'blocks')

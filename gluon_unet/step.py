@@ -20,7 +20,7 @@ from .losses import SegmentationLoss
 from .model import build_model
 from .optim import make_trainer
 from .parallel import DataParallelStep, MirroredStep
-from .runtime import configure_runtime
+from .runtime import amx_state, configure_runtime
 
 
 class Diverged(Exception):
@@ -39,8 +39,10 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
     mx.random.seed(cfg.seed)
     init = mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2)
     if net is None:
+        # On AMX the narrowest layers need a float32 ReLU to keep BatchNorm fast (model.py).
+        amx = ctxs[0].device_type == 'cpu' and amx_state()[0]
         net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
-                          amp_dtype=amp_dtype)
+                          amp_dtype=amp_dtype, amx=amx)
         net.initialize(init, ctx=ctxs)
     else:
         net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized

@@ -10,7 +10,8 @@ from gluon_unet import doctor
 from gluon_unet.cli import doctor as doctor_cli, doctor_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', '--amp', 'horovod')
+ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', 'AMX', 'int8', '--amp',
+        'horovod')
 
 
 def _doctor(*args):
@@ -29,6 +30,10 @@ def test_doctor_prints_the_table():
     assert 'CUDA no' in text and 'DIST_KVSTORE yes' in text and 'MKLDNN yes' in text
     assert 'no CUDA support' in text and 'OMP_NUM_THREADS=' in text and '(gluon_unet)' in text
     assert 'float16 on GPUs (none here)' in text
+    # AMX: used exactly where the CPU has it and Linux grants the tile state.
+    from gluon_unet.hardware import cpu_has_amx, request_amx_tiles
+    amx = [line for line in done.stdout.splitlines() if line.startswith('AMX')][0]
+    assert amx.split()[1] == ('yes:' if cpu_has_amx() and request_amx_tiles()[0] else 'no:'), amx
     # Nothing else: where bfloat16 is missing (Zen 3) the probe's failure once leaked MXNet's
     # C++ log line, and at exit a traceback from the engine's leftover errors.
     assert done.stderr.strip() == '', done.stderr

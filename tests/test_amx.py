@@ -1,0 +1,218 @@
+"""AMX: turned on only where the CPU has it and Linux grants the tile state, never handed
+to a child process without that permission, and the bfloat16 network keeps oneDNN's fast
+kernels on it. The subprocess tests run on every CPU and assert what that CPU should do."""
+import json
+import os
+import subprocess
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from gluon_unet import runtime
+from gluon_unet.config import ModelConfig
+from gluon_unet.hardware import cpu_has_amx, request_amx_tiles
+from gluon_unet.model import AMX_NARROW, UNet, _Float32ReLU, build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_amx_is_read_from_the_cpu_flags():
+    assert cpu_has_amx({'avx512f', 'amx_tile', 'amx_bf16', 'amx_int8'})
+    assert not cpu_has_amx({'avx512f', 'avx512_bf16'})  # Zen 4: bf16, no AMX
+    assert not cpu_has_amx({'amx_tile'})
+    assert not cpu_has_amx(set())
+
+
+@pytest.fixture
+def fresh_amx(monkeypatch):
+    """enable_amx() as in a new process (it decides once), without the user's variable."""
+    monkeypatch.setattr(runtime, '_amx', None)
+    monkeypatch.delenv(runtime.ISA_VARIABLE, raising=False)
+    asked = []
+    monkeypatch.setattr('gluon_unet.hardware.request_amx_tiles',
+                        lambda: asked.append(True) or (True, 'granted (simulated)'))
+    return asked
+
+
+def test_a_cpu_without_amx_changes_nothing(fresh_amx, monkeypatch):
+    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: False)
+    used, reason = runtime.enable_amx()
+    assert not used and reason == 'no AMX on this CPU'
+    assert not fresh_amx, 'asked Linux for AMX tile state on a CPU without AMX'
+    assert runtime.ISA_VARIABLE not in os.environ
+
+
+def test_the_users_isa_choice_wins(fresh_amx, monkeypatch):
+    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: True)
+    monkeypatch.setenv(runtime.ISA_VARIABLE, 'AVX512_CORE_BF16')
+    used, reason = runtime.enable_amx()
+    assert not used and 'AVX512_CORE_BF16 (yours) leaves AMX off' in reason
+    assert os.environ[runtime.ISA_VARIABLE] == 'AVX512_CORE_BF16' and not fresh_amx
+
+
+def test_a_users_amx_choice_gets_the_permission_it_needs(fresh_amx, monkeypatch):
+    # DNNL_MAX_CPU_ISA=AVX512_CORE_AMX alone made MXNet die with SIGILL (issue 50).
+    monkeypatch.setenv(runtime.ISA_VARIABLE, 'avx512_core_amx')
+    used, reason = runtime.enable_amx()
+    assert used and fresh_amx == [True] and '(yours)' in reason
+    assert os.environ[runtime.ISA_VARIABLE] == 'avx512_core_amx'
+
+
+def test_amx_is_left_off_once_mxnet_is_loaded(fresh_amx, monkeypatch):
+    # oneDNN may have read the variable already: setting it now could half-work.
+    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: True)
+    assert 'mxnet' in sys.modules
+    used, reason = runtime.enable_amx()
+    assert not used and 'loaded before' in reason and not fresh_amx
+    assert runtime.ISA_VARIABLE not in os.environ
+
+
+def _run(script, **env):
+    full = dict(os.environ, PYTHONPATH=ROOT, **env)
+    for key in [k for k, v in env.items() if v is None]:
+        full.pop(key)
+    full.pop(runtime.ISA_VARIABLE, None) if runtime.ISA_VARIABLE not in env else None
+    return subprocess.run([sys.executable, '-c', script], env=full, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+def _amx_expected():
+    return cpu_has_amx() and request_amx_tiles()[0]
+
+
+def _conv_lines(stdout):
+    """oneDNN's DNNL_VERBOSE lines of executed primitives, as (kind, implementation, prop)."""
+    rows = []
+    for line in stdout.splitlines():
+        parts = line.split(',')
+        if line.startswith('dnnl_verbose,exec') and len(parts) > 5:
+            rows.append((parts[3], parts[4], parts[5]))
+    return rows
+
+
+START = r'''
+import json, os, subprocess, sys
+from gluon_unet.runtime import apply_runtime_defaults, amx_state, configure_runtime, user_environ
+apply_runtime_defaults()
+used, reason = amx_state()
+handed_on = user_environ().get('DNNL_MAX_CPU_ISA')  # what bin/launch and the export child get
+from gluon_unet.hardware import cpu_bfloat16_support
+import mxnet as mx
+configure_runtime(1)  # as fit() and bin/train --benchmark start
+if cpu_bfloat16_support()[0]:
+    # One bfloat16 convolution wide enough for oneDNN 2.4's AMX kernels.
+    import numpy as np
+    bf16 = np.dtype([('bfloat16', np.uint16)])  # how MXNet 1.9 names bfloat16 to numpy
+    x = mx.nd.amp_cast(mx.nd.ones((2, 32, 16, 16)), dtype=bf16)
+    w = mx.nd.amp_cast(mx.nd.ones((32, 32, 3, 3)), dtype=bf16)
+    mx.nd.Convolution(x, w, kernel=(3, 3), pad=(1, 1), num_filter=32, no_bias=True).wait_to_read()
+child = subprocess.run([sys.executable, '-c', 'import os; print(os.environ.get("DNNL_MAX_CPU_ISA"))'],
+                       capture_output=True, text=True).stdout.strip()
+print('RESULT ' + json.dumps({'used': used, 'reason': reason, 'env': os.environ.get('DNNL_MAX_CPU_ISA'),
+                             'child': child, 'handed_on': handed_on}))
+'''
+
+
+def _result(out):
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = [l for l in out.stdout.splitlines() if l.startswith('RESULT ')][-1]
+    return json.loads(line[len('RESULT '):])
+
+
+def test_amx_is_used_exactly_where_the_cpu_has_it_and_never_inherited():
+    out = _run(START, DNNL_VERBOSE='1')
+    result = _result(out)
+    amx_kernels = [r for r in _conv_lines(out.stdout) if 'amx' in r[1]]
+    if _amx_expected():
+        assert result['used'], result['reason']
+        assert amx_kernels, 'AMX turned on, but oneDNN ran no AMX kernel'
+    else:
+        assert not result['used'] and not amx_kernels
+    # Never handed to gluon_unet's own child processes, and out of the environment once
+    # oneDNN has read it: a child process (exec clears the tile permission) must not
+    # inherit an AMX setting it would die of.
+    assert result['handed_on'] is None
+    assert result['env'] is None and result['child'] == 'None'
+
+
+def test_a_users_amx_setting_no_longer_crashes():
+    # Before: SIGILL (return code -4) at the first bfloat16 convolution on an AMX Xeon.
+    out = _run(START, DNNL_MAX_CPU_ISA='AVX512_CORE_AMX')
+    result = _result(out)
+    assert result['used'] == _amx_expected()
+    assert result['env'] == result['handed_on'] == 'AVX512_CORE_AMX'  # the user's own, left as it was
+
+
+STEP = r'''
+import sys
+from gluon_unet.runtime import apply_runtime_defaults, amx_state
+apply_runtime_defaults()
+from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
+from gluon_unet.config import ModelConfig, TrainConfig
+import mxnet as mx
+cfg = TrainConfig(model=ModelConfig(in_channels=1, width=8, depth=2), size=32, batch_size=4, amp=True,
+                  progress=False)
+step = make_training_step(cfg, [mx.cpu()])
+time_steps(step, synthetic_batch(cfg), 2)
+print('RESULT {"used": %s}' % ('true' if amx_state()[0] else 'false'))
+'''
+
+
+@pytest.mark.usefixtures('requires_bf16')
+def test_bfloat16_training_runs_no_reference_kernel():
+    # On AMX, the narrow layers' BatchNorm backward fell back to oneDNN's reference kernel
+    # (bnorm_ref: half the step at width 16) until model._Float32ReLU.
+    out = _run(STEP, DNNL_VERBOSE='1')
+    assert _result(out)['used'] == _amx_expected()
+    rows = _conv_lines(out.stdout)
+    assert any(kind == 'batch_normalization' and prop == 'backward' for kind, _, prop in rows)
+    slow = sorted({r for r in rows if 'ref' in r[1]})
+    assert not slow, slow
+
+
+def _narrow_relus(net):
+    found = []
+
+    def visit(block):
+        if isinstance(block, _Float32ReLU):
+            found.append(block)
+        for child in block._children.values():
+            visit(child)
+    visit(net)
+    return found
+
+
+def test_only_narrow_bfloat16_layers_on_amx_get_the_float32_relu():
+    cfg = ModelConfig(in_channels=1, width=8, depth=3)  # 8, 16, 32, 64 / 32, 16, 8 channels
+    narrow = sum(1 for c in (8, 16, 32, 64, 32, 16, 8) if c < AMX_NARROW)
+    assert len(_narrow_relus(build_model(cfg, amp_dtype='bfloat16', amx=True))) == 2 * narrow == 8
+    assert not _narrow_relus(build_model(cfg, amp_dtype='bfloat16'))
+    assert not _narrow_relus(build_model(cfg, amx=True))  # float32 does not use AMX
+    assert not _narrow_relus(build_model(ModelConfig(in_channels=1, width=32, depth=2),
+                                         amp_dtype='bfloat16', amx=True))
+
+
+def test_the_float32_relu_is_the_same_function_with_the_same_parameters():
+    # Same outputs and gradients, same structural names: checkpoints move between
+    # machines with and without AMX.
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
+    results, names = [], []
+    for amx in (False, True):
+        mx.random.seed(0)
+        net = UNet(in_channels=1, width=4, depth=2, amx=amx)
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        xg = x.copy()
+        xg.attach_grad()
+        with mx.autograd.record():
+            y = net(xg)
+            loss = (y * y).sum()
+        loss.backward()
+        names.append(sorted(net._collect_params_with_prefix()))
+        results.append((y.asnumpy(), xg.grad.asnumpy()))
+    assert len(_narrow_relus(UNet(in_channels=1, width=4, depth=2, amx=True))) == 2 * 5
+    assert names[0] == names[1]
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
