@@ -38,6 +38,9 @@ sys.path.insert(0, ROOT)
 
 def network_rows(export, sizes, batches, reps):
     """Median images/s per (size, batch) of float32, float32 + oneDNN fusion and int8."""
+    # As bin/predict starts: AMX where the CPU has it, unless DNNL_MAX_CPU_ISA says otherwise.
+    from gluon_unet.runtime import apply_runtime_defaults
+    apply_runtime_defaults()
     import mxnet as mx
 
     from gluon_unet.inference import load_exported
@@ -66,9 +69,19 @@ def network_rows(export, sizes, batches, reps):
     return rows
 
 
-def predict_once(export, inputs, out, precision, threads):
+def amx_env(amx):
+    """The environment for a child with AMX on (gluon_unet's default where the CPU has it)
+    or off (``DNNL_MAX_CPU_ISA`` capped below AMX)."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop('DNNL_MAX_CPU_ISA', None)
+    if amx == 'off':
+        env['DNNL_MAX_CPU_ISA'] = 'AVX512_CORE_BF16'
+    return env
+
+
+def predict_once(export, inputs, out, precision, threads, amx='on'):
     """``bin/predict`` into ``out``; its images/s."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
+    env = dict(amx_env(amx), OMP_NUM_THREADS=str(threads))
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', export, '--input',
                            inputs, '--output', out, '--precision', precision, '--overwrite'],
                           capture_output=True, text=True, env=env)
@@ -129,6 +142,8 @@ def main(argv=None):
     ap.add_argument('--sizes', default='256,512')
     ap.add_argument('--batches', default='1,4')
     ap.add_argument('--reps', type=int, default=3)
+    ap.add_argument('--amx', default='auto', help='auto: rows with AMX on and off where the CPU has AMX (else '
+                                                   'on only, which is then off); on; off; on,off')
     ap.add_argument('--network-only', action='store_true', help=argparse.SUPPRESS)  # the child of the network part
     args = ap.parse_args(argv)
     ints = lambda text: [int(v) for v in text.split(',')]  # noqa: E731
@@ -148,17 +163,21 @@ def main(argv=None):
         print('model: %s; int8 calibrated on %d inputs of %d images (%s); vs float32 there: %s'
               % (export, record['calibration']['inputs'], len(record['calibration']['images']),
                  record['calibration']['calib_mode'], record['vs_float32']))
-        print('\n| threads | input | float32 img/s | float32+fusion | int8 | int8 / float32 | fusion / float32 |')
-        print('|---|---|---|---|---|---|---|')
+        from gluon_unet.hardware import cpu_has_amx
+        amx_modes = (['on', 'off'] if cpu_has_amx() else ['on']) if args.amx == 'auto' else args.amx.split(',')
+        print('\n| AMX | threads | input | float32 img/s | float32+fusion | int8 | int8 / float32 | fusion / float32 |')
+        print('|---|---|---|---|---|---|---|---|')
         for threads in ints(args.threads):
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT)
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), '--network-only', '--model', export,
-                                   '--sizes', args.sizes, '--batches', args.batches, '--reps', str(args.reps)],
-                                  capture_output=True, text=True, env=env, check=True)
-            for row in json.loads(done.stdout.strip().splitlines()[-1]):
-                print('| %d | %d px x %d | %.1f | %.1f | %.1f | %.2fx | %.2fx |'
-                      % (threads, row['side'], row['batch'], row['float32'], row['float32+fusion'], row['int8'],
-                         row['int8'] / row['float32'], row['float32+fusion'] / row['float32']))
+            for amx in amx_modes:
+                env = dict(amx_env(amx), OMP_NUM_THREADS=str(threads))
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), '--network-only', '--model',
+                                       export, '--sizes', args.sizes, '--batches', args.batches, '--reps',
+                                       str(args.reps)], capture_output=True, text=True, env=env, check=True)
+                for row in json.loads(done.stdout.strip().splitlines()[-1]):
+                    print('| %s | %d | %d px x %d | %.1f | %.1f | %.1f | %.2fx | %.2fx |'
+                          % (amx if cpu_has_amx() else 'none', threads, row['side'], row['batch'], row['float32'],
+                             row['float32+fusion'], row['int8'], row['int8'] / row['float32'],
+                             row['float32+fusion'] / row['float32']))
         if args.data:
             threads = ints(args.threads)[-1]
             res = dsb_part(export, args.data, args.images, args.seed, args.rounds, threads, work)
