@@ -6,9 +6,10 @@ repetitions between the workers - ours on 1 context, ours on N contexts, PyTorch
 that load from other users of this machine hits all of them alike. Reported: the
 median images/s over the repetitions (steady state: after warm-up steps), the ratio
 ours/PyTorch, achieved GFLOP/s (``gluon_unet.model.flops_per_image``, training = 3
-forward passes) against the float32 peak, the data-parallel overhead (N contexts
-against 1 at the same global batch) and the peak resident memory per training image
-and per device.
+forward passes) against a peak measured on the CPU at hand (a 2048 x 2048 matmul in
+MXNet in the same dtype, on AMX for bfloat16 where gluon_unet turns it on), the
+data-parallel overhead (N contexts against 1 at the same global batch) and the peak
+resident memory per training image and per device.
 
 Alternating is not enough on a 2-core machine: while another process holds one core, a
 worker with 2 threads (ours with ``OMP_NUM_THREADS=2``, PyTorch by default) stalls at
@@ -45,7 +46,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PEAK_GFLOPS = 190.0  # float32 peak of this 2-core Zen-4 VM (issue 8)
+PEAK_SIDE = 2048  # the matmul of the peak measurement: 2048 x 2048 by 2048 x 2048 (17 GFLOP)
 
 
 def _busy_seconds():
@@ -203,6 +204,40 @@ def _torch_infer(spec):
 WORKERS = {'mx': _mx_train, 'torch': _torch_train, 'mx_infer': _mx_infer, 'torch_infer': _torch_infer}
 
 
+def _peak_worker(amp, conn):
+    """GFLOP/s of a large matmul in MXNet on this CPU, in the dtype measured (bfloat16 with
+    ``amp``: on AMX where gluon_unet turns it on, as for our workers): the practical peak
+    the rows' GFLOP/s are compared with, measured here rather than assumed for a CPU."""
+    sys.path.insert(0, ROOT)
+    from gluon_unet.runtime import apply_runtime_defaults
+    apply_runtime_defaults()
+    import mxnet as mx
+    import numpy as np
+    n = PEAK_SIDE
+    a, b = mx.nd.random.uniform(shape=(n, n)), mx.nd.random.uniform(shape=(n, n))
+    if amp:
+        bf16 = np.dtype([('bfloat16', np.uint16)])  # how MXNet 1.9 names bfloat16 to numpy
+        a, b = mx.nd.amp_cast(a, dtype=bf16), mx.nd.amp_cast(b, dtype=bf16)
+    times = []
+    for i in range(7):  # the first two create the oneDNN primitive and reorder the weights
+        t0 = time.perf_counter()
+        mx.nd.FullyConnected(a, b, num_hidden=n, no_bias=True).wait_to_read()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    conn.send(2.0 * n ** 3 / min(times) / 1e9)
+
+
+def measure_peak(amp):
+    """:func:`_peak_worker` in a child process (threads and AMX chosen as for a worker)."""
+    ctx = mp.get_context('spawn')
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_peak_worker, args=(amp, child))
+    proc.start()
+    peak = parent.recv()
+    proc.join()
+    return peak
+
+
 def _worker(kind, spec, env, conn):
     # Before any framework import: some settings are read at load. A --env/--variant value
     # is the user's: gluon_unet's defaults (applied by the mx workers) never replace it.
@@ -350,7 +385,7 @@ def run_config(width, size, batch, args):
                'mode': 'inference' if args.inference else 'training',
                'images_per_s': w.median, 'all': w.rates, 'steps_per_rep': w.steps,
                'images_per_cpu_s': w.cpu_median, 'all_cpu': w.cpu_rates,
-               'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / PEAK_GFLOPS,
+               'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / args.peak,
                'peak_rss_mib': w.mem['peak_kib'] / 1024,
                'foreign_cores': statistics.median(w.foreign), 'all_foreign': w.foreign,
                'retried_reps': w.retried, 'threads_busy': busiest_threads(w.threads),
@@ -481,14 +516,17 @@ def main(argv=None):
     print('load average at start: %s' % ' '.join(open('/proc/loadavg').read().split()[:3]), flush=True)
     if args.inference:
         args.cpus = [1]
+    args.peak = measure_peak(args.amp)
+    print('peak: a %d x %d matmul in MXNet runs at %.0f GFLOP/s in %s here' % (
+        PEAK_SIDE, PEAK_SIDE, args.peak, 'bfloat16' if args.amp else 'float32'), flush=True)
     rows = []
     t0 = time.time()
     for item in args.configs.split(','):
         width, size, batch = (int(v) for v in item.split(':'))
         rows += run_config(width, size, batch, args)
         print(format_rows(rows), flush=True)
-    print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s float32):'
-          % (time.time() - t0, args.reps, PEAK_GFLOPS))
+    print('\nall (%.0f s; median of %d repetitions; %%peak against %.0f GFLOP/s, a large %s matmul here):'
+          % (time.time() - t0, args.reps, args.peak, 'bfloat16' if args.amp else 'float32'))
     print(format_rows(rows))
     print()
     print(format_threads(rows))
@@ -505,7 +543,7 @@ def main(argv=None):
         sys.path.insert(0, ROOT)
         from gluon_unet.utils import atomic_open
         with atomic_open(args.json) as f:
-            json.dump([dict(r, cpu=machine) for r in rows], f, indent=1)
+            json.dump([dict(r, cpu=machine, peak_gflops=args.peak) for r in rows], f, indent=1)
     return 0
 
 
