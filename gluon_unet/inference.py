@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import UserError, mxnet_message
 from .postprocess import DEFAULT_MARKER
+from .runtime import settle_amx
 from .sidecar import INT8_PARAMS, INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
@@ -384,6 +385,7 @@ def load_exported(prefix_or_dir, ctx=None, precision='float32'):
     except (mx.MXNetError, AssertionError, ValueError, KeyError) as exc:
         raise UserError('export %s: %s does not fit %s (the two files come from different networks): %s'
                         % (folder, names[1], names[0], mxnet_message(exc))) from None
+    settle_amx()  # mxnet is loaded: AMX (if on) is fixed for this process, out of the environment
     return net, meta
 
 

@@ -34,6 +34,15 @@ when you did not, and never as a side effect of ``import gluon_unet``:
 
 ``bin/launch`` sets none of them: it passes the user's own values to every process of
 the job, and each ``bin/train`` there chooses for its own host.
+
+On Intel CPUs with AMX, :func:`enable_amx` (called by :func:`apply_runtime_defaults`) also
+lets oneDNN use AMX, which MXNet 1.9.1 leaves off and cannot turn on safely by itself.
+
+Why one module: these settings are read once, when mxnet loads or at its first operator,
+and each depends on the others being set first (threads per context, scratch buffers per
+context, the GPUs visible, AMX before the first oneDNN primitive); one module sets them
+in one order, records which were its own choice (:func:`user_environ` hands the user's
+alone to child processes), and reports them.
 """
 import os
 import re

@@ -216,3 +216,24 @@ def test_the_float32_relu_is_the_same_function_with_the_same_parameters():
     assert names[0] == names[1]
     for a, b in zip(*results):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_settle_takes_only_our_own_setting_out_of_the_environment(monkeypatch):
+    monkeypatch.setitem(runtime._applied, runtime.ISA_VARIABLE, runtime.AMX_ISA)
+    monkeypatch.setenv(runtime.ISA_VARIABLE, runtime.AMX_ISA)  # as enable_amx sets it
+    runtime.settle_amx()
+    assert runtime.ISA_VARIABLE not in os.environ
+    monkeypatch.setenv(runtime.ISA_VARIABLE, 'AVX512_CORE_BF16')  # the user's: kept
+    runtime.settle_amx()
+    assert os.environ[runtime.ISA_VARIABLE] == 'AVX512_CORE_BF16'
+
+
+def test_loading_an_export_settles_amx(tmp_path, monkeypatch):
+    # bin/predict and bin/export never go through fit(): loading the model is where mxnet
+    # has surely run, so the AMX setting leaves the environment there.
+    from conftest import export_brightness_model
+    from gluon_unet import inference
+    calls = []
+    monkeypatch.setattr(inference, 'settle_amx', lambda: calls.append(True))
+    inference.load_exported(export_brightness_model(str(tmp_path / 'export')))
+    assert calls == [True]
