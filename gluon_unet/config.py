@@ -117,6 +117,13 @@ class TrainConfig:
     skip_unpaired: bool = option(False, 'warn about images without a mask instead of failing')
     augment: bool = option(True, 'flips, 90-degree rotations, scale/crop, brightness/contrast/gamma')
     elastic: bool = option(False, 'elastic deformation augmentation')
+    scale_aug: str = option('0.8,1.25', 'range of the zoom factor of --augment, drawn log-uniform (2.0 shows the '
+                                      'nuclei twice as wide); e.g. 0.5,2.0 when the images to segment may have '
+                                      'nuclei of other sizes than the training ones')
+    stain_jitter: float = option(0.0, 'HED stain jitter of colour training images (Tellez et al. 2018): their '
+                                    'hematoxylin, eosin and DAB densities scaled by 1 +- SIGMA and shifted by '
+                                    '+- SIGMA at random, before --normalize; grey images are left alone. 0.05 '
+                                    'light, 0.2 strong; 0 = off')
     synthetic_count: int = option(192, 'number of generated demo images when --data is absent')
 
     # devices and data-parallel step
@@ -223,6 +230,11 @@ class TrainConfig:
     def from_json(cls, text):
         return cls.from_dict(json.loads(text))
 
+    def scale_range(self):
+        """``--scale-aug`` as ``(min, max)`` floats (raises ValueError when malformed)."""
+        lo, hi = (float(v) for v in self.scale_aug.split(','))
+        return lo, hi
+
     def step_fractions(self):
         """``--lr-steps`` as floats: where in the run the 'step' schedule drops."""
         return [float(s) for s in self.lr_steps.split(',') if s.strip()]
@@ -269,6 +281,15 @@ class TrainConfig:
             raise UserError('--sync-bn with --kvstore horovod: MXNet synchronizes BatchNorm only between the '
                             'devices of one process and Horovod runs one process per GPU; drop --sync-bn '
                             '(each process normalizes over its own --batch-size)')
+        try:
+            lo, hi = self.scale_range()
+        except ValueError:
+            lo = hi = math.nan
+        if not 0 < lo <= hi < math.inf:  # nan fails too
+            raise UserError('--scale-aug must be MIN,MAX zoom factors with 0 < MIN <= MAX, e.g. 0.5,2.0 (got %r)'
+                            % self.scale_aug)
+        if not 0.0 <= self.stain_jitter < 1.0:
+            raise UserError('--stain-jitter must be in [0, 1) (e.g. 0.05; 0 = off) (got %r)' % self.stain_jitter)
         if not 0.0 <= self.ema < 1.0:
             raise UserError('--ema must be in [0, 1) (a decay per step, e.g. 0.99; 0 = off) (got %r)' % self.ema)
         if not 0.0 <= self.val_split < 1.0:

@@ -160,6 +160,11 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     net = build_network(cfg, ctxs, amp_dtype, user_net)
     strategy.prepare_network(net, ctxs)
     log_groups(log, groups, cfg.balance)
+    if cfg.stain_jitter:
+        # Said because it may do nothing: on grey data, or on a dataset given without its colour.
+        colour = getattr(train_ds, 'colour', None)
+        count = 0 if colour is None or getattr(train_ds, 'stain', None) is None else sum(c is not None for c in colour)
+        log.info('--stain-jitter %g: %d colour training images are jittered', cfg.stain_jitter, count)
     loader = make_loader(train_ds, cfg.batch_size, shuffle=True, seed=cfg.seed, workers=cfg.workers,
                          num_shards=strategy.num_workers, shard=strategy.rank,
                          pin_device=gpus[0] if gpus else None,

@@ -38,7 +38,7 @@ def _other_value(cfg, name):
     choices = _CHOICES.get(name)
     special = {'kvstore': 'dist_async', 'lr_steps': '0.5', 'in_channels': 3, 'gpus': '0', 'val_data': 'v/',
                'data': 'elsewhere/', 'masks': 'm/', 'cache_dir': 'c/', 'output': 'o/', 'resume': 'auto',
-               'workers': 4, 'update_on_kvstore': True, 'mask_suffix': '_m'}
+               'workers': 4, 'update_on_kvstore': True, 'mask_suffix': '_m', 'scale_aug': '0.5,2.0'}
     if name in special:
         return special[name]
     if choices:
@@ -76,7 +76,7 @@ def test_a_change_is_refused_naming_the_flag_exactly_when_the_table_says_so(name
     ('lr_steps', {'lr_schedule': 'cosine'}), ('epochs', {'lr_schedule': 'constant'}),
     ('dice_weight', {'loss': 'bce'}), ('weight_on', {'loss': 'bce'}), ('amp_dtype', {'amp': False}),
     ('denoise', {'normalize': 'none'}), ('threshold', {'monitor': 'val_iou'}),
-    ('monitor', {'val_split': 0.0}),
+    ('monitor', {'val_split': 0.0}), ('scale_aug', {'augment': False}),
 ])
 def test_a_setting_that_does_not_count_in_the_run_may_change(name, condition):
     saved = _where_it_counts(name)

@@ -15,10 +15,14 @@ resolve beside numpy 1.23 (pip pulls scikit-learn, qudida, joblib along), but:
 
 Geometry uses linear interpolation for the image and nearest for masks and instances,
 always, so labels are never blended. Intensity changes touch the image only.
+
+The stain jitter (:func:`hed_jitter`, ``--stain-jitter``) is not part of :class:`Augment`:
+it needs the colour of an image as read, which the cached network input (converted to the
+model's channels and normalized) no longer has; see :class:`StainJitter`.
 """
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import cv2
 import numpy as np
@@ -209,6 +213,76 @@ class Augment:
         return np.ascontiguousarray(image), np.ascontiguousarray(mask), np.ascontiguousarray(inst)
 
 
+def hed_jitter(rgb, rng, sigma):
+    """Random stain change of a colour image: each of its hematoxylin, eosin and DAB
+    optical densities scaled by U(1 - sigma, 1 + sigma) and shifted by U(-sigma, sigma),
+    the HED augmentation of Tellez et al. (2018; 2019 calls sigma 0.05 "light" and 0.2
+    "strong").
+
+    Colour deconvolution with scikit-image's matrices (``hed_from_rgb``, Ruifrok &
+    Johnston) in optical density -ln(intensity); not with ``rgb2hed``/``hed2rgb``
+    themselves: they divide the densities by ln(1e6) (scikit-image 0.24), so a shift of
+    sigma would mean 14 times more, and ``rgb2hed`` clips negative densities to 0, so even
+    sigma = 0 would change the pixels outside the stains' span. Here sigma = 0 gives the
+    image back.
+
+    Parameters
+    ----------
+    rgb : (H, W, C) uint8
+        An image as read; unless it has 3 channels that differ (:func:`~.io.is_colour`)
+        it is returned as is and nothing is drawn from ``rng``.
+    rng : np.random.Generator
+        Six numbers are drawn (3 scales, then 3 shifts).
+    sigma : float
+        Jitter amount, in [0, 1).
+
+    Returns
+    -------
+    (H, W, 3) uint8
+    """
+    from skimage.color import hed_from_rgb, rgb_from_hed
+
+    from .io import is_colour
+
+    if not is_colour(rgb):
+        return rgb
+    scale = rng.uniform(1 - sigma, 1 + sigma, 3).astype(np.float32)
+    shift = rng.uniform(-sigma, sigma, 3).astype(np.float32)
+    density = -np.log(np.maximum(rgb[..., :3].astype(np.float32) * (1.0 / 255), 1e-6))
+    stains = density @ hed_from_rgb.astype(np.float32)
+    stains = stains * scale + shift
+    out = np.exp(-(stains @ rgb_from_hed.astype(np.float32)))
+    return np.clip(np.rint(out * 255), 0, 255).astype(np.uint8)
+
+
+@dataclass(repr=False, eq=False)
+class StainJitter:
+    """``--stain-jitter``: a colour training image as read -> :func:`hed_jitter` -> the
+    network's input, made the way the cache made the unjittered one (``to_input``, e.g.
+    :func:`~.readers.network_input` with the run's channels, ``--normalize`` and size).
+
+    Why here and not in :class:`Augment`: the cache stores the network input, already
+    converted to the model's channels and normalized (``--normalize auto`` with
+    ``--channels 1``: a grey, inverted, stretched image), so the stain is gone by the time
+    the transform sees it. The jitter therefore acts on the image as read (kept aside for
+    the colour images, :attr:`~.dataset.SegmentationDataset.colour`), before the
+    normalization, as a differently stained slide arrives at bin/predict; and on the
+    whole image before the crop, since the percentile stretch is per whole image in
+    prediction too.
+
+    Call as ``jitter(rgb, rng) -> image`` (what the cache holds for that sample, jittered).
+    """
+
+    sigma: float
+    to_input: Callable
+
+    def __call__(self, rgb, rng):
+        return self.to_input(hed_jitter(rgb, rng, self.sigma))
+
+    def __repr__(self):
+        return 'StainJitter(sigma=%g)' % self.sigma
+
+
 def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, scale=(0.8, 1.25),
                    intensity=True):
     """The transform for :class:`~gluon_unet.data.SegmentationDataset`.
@@ -222,7 +296,9 @@ def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, s
         Add elastic deformation (``--elastic``).
     crop : int
         Random ``crop`` x ``crop`` crops at native resolution (``--crop``); 0 = none.
-    flip, rot90, scale, intensity
+    scale : (float, float) or None
+        Zoom factor range (``--scale-aug``), see :class:`Augment`.
+    flip, rot90, intensity
         Switch single augmentations off (see :class:`Augment`).
 
     Returns

@@ -39,6 +39,12 @@ class SegmentationDataset(gluon.data.Dataset):
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.
+    colour : list, optional
+        Per sample, the image as read (RGB uint8) when it has colour, else None: what
+        ``stain`` jitters (:class:`~.augment.StainJitter`).
+    stain : callable, optional
+        ``stain(rgb, rng) -> image``, replacing a colour sample's cached image before its
+        transform (drawn from the same generator, first); grey samples are left alone.
 
     ``dataset[i]`` or ``dataset[(i, seed)]`` returns ``(image (C,H,W) float32,
     target (K,H,W) float32)`` (K = 1 for ``mask`` and ``mask-gap``, 2 for the targets with
@@ -46,7 +52,7 @@ class SegmentationDataset(gluon.data.Dataset):
     """
 
     def __init__(self, images, masks, instances=None, names=None, transform=None, weight_fn=None,
-                 original_sizes=None, target='mask', groups=None):
+                 original_sizes=None, target='mask', groups=None, colour=None, stain=None):
         if len(images) != len(masks):
             raise ValueError('images and masks differ in length: %d vs %d' % (len(images), len(masks)))
         if instances is not None and len(instances) != len(images):
@@ -56,6 +62,7 @@ class SegmentationDataset(gluon.data.Dataset):
         self.transform, self.weight_fn, self.target = transform, weight_fn, target
         self.original_sizes = original_sizes
         self.groups = None if groups is None else list(groups)
+        self.colour, self.stain = colour, stain
 
     def __len__(self):
         return len(self.images)
@@ -80,15 +87,19 @@ class SegmentationDataset(gluon.data.Dataset):
             None if self._instances is None else pick(self._instances),
             [self.names[i] for i in indices], transform, weight_fn,
             None if self.original_sizes is None else [self.original_sizes[i] for i in indices], self.target,
-            None if self.groups is None else [self.groups[i] for i in indices])
+            None if self.groups is None else [self.groups[i] for i in indices],
+            None if self.colour is None else pick(self.colour))
 
     def sample(self, i, seed=None):
         """``(image HWC, mask HW, instances HW)`` of sample ``i`` after its transform with
         ``seed``: the instance labels follow every crop and flip (nearest neighbour), so
         touching nuclei stay apart for the DSB metric."""
         image, mask, inst = self.raw(i)
+        rng = np.random.default_rng(seed)
+        if self.stain is not None and self.colour is not None and self.colour[i] is not None:
+            image = self.stain(self.colour[i], rng)
         if self.transform is not None:
-            image, mask, inst = self.transform(image, mask, inst, np.random.default_rng(seed))
+            image, mask, inst = self.transform(image, mask, inst, rng)
         return image, mask, inst
 
     def __getitem__(self, idx):

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import UserError
 from ..scale import median_diameter
 from . import readers
-from .augment import make_transform
+from .augment import StainJitter, make_transform
 from .dataset import split_indices
 from .synthetic import synthetic_dataset
 from .weights import WEIGHTED, unet_weight_map
@@ -36,7 +36,7 @@ def build_datasets(cfg):
         opts = readers.LoadOptions(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
                                    channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
                                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
-                                   denoise=cfg.denoise)
+                                   denoise=cfg.denoise, keep_colour=cfg.stain_jitter > 0)
         full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
         val = readers.load_dataset(cfg.val_data, options=opts) if cfg.val_data else None
     if val is None and cfg.val_split > 0:
@@ -46,7 +46,9 @@ def build_datasets(cfg):
 
 
 def attach_transforms(cfg, train_ds, val_ds):
-    """Augmentation (and crops) for training; deterministic crops for validation."""
+    """Augmentation (and crops) for training, with the stain jitter of its colour images
+    (``--stain-jitter``, :class:`~.augment.StainJitter`); deterministic crops for
+    validation."""
     weight_fn = None
     if cfg.loss in WEIGHTED:
         # wbce is the paper's map, class balancing included. wbce_dice keeps only its
@@ -55,12 +57,18 @@ def attach_transforms(cfg, train_ds, val_ds):
         weight_fn = functools.partial(unet_weight_map, class_balance=cfg.loss == 'wbce')
     train_tf = val_tf = None
     if cfg.augment or cfg.crop or cfg.elastic:
-        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop)
+        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop, scale=cfg.scale_range())
         if cfg.crop:
             # validate() draws per-sample seeds from a fixed sampler seed, so these
             # crops are the same every epoch: comparable numbers across epochs.
             val_tf = make_transform(augment=False, crop=cfg.crop)
     train_ds.transform, train_ds.weight_fn, train_ds.target = train_tf, weight_fn, cfg.model.target
+    if cfg.stain_jitter > 0 and getattr(train_ds, 'colour', None) is not None:
+        # The jittered colour image goes through what made the cached input: the run's
+        # channels, --normalize and (in resize mode) --size.
+        to_input = functools.partial(readers.network_input, channels=data_channels(train_ds),
+                                     normalize=cfg.normalize, denoise=cfg.denoise, size=0 if cfg.crop else cfg.size)
+        train_ds.stain = StainJitter(cfg.stain_jitter, to_input)
     if val_ds is not None:
         val_ds.transform, val_ds.weight_fn, val_ds.target = val_tf, weight_fn, cfg.model.target
 

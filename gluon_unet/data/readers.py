@@ -49,7 +49,7 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denois
     image = read_image(sample.image)
     h, w = image.shape[:2]
     kind = image_kind(image)
-    image = input_image(image, channels, normalize, denoise)
+    image = network_input(image, channels, normalize, denoise, 0 if crop else size)
     colour = is_colour(image)
     if channels == 0 and image.shape[2] == 1:
         image = np.repeat(image, 3, axis=2)
@@ -64,10 +64,21 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denois
         if inst is None:  # binary mask: objects are its 4-connected components
             inst = cv2.connectedComponents(mask, connectivity=4, ltype=cv2.CV_32S)[1]
     if not crop:
-        image = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
         mask = cv2.resize(mask, (size, size), interpolation=cv2.INTER_NEAREST)
         inst = cv2.resize(inst, (size, size), interpolation=cv2.INTER_NEAREST)
     return image, mask, inst.astype(np.int32, copy=False), (h, w), colour, kind
+
+
+def network_input(image, channels, normalize='none', denoise=DENOISE_SIGMA, size=0):
+    """What the cache stores of an image as read: :func:`~.io.input_image` (channel
+    conversion, ``--normalize``), then resized to ``size`` x ``size`` with area
+    interpolation (0 = native resolution, the ``--crop`` mode). The stain jitter
+    (:class:`~.augment.StainJitter`) remakes a colour image's input through it.
+    """
+    image = input_image(image, channels, normalize, denoise)
+    if size:
+        image = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
+    return image
 
 
 def _decode_star(args):
@@ -207,6 +218,9 @@ class LoadOptions:
     denoise : float
         Gaussian sigma before the percentile stretch of ``percentile``, ``auto`` and
         ``stain`` (0 = none).
+    keep_colour : bool
+        Also keep the colour images as read (RGB uint8, in memory, not cached) as
+        ``dataset.colour``, for the stain jitter (``--stain-jitter``).
     """
     layout: str = 'auto'
     mask_suffix: str = '_mask'
@@ -219,6 +233,7 @@ class LoadOptions:
     progress: bool = True
     normalize: str = 'none'
     denoise: float = DENOISE_SIGMA
+    keep_colour: bool = False
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value (the layout
@@ -257,8 +272,9 @@ def load_dataset(path, masks=None, options=None, **overrides):
         ``images`` (N,S,S,C) uint8, ``masks`` (N,S,S) uint8 0/1, ``instances`` (N,S,S)
         int32 (memory-mapped when cached; ragged per-sample arrays in crop mode),
         ``names`` (file stems / DSB ids), ``original_sizes`` [(h, w)], ``groups``
-        (:func:`appearance_groups`), plus the attributes ``channels``, ``layout`` and
-        ``kinds`` (:func:`~.io.image_kind` of every image).
+        (:func:`appearance_groups`), ``colour`` (with ``keep_colour``: each image as read
+        if its kind is colour, else None), plus the attributes ``channels``, ``layout``
+        and ``kinds`` (:func:`~.io.image_kind` of every image).
 
     Raises
     ------
@@ -274,6 +290,8 @@ def load_dataset(path, masks=None, options=None, **overrides):
     else:
         ds = _load_in_memory(path, samples, layout, opts)
     ds.groups = appearance_groups(samples, ds.kinds)
+    if opts.keep_colour:  # read again: the cache holds the network input, without the stain
+        ds.colour = [read_image(s.image) if kind == 'colour' else None for s, kind in zip(samples, ds.kinds)]
     return ds
 
 
