@@ -149,7 +149,10 @@ def main(argv=None):
     ap.add_argument('--torch-threads', type=int, default=2)
     ap.add_argument('--no-torch', action='store_true')
     args = ap.parse_args(argv)
-    width, size, batch = (int(v) for v in args.config.split(':'))
+    try:
+        width, size, batch = (int(v) for v in args.config.split(':'))
+    except ValueError:
+        ap.error('--config must be WIDTH:SIZE:BATCH, e.g. 16:128:16 (got %r)' % args.config)
     sys.path.insert(0, ROOT)
     from gluon_unet.hardware import cpu_description, cpu_has_amx
     import tempfile
