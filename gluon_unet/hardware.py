@@ -544,10 +544,10 @@ def require_cpu_bfloat16():
 
 # -- AMX (Intel Advanced Matrix Extensions) -------------------------------------------------
 
-# Linux x86-64: syscall number of arch_prctl, its codes for the extended-state permissions,
-# and the XSAVE feature number of the AMX tile data (arch/x86/include/uapi/asm/prctl.h).
+# Linux x86-64: syscall number of arch_prctl, its code that requests an extended-state
+# permission, and the XSAVE feature number of the AMX tile data (arch/x86/include/uapi/asm/prctl.h).
 _SYS_ARCH_PRCTL = 158
-_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM = 0x1022, 0x1023
+_ARCH_REQ_XCOMP_PERM = 0x1023
 _XFEATURE_XTILEDATA = 18
 
 

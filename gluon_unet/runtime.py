@@ -302,7 +302,7 @@ def enable_amx():
     requested, so that it works instead of crashing.
 
     Why on by default: bfloat16 training ran 1.9x (width 16) to 3.2x (width 64) faster on
-    a 2-core Xeon with AMX (docs/performance.md, "bfloat16 and AMX"); float32 does not use
+    a 2-core Xeon with AMX (docs/performance.md, "bfloat16 (--amp on CPU)"); float32 does not use
     AMX. To turn it off: ``export DNNL_MAX_CPU_ISA=AVX512_CORE_BF16``.
 
     Returns
