@@ -156,9 +156,9 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     from gluon_unet.hardware import cpu_description, cpu_has_amx
     import tempfile
-    work = tempfile.mkdtemp(prefix='bench-breakdown-')
+    from importlib.metadata import PackageNotFoundError, version
     spec = dict(width=width, size=size, batch=batch, channels=3, depth=4, amp=args.amp, cpus=1,
-                warmup=args.warmup, steps=args.steps, work=work, threads=args.torch_threads)
+                warmup=args.warmup, steps=args.steps, threads=args.torch_threads)
     modes = (['on', 'off'] if cpu_has_amx() else ['default']) if args.amx == 'auto' else args.amx.split(',')
     print('CPU: %s; %s; width %d, %d px, batch %d, %s; %d steps after %d warm-up' % (
         cpu_description(), 'AMX' if cpu_has_amx() else 'no AMX', width, size, batch,
@@ -167,17 +167,21 @@ def main(argv=None):
     setups = [('ours, AMX %s' % m if m != 'default' else 'ours', 'mx',
                {'DNNL_MAX_CPU_ISA': 'AVX512_CORE_BF16' if m == 'off' else None}) for m in modes]
     if not args.no_torch:
-        from importlib.metadata import version
-        setups.append(('PyTorch %s, %d threads' % (version('torch'), args.torch_threads), 'torch', {}))
-    for title, kind, env in setups:
-        plain = run_child(kind, 'plain', spec, env)['ms_per_step']
-        bulk_off = {'MXNET_EXEC_BULK_EXEC_TRAIN': '0'} if kind == 'mx' else {}
-        prof = run_child(kind, 'profile', spec, dict(env, **bulk_off))
-        verbose_var = 'DNNL_VERBOSE' if kind == 'mx' else 'ONEDNN_VERBOSE'
-        verb = run_child(kind, 'verbose', spec, dict(env, **{verbose_var: '1'}))
-        print(table('%s, per operator' % title, prof['rows'], plain, prof['ms_per_step'], args.top))
-        print(table('%s, per oneDNN primitive (kind, implementation, pass)' % title, verb['rows'], plain,
-                    verb['ms_per_step'], args.top))
+        try:
+            setups.append(('PyTorch %s, %d threads' % (version('torch'), args.torch_threads), 'torch', {}))
+        except PackageNotFoundError:
+            print('PyTorch is not installed (pip install torch): ours alone')
+    with tempfile.TemporaryDirectory(prefix='bench-breakdown-') as work:  # MXNet's profile file
+        spec['work'] = work
+        for title, kind, env in setups:
+            plain = run_child(kind, 'plain', spec, env)['ms_per_step']
+            bulk_off = {'MXNET_EXEC_BULK_EXEC_TRAIN': '0'} if kind == 'mx' else {}
+            prof = run_child(kind, 'profile', spec, dict(env, **bulk_off))
+            verbose_var = 'DNNL_VERBOSE' if kind == 'mx' else 'ONEDNN_VERBOSE'
+            verb = run_child(kind, 'verbose', spec, dict(env, **{verbose_var: '1'}))
+            print(table('%s, per operator' % title, prof['rows'], plain, prof['ms_per_step'], args.top))
+            print(table('%s, per oneDNN primitive (kind, implementation, pass)' % title, verb['rows'], plain,
+                        verb['ms_per_step'], args.top))
     print('\n(%.0f s)' % (time.time() - started))
     return 0
 
