@@ -6,6 +6,9 @@ training loss and the learning rate; per epoch: every number of the epoch's reco
 (losses, IoU, Dice, DSB score, images/s) and a few validation images with the true
 outlines in green and the predicted ones in red.
 """
+import contextlib
+import sys
+
 import numpy as np
 
 from .errors import UserError
@@ -13,10 +16,39 @@ from .errors import UserError
 INSTALL_HINT = 'pip install tensorboardX (or pip install "gluon_unet[tensorboard]")'
 
 
+@contextlib.contextmanager
+def _torch_hidden():
+    """``import torch`` fails with ImportError inside, unless torch is already loaded.
+
+    tensorboardX's writer does ``try: import torch`` when it is imported, only to accept
+    torch tensors. Where PyTorch is installed, loading it into a process that has already
+    loaded MXNet (each ships its own OpenMP runtime) can abort the process ("Fatal Python
+    error: Aborted", seen with torch 2.13 and mxnet 1.9.1), so a user with PyTorch
+    installed lost the run at --tensorboard. We log numpy values only, so tensorboardX does
+    not need it: it takes its no-torch path. Afterwards ``import torch`` works as before.
+    """
+    if 'torch' in sys.modules:
+        yield
+        return
+    sys.modules['torch'] = None  # the import system's "not importable" marker
+    try:
+        yield
+    finally:
+        if sys.modules.get('torch', 0) is None:
+            del sys.modules['torch']
+
+
+def _tensorboardx():
+    """The tensorboardX module, imported without PyTorch (:func:`_torch_hidden`)."""
+    with _torch_hidden():
+        import tensorboardX
+    return tensorboardX
+
+
 def require_tensorboardx():
     """Raise a one-line :class:`UserError` when tensorboardX is missing."""
     try:
-        import tensorboardX  # noqa: F401
+        _tensorboardx()
     except ImportError:
         raise UserError('--tensorboard needs tensorboardX, which is not installed: %s' % INSTALL_HINT) from None
 
@@ -26,8 +58,7 @@ class TensorBoardLog:
 
     def __init__(self, folder):
         require_tensorboardx()
-        from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(folder)
+        self.writer = _tensorboardx().SummaryWriter(folder)
 
     def step(self, global_step, loss=None, lr=None):
         """One training step's loss (read back a few steps late) or learning rate."""

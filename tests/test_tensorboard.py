@@ -59,3 +59,33 @@ def test_tensorboard_without_tensorboardx_is_one_line_before_any_work(tiny, monk
     with pytest.raises(UserError, match='pip install tensorboardX') as err:
         fit(cfg, verbose=False)
     assert '\n' not in str(err.value) and not os.path.exists(cfg.output)
+
+
+def test_tensorboard_logs_without_loading_an_installed_pytorch(tmp_path):
+    # tensorboardX imports torch when it can; torch loaded beside mxnet aborted the process
+    # (two OpenMP runtimes). With a stand-in torch first on the path, the log must be
+    # written without loading it, and the user's own `import torch` must work afterwards.
+    fake = tmp_path / 'site' / 'torch'
+    fake.mkdir(parents=True)
+    (fake / '__init__.py').write_text('Tensor = type("Tensor", (), {})\n')
+    script = '''if True:
+        import sys
+        sys.path.insert(0, %r)
+        for name in [m for m in sys.modules if m.startswith(('tensorboardX', 'torch'))]:
+            del sys.modules[name]
+        import mxnet  # the order of a training run: mxnet first
+        import numpy as np
+        from gluon_unet.tblog import TensorBoardLog, require_tensorboardx
+        require_tensorboardx()
+        log = TensorBoardLog(%r)
+        log.step(1, loss=0.5, lr=0.1)
+        log.epoch({'epoch': 1, 'val_iou': 0.7}, 1, [(np.zeros((1, 8, 8)), np.zeros((8, 8)), np.zeros((8, 8)))])
+        log.close()
+        assert 'torch' not in sys.modules, 'torch was loaded'
+        import torch  # the guard is gone: a user's own import still works
+        print('ok', torch.__file__)
+    ''' % (str(tmp_path / 'site'), str(tmp_path / 'tb'))
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert str(fake) in out.stdout
+    assert os.listdir(tmp_path / 'tb'), 'no event file written'
