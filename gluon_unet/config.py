@@ -14,6 +14,7 @@ from typing import Optional
 
 from .errors import UserError
 from .limits import safe_sides, unet_crash
+from .scale import diameter_choice_error
 
 _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
@@ -198,6 +199,11 @@ class TrainConfig:
     tune_tta: bool = option(False, 'search the post-processing on test-time-augmented validation maps (8 flips / '
                                  'quarter turns: 8x the search\'s prediction time), for a model you will run '
                                  'with bin/predict --tta')
+    predict_diameter: Optional[str] = option(None, "the bin/predict --diameter this model uses when none is given "
+                                                   "(stored in the export): range = rescale only images whose nuclei "
+                                                   "are outside the sizes trained on for that kind of image, auto = "
+                                                   "every image to the training median, PIXELS, or none (default)",
+                                             metavar='range|auto|PIXELS|none')
     benchmark: bool = option(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = option(True, 'show progress bars')
     tensorboard: bool = option(False, 'write TensorBoard logs to <run>/tb: loss and lr per step, metrics and '
@@ -296,6 +302,13 @@ class TrainConfig:
             raise UserError('--val-split must be in [0, 1) (got %r)' % self.val_split)
         if self.threshold >= 1:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        if self.predict_diameter is not None:
+            problem = diameter_choice_error(self.predict_diameter)
+            if problem:
+                raise UserError('--predict-diameter %s' % problem)
+            if self.predict_diameter != 'none' and not self.crop:
+                raise UserError('--predict-diameter needs training at native resolution (--crop): images resized to '
+                                '--size have no one nucleus size to rescale to')
         side = self.crop or self.size
         if side % (2 ** m.depth):
             raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'

@@ -114,9 +114,9 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', i
         # The denoise before the percentile stretch; exports without it predate it (0).
         'normalize_denoise': cfg.denoise,
         'threshold': cfg.threshold,
-        # Median nucleus diameter (px) of the training images as the network saw them:
-        # bin/predict --diameter rescales images to it.
-        'diameter': (meta.get('data') or {}).get('diameter'),
+        # Training nuclei's diameters (px; median, range per image kind), for bin/predict --diameter
+        **{key: (meta.get('data') or {}).get(key) for key in ('diameter', 'diameter_ranges')},
+        'predict_diameter': cfg.predict_diameter,
         'epoch': meta.get('epoch'),
         'metrics': meta.get('metrics', {}),
         'config': cfg.to_dict(),

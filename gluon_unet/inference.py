@@ -322,6 +322,8 @@ class LoadedModel:
     diameter: Optional[float] = None  # median nucleus diameter in training (px); None: not recorded
     markers: Optional[str] = None  # a two-map model's watershed markers: its second map's kind or 'distance'
     min_score: float = 0.0  # objects with a lower mean probability are dropped (tuned; 0 before it existed)
+    diameter_ranges: Optional[dict] = None  # {kind: [low, high]} nucleus diameters in training (--diameter range)
+    predict_diameter: Optional[str] = None  # the --diameter bin/predict uses when none is given (training's choice)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -447,4 +449,5 @@ def loaded_model(net, meta, ctxs, channels):
                        float(tuned.get('marker') or DEFAULT_MARKER.get(second, 0.5)), second,
                        float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'),
                        tuned.get('markers') or second,  # untuned: the model's own second map seeds the watershed
-                       float(tuned.get('min_score') or 0.0))
+                       float(tuned.get('min_score') or 0.0), meta.get('diameter_ranges'),
+                       None if meta.get('predict_diameter') is None else str(meta['predict_diameter']))

@@ -33,7 +33,7 @@ import cv2
 import numpy as np
 
 from .config import CPUS_HELP, GPUS_HELP, option
-from .data.io import IMAGE_TYPES, input_image, is_image_file, read_image
+from .data.io import IMAGE_TYPES, image_kind, input_image, is_image_file, read_image
 from .data.layouts import dsb_image, is_dsb_sample
 from .errors import UserError
 from .inference import ImageDone, load_model, match_channels, predict_image
@@ -42,7 +42,7 @@ from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
 from .quantize import PRECISIONS, check_support
 from .predictions import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
                           write_image_outputs)
-from .scale import estimate_diameter, rescale_factor
+from .scale import diameter_choice_error, estimate_diameter, range_factor, rescale_factor, resolve_diameter
 from .sidecar import card_summary, find_export
 from .submission import submission_rows, write_submission
 from .tiling import MODES
@@ -79,8 +79,12 @@ class PredictConfig:
     diameter: Optional[str] = option(None, "rescale each image so its nuclei reach the network at the size the "
                                            "model was trained on (Cellpose-style): PIXELS = the typical nucleus "
                                            "diameter in your images, auto = measured from a first prediction of "
-                                           "each image (twice the work); default: no rescaling",
-                                     metavar='auto|PIXELS')
+                                           "each image (twice the work), range = as auto but only images whose "
+                                           "nuclei are outside the sizes the model was trained on for that kind of "
+                                           "image (fluorescence, colour, brightfield), none = no rescaling "
+                                           "(default: the model's, chosen at training by --predict-diameter; "
+                                           "else none)",
+                                     metavar='range|auto|PIXELS|none')
     marker: Optional[float] = option(None, "mask+border and mask+contact models: the interior score (foreground "
                                            "x (1 - border or contact)) a watershed marker needs (else 0.5); "
                                            "mask+centre models: how far a hill top of the centre map must rise "
@@ -127,15 +131,8 @@ class PredictConfig:
             raise UserError('--overlap must be in [0, 1) (got %r)' % self.overlap)
         if self.threshold is not None and not 0 < self.threshold < 1:
             raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
-        if self.diameter is not None and self.diameter != 'auto':
-            try:
-                pixels = float(self.diameter)
-                ok = math.isfinite(pixels) and pixels > 0
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise UserError("--diameter must be 'auto' or a finite positive number of pixels (got %r)"
-                                % self.diameter)
+        if self.diameter is not None and diameter_choice_error(self.diameter):
+            raise UserError('--diameter %s' % diameter_choice_error(self.diameter))
         if self.marker is not None and not 0 < self.marker < 1:
             raise UserError('--marker must be in (0, 1) (got %r)' % self.marker)
         # inf passes '> 0' but h-maxima of infinite depth finds no markers: every image would
@@ -223,6 +220,7 @@ class _Run:
         self.min_score = model.min_score if config.min_score is None else float(config.min_score)
         self.marker = model.marker if config.marker is None else float(config.marker)
         self.h = model.h if config.h is None else float(config.h)
+        self.diameter = resolve_diameter(config.diameter, model)
         self.markers = model.markers if config.markers is None else config.markers
         if self.markers in SECOND_MAPS and model.second != self.markers:
             raise UserError('--markers %s needs a mask+%s model; this one predicts %s (use --markers %s or leave '
@@ -285,25 +283,29 @@ class _Run:
                     self._fail(index, image_id, path, exc)
             return run
         on_done = lambda prob, used: self._write(rec, shown, prob, used)  # noqa: E731
-        if cfg.diameter is not None:
-            net_input, on_done = self._rescaled(rec, net_input, on_done)
+        if self.diameter is not None:
+            net_input, on_done = self._rescaled(rec, net_input, on_done, image_kind(stored))
         for job in self.model.image_jobs(net_input, cfg.mode, cfg.tta, cfg.overlap, on_done=on_done,
                                          buckets=cfg.buckets):
             yield ImageDone(guarded(job.fn)) if isinstance(job, ImageDone) else job
 
-    def _rescaled(self, rec, net_input, on_done):
+    def _rescaled(self, rec, net_input, on_done, kind):
         """``--diameter``: the network input resized so its nuclei reach the model at its
-        training diameter, and an ``on_done`` that maps the probabilities back."""
+        training diameter, and an ``on_done`` that maps the probabilities back. ``kind``:
+        the image's (as read), which ``--diameter range`` judges its nuclei's size by."""
         cfg, model = self.config, self.model
-        if cfg.diameter == 'auto':
+        if self.diameter in ('auto', 'range'):
             # A first pass at the image's own scale measures its nuclei.
             maps = predict_image(model.net, model.meta, net_input, model.ctxs, cfg.mode, batch_size=cfg.batch_size,
                                  overlap=cfg.overlap, buckets=cfg.buckets, maps=True)
             measured = estimate_diameter(self._instances(maps))
             del maps
         else:
-            measured = float(cfg.diameter)
-        factor = rescale_factor(model.diameter, measured)
+            measured = float(self.diameter)
+        if self.diameter == 'range':
+            factor = range_factor(model.diameter, model.diameter_ranges, kind, measured)
+        else:
+            factor = rescale_factor(model.diameter, measured)
         rec.update(diameter=measured, scale=factor)
         if factor == 1.0:
             return net_input, on_done
@@ -327,7 +329,7 @@ class _Run:
         cfg = self.config
         return {'threshold': self.threshold, 'min_size': self.min_size, 'min_score': self.min_score,
                 'marker': self.marker, 'h': self.h, 'markers': self.markers, 'split': cfg.split, 'mode': cfg.mode,
-                'tta': cfg.tta, 'overlap': cfg.overlap, 'buckets': cfg.buckets, 'diameter': cfg.diameter,
+                'tta': cfg.tta, 'overlap': cfg.overlap, 'buckets': cfg.buckets, 'diameter': self.diameter,
                 # Only when int8: float32 folders of before it existed keep matching their manifest.
                 **({'precision': cfg.precision} if cfg.precision != 'float32' else {})}
 
@@ -426,7 +428,6 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         ctxs = loaded.ctxs
         if why:  # chosen on its own accord (no mxnet here), not by --providers: say so
             print(runtime_line(loaded, why), file=sys.stderr)
-    check_diameter(config.diameter, loaded)
     run = _Run(loaded, files, output_dir, config)
     run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)
     run.manifest.check(run.planned())
@@ -443,19 +444,6 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     if config.progress:
         print(_summary_line(result, time.time() - t0, ctxs, output_dir, config, run.inputs_per_device))
     return result
-
-
-def check_diameter(diameter, model):
-    """Refuse ``--diameter`` in one line for a model that cannot be rescaled to."""
-    if diameter is None:
-        return
-    if model.meta.get('resize_mode') == 'resize':
-        raise UserError('--diameter: this model was trained on images resized to %s px, where nuclei have no one '
-                        'size; it needs a model trained at native resolution (bin/train --crop)'
-                        % model.meta.get('train_size'))
-    if not model.diameter:
-        raise UserError('--diameter: the model does not record the nucleus size it was trained on (exported before '
-                        '--diameter existed, or trained without labelled nuclei); predict without --diameter')
 
 
 def _summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None):

@@ -113,7 +113,7 @@ RESUME_POLICY = {
     'keep_last': _allow('only how many checkpoints are kept'),
     # after the last epoch, and bookkeeping
     'tune_postprocess': _allow('after the last epoch'), 'tune_mode': _allow('after the last epoch'),
-    'tune_tta': _allow('after the last epoch'),
+    'tune_tta': _allow('after the last epoch'), 'predict_diameter': _allow('stored in the export'),
     'output': _allow('the run folder'), 'resume': _allow('the checkpoint itself'),
     'overwrite': _allow('not used with --resume'), 'benchmark': _allow('no training'),
     'progress': _allow('display only'), 'tensorboard': _allow('logs only'),

@@ -22,12 +22,17 @@ from .data.targets import OUTPUTS
 from .errors import DamagedFile, UserError
 from .paths import SIDECAR_MAX_BYTES
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
+from .scale import diameter_choice_error
 from .tiling import MODES
 from .utils import DIGEST, atomic_open, file_crc32, read_json
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
 #: The int8 variant's files (:mod:`gluon_unet.quantize`), beside the float32 ones.
 INT8_SYMBOL, INT8_PARAMS = 'model-int8-symbol.json', 'model-int8-0000.params'
+
+
+def _positive_number(v):
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def geometry(cfg):
@@ -95,6 +100,15 @@ def read_sidecar(path):
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not (math.isfinite(diameter) and diameter > 0)):
         raise bad("'diameter' must be a finite positive number of pixels or null (got %s)" % json.dumps(diameter))
+    ranges = meta.get('diameter_ranges')
+    if ranges is not None and not (isinstance(ranges, dict) and 'all' in ranges and all(
+            isinstance(r, list) and len(r) == 2 and all(_positive_number(v) for v in r) and r[0] <= r[1]
+            for r in ranges.values())):
+        raise bad("'diameter_ranges' must map 'all' and image kinds to [low, high] pixels or be null (got %s)"
+                  % json.dumps(ranges)[:200])
+    default = meta.get('predict_diameter')
+    if default is not None and diameter_choice_error(default) is not None:
+        raise bad("'predict_diameter' %s" % diameter_choice_error(default))
     outputs = meta.get('outputs')
     if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
         raise bad("'outputs' must be one of %s (got %s)" % (

@@ -16,6 +16,8 @@ from gluon_unet.predict import predict_paths
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
+BAD_DIAMETER = "--diameter must be 'none', 'auto', 'range' or a finite positive"
+
 
 def _discs(shape, centres, r):
     yy, xx = np.mgrid[:shape[0], :shape[1]]
@@ -29,8 +31,8 @@ def test_diameters_of_discs_and_a_typical_size_that_specks_do_not_outvote():
     big = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
     d = scale.object_diameters(big)
     assert len(d) == 5 and np.allclose(d, 40, atol=1.0)
-    assert abs(scale.median_diameter([big, _discs((60, 60), [(30, 30)], 5)]) - 40) < 1
-    assert scale.median_diameter([np.zeros((8, 8), np.int32)]) is None
+    assert abs(scale.nucleus_sizes([big, _discs((60, 60), [(30, 30)], 5)])[0] - 40) < 1
+    assert scale.nucleus_sizes([np.zeros((8, 8), np.int32)]) == (None, None)
     noisy = big.copy()
     for k, (y, x) in enumerate(np.random.default_rng(0).integers(0, 200, size=(30, 2)), start=10):
         if noisy[y, x] == 0:
@@ -48,15 +50,32 @@ def test_rescale_factor_tolerance_and_limits():
 
 
 def test_training_records_the_median_diameter_in_the_export(tiny):
-    run = fit(tiny(crop=32, size=32, epochs=1), verbose=False)
+    run = fit(tiny(crop=32, size=32, epochs=1, predict_diameter='range'), verbose=False)
     with open(os.path.join(run.output, 'export', 'model.json')) as f:
         meta = json.load(f)
     from gluon_unet.data.synthetic import synthetic_dataset
     from gluon_unet.data.dataset import split_indices
     full = synthetic_dataset(24, 32, channels=1, seed=0)
     train_idx, _ = split_indices(24, 0.1, 0)
-    expected = scale.median_diameter(full.instances(i) for i in train_idx)
+    expected = scale.nucleus_sizes(full.instances(i) for i in train_idx)[0]
     assert meta['diameter'] == pytest.approx(expected) and 3 < expected < 20
+    # generated nuclei have no image kind: one range, over every nucleus
+    assert list(meta['diameter_ranges']) == ['all'] and meta['predict_diameter'] == 'range'
+    low, high = meta['diameter_ranges']['all']
+    assert low < expected < high
+
+
+@pytest.mark.parametrize('argv, words', [
+    (['--predict-diameter', 'big'], '--predict-' + BAD_DIAMETER[2:]),
+    (['--predict-diameter', '-4'], '--predict-' + BAD_DIAMETER[2:]),
+    (['--predict-diameter', 'range', '--crop', '0'], '--predict-diameter needs training at native resolution'),
+])
+def test_bad_predict_diameter_is_one_line(tmp_path, argv, words):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'run'),
+                           '--epochs', '1', '--no-progress', '--crop', '32'] + argv,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'run')
 
 
 def _crop_model(folder, diameter=10.0, **extra):
@@ -89,13 +108,21 @@ def test_predict_rescales_to_the_model_diameter_and_maps_back(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize('sidecar, argv, words', [
-    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', '0'], "--diameter must be 'auto' or a finite positive"),
-    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'big'], "--diameter must be 'auto' or a finite positive"),
-    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'inf'], "--diameter must be 'auto' or a finite positive"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', '0'], BAD_DIAMETER),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'big'], BAD_DIAMETER),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'inf'], BAD_DIAMETER),
     ({'resize_mode': 'crop'}, ['--diameter', 'auto'], '--diameter: the model does not record'),
     ({'resize_mode': 'resize', 'diameter': 10.0}, ['--diameter', '20'], '--diameter: this model was trained on images'),
     ({'resize_mode': 'crop', 'diameter': -3}, [], "'diameter' must be a finite positive number"),
     ({'resize_mode': 'crop', 'diameter': float('inf')}, [], "'diameter' must be a finite positive number"),
+    ({'resize_mode': 'crop', 'diameter': 10.0}, ['--diameter', 'range'], 'per kind of image'),
+    ({'resize_mode': 'crop', 'diameter': 10.0, 'predict_diameter': 'range'}, [],
+     "--diameter (the model's default, range): the model does not record"),
+    ({'resize_mode': 'crop', 'diameter': 10.0, 'predict_diameter': 'big'}, [], "'predict_diameter' must be"),
+    ({'resize_mode': 'crop', 'diameter': 10.0, 'diameter_ranges': {'colour': [5, 9]}}, [],
+     "'diameter_ranges' must map 'all'"),
+    ({'resize_mode': 'crop', 'diameter': 10.0, 'diameter_ranges': {'all': [9, 5]}}, [],
+     "'diameter_ranges' must map 'all'"),
 ])
 def test_bad_diameter_use_is_one_line(tmp_path, sidecar, argv, words):
     model = export_brightness_model(str(tmp_path / 'model'), dict(BRIGHTNESS_SIDECAR, **sidecar))
@@ -105,3 +132,63 @@ def test_bad_diameter_use_is_one_line(tmp_path, sidecar, argv, words):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'out')
+
+
+def test_nucleus_sizes_give_each_kind_its_range_and_all_of_them():
+    small = [_discs((100, 100), [(20, 20), (20, 70), (70, 20), (70, 70)], 5)] * 15  # 60 nuclei of ~10 px
+    large = [_discs((200, 200), [(50, 50), (50, 150), (150, 50), (150, 150)], 20)] * 15  # 60 of ~40 px
+    few = [_discs((60, 60), [(30, 30)], 10)]  # one nucleus of a kind: too few for a range of its own
+    median, ranges = scale.nucleus_sizes(small + large + few, ['fluorescence'] * 15 + ['colour'] * 15 + ['brightfield'])
+    assert set(ranges) == {'all', 'fluorescence', 'colour'}
+    assert 9 < ranges['fluorescence'][0] <= ranges['fluorescence'][1] < 12
+    assert 39 < ranges['colour'][0] <= ranges['colour'][1] < 42
+    assert ranges['all'][0] < 12 and ranges['all'][1] > 39 and 9 < median < 42
+    assert scale.nucleus_sizes(small, None)[1].keys() == {'all'}  # kinds unknown: one range
+
+
+def test_range_rescales_only_sizes_a_kind_was_not_trained_on():
+    ranges = {'all': [8.0, 45.0], 'fluorescence': [8.0, 45.0], 'colour': [9.0, 25.0]}
+    assert scale.range_factor(16, ranges, 'fluorescence', 40) == 1.0  # seen: native resolution
+    assert scale.range_factor(16, ranges, 'colour', 40) == pytest.approx(0.4)  # large tissue: to the median
+    assert scale.range_factor(16, ranges, 'colour', 6) == pytest.approx(16 / 6)
+    assert scale.range_factor(16, ranges, 'brightfield', 40) == 1.0  # a kind never seen: every nucleus
+    assert scale.range_factor(16, ranges, 'brightfield', 50) == pytest.approx(16 / 50)
+    assert scale.range_factor(16, ranges, 'colour', None) == 1.0  # too few objects to measure
+    assert scale.range_factor(16, None, 'colour', 40) == 1.0
+
+
+def _ranged_model(folder, ranges, **extra):
+    return _crop_model(folder, diameter=10.0, diameter_ranges=ranges, **extra)
+
+
+@pytest.mark.parametrize('ranges, scaled', [({'all': [30.0, 50.0]}, False), ({'all': [5.0, 12.0]}, True),
+                                            ({'all': [30.0, 50.0], 'fluorescence': [5.0, 12.0]}, True)])
+def test_predict_range_rescales_an_image_only_outside_its_kinds_sizes(tmp_path, monkeypatch, ranges, scaled):
+    model = _ranged_model(str(tmp_path / 'model'), ranges)
+    labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
+    cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))  # fluorescence
+    seen = []
+    real = inference.LoadedModel.image_jobs
+    monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
+                        lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'out'), progress=False, diameter='range')
+    # the first pass measures 40 px nuclei; the second is at a quarter of the size only when
+    # 40 px is outside what the model saw of fluorescence
+    assert seen[-1] == ((50, 50, 1) if scaled else (200, 200, 1)) and got[0]['scale'] == (0.25 if scaled else 1.0)
+    out = cv2.imread(got[0]['labels'], cv2.IMREAD_UNCHANGED)
+    assert out.shape == (200, 200) and out.max() == 5
+
+
+def test_the_models_default_diameter_applies_unless_the_flag_says_otherwise(tmp_path, monkeypatch):
+    model = _ranged_model(str(tmp_path / 'model'), {'all': [5.0, 12.0]}, predict_diameter='range')
+    labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
+    cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))
+    seen = []
+    real = inference.LoadedModel.image_jobs
+    monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
+                        lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'default'), progress=False)
+    assert seen[-1] == (50, 50, 1) and got[0]['scale'] == 0.25
+    seen.clear()
+    got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'off'), progress=False, diameter='none')
+    assert seen == [(200, 200, 1)] and 'scale' not in got[0]

@@ -45,7 +45,7 @@ FLAG_GROUPS = {
                      'dice_weight', 'weight_on', 'amp', 'amp_dtype', 'hybridize', 'memory'),
     'devices': ('gpus', 'cpus', 'kvstore', 'update_on_kvstore', 'sync_bn'),
     'run': ('output', 'overwrite', 'resume', 'seed', 'monitor', 'patience', 'min_delta', 'keep_last',
-            'threshold', 'tune_postprocess', 'tune_mode', 'tune_tta', 'benchmark', 'progress', 'tensorboard'),
+            'threshold', 'tune_postprocess', 'tune_mode', 'tune_tta', 'predict_diameter', 'benchmark', 'progress', 'tensorboard'),
 }
 # Placeholders in the help: what the value is, not the field's name.
 _METAVARS = {'data': 'PATH', 'masks': 'DIR', 'val_data': 'PATH', 'cache_dir': 'DIR', 'output': 'DIR',

@@ -82,13 +82,16 @@ class SegmentationDataset(gluon.data.Dataset):
         """A view on some samples (used for the train/validation split)."""
         indices = np.asarray(indices, dtype=np.int64)
         pick = _Picker(indices)
-        return SegmentationDataset(
+        sub = SegmentationDataset(
             pick(self.images), pick(self.masks),
             None if self._instances is None else pick(self._instances),
             [self.names[i] for i in indices], transform, weight_fn,
             None if self.original_sizes is None else [self.original_sizes[i] for i in indices], self.target,
             None if self.groups is None else [self.groups[i] for i in indices],
             None if self.colour is None else pick(self.colour))
+        if getattr(self, 'kinds', None) is not None:  # set by the readers: the nucleus sizes per kind need it
+            sub.kinds = [self.kinds[i] for i in indices]
+        return sub
 
     def sample(self, i, seed=None):
         """``(image HWC, mask HW, instances HW)`` of sample ``i`` after its transform with

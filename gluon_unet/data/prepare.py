@@ -12,7 +12,7 @@ import hashlib
 import numpy as np
 
 from ..errors import UserError
-from ..scale import median_diameter
+from ..scale import nucleus_sizes
 from . import readers
 from .augment import StainJitter, make_transform
 from .dataset import split_indices
@@ -108,8 +108,10 @@ def prepare_data(cfg, train_ds, val_ds, num_workers=1):
         raise UserError('--channels %d but the data has %d channels' % (cfg.model.in_channels, channels))
     attach_transforms(cfg, train_ds, val_ds)
     data_id = data_fingerprint(train_ds, val_ds, num_workers)
-    # The nuclei's median size as the network saw them, for bin/predict --diameter.
-    data_id['diameter'] = median_diameter(train_ds.instances(i) for i in range(len(train_ds)))
+    # The nuclei's sizes as the network saw them, for bin/predict --diameter: their median,
+    # and their range per kind of image (--diameter range).
+    data_id['diameter'], data_id['diameter_ranges'] = nucleus_sizes(
+        (train_ds.instances(i) for i in range(len(train_ds))), getattr(train_ds, 'kinds', None))
     return train_ds, val_ds, data_id
 
 
