@@ -152,7 +152,10 @@ def test_range_rescales_only_sizes_a_kind_was_not_trained_on():
     assert scale.range_factor(16, ranges, 'colour', 40) == pytest.approx(0.4)  # large tissue: to the median
     assert scale.range_factor(16, ranges, 'colour', 6) == pytest.approx(16 / 6)
     assert scale.range_factor(16, ranges, 'brightfield', 40) == 1.0  # a kind never seen: every nucleus
-    assert scale.range_factor(16, ranges, 'brightfield', 50) == pytest.approx(16 / 50)
+    assert scale.range_factor(16, ranges, 'brightfield', 60) == pytest.approx(16 / 60)
+    # within 15 % of the range's ends: close enough to what it saw (and to the measurement's error)
+    assert scale.range_factor(16, ranges, 'colour', 28) == 1.0 and scale.range_factor(16, ranges, 'colour', 7.9) == 1.0
+    assert scale.range_factor(16, ranges, 'colour', 29) == pytest.approx(16 / 29)
     assert scale.range_factor(16, ranges, 'colour', None) == 1.0  # too few objects to measure
     assert scale.range_factor(16, None, 'colour', 40) == 1.0
 
