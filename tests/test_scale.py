@@ -78,19 +78,27 @@ def test_bad_predict_diameter_is_one_line(tmp_path, argv, words):
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'run')
 
 
-def _crop_model(folder, diameter=10.0, **extra):
-    return export_brightness_model(folder, dict(BRIGHTNESS_SIDECAR, resize_mode='crop', diameter=diameter, **extra))
-
-
-@pytest.mark.parametrize('diameter', ['40', 'auto'])
-def test_predict_rescales_to_the_model_diameter_and_maps_back(tmp_path, monkeypatch, diameter):
-    model = _crop_model(str(tmp_path / 'model'))
+@pytest.fixture
+def big_nuclei(tmp_path, monkeypatch):
+    """A fluorescence image of five nuclei 40 px across (``tmp_path/big.png``), its labels,
+    and the list that every network input's shape is appended to."""
     labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
     cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))
     seen = []
     real = inference.LoadedModel.image_jobs
     monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
                         lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    return labels, seen
+
+
+def _crop_model(folder, diameter=10.0, **extra):
+    return export_brightness_model(folder, dict(BRIGHTNESS_SIDECAR, resize_mode='crop', diameter=diameter, **extra))
+
+
+@pytest.mark.parametrize('diameter', ['40', 'auto'])
+def test_predict_rescales_to_the_model_diameter_and_maps_back(tmp_path, big_nuclei, diameter):
+    model = _crop_model(str(tmp_path / 'model'))
+    labels, seen = big_nuclei
     plain = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'plain'), progress=False)
     assert seen == [(200, 200, 1)] and 'scale' not in plain[0]
     seen.clear()
@@ -166,14 +174,9 @@ def _ranged_model(folder, ranges, **extra):
 
 @pytest.mark.parametrize('ranges, scaled', [({'all': [30.0, 50.0]}, False), ({'all': [5.0, 12.0]}, True),
                                             ({'all': [30.0, 50.0], 'fluorescence': [5.0, 12.0]}, True)])
-def test_predict_range_rescales_an_image_only_outside_its_kinds_sizes(tmp_path, monkeypatch, ranges, scaled):
+def test_predict_range_rescales_an_image_only_outside_its_kinds_sizes(tmp_path, big_nuclei, ranges, scaled):
     model = _ranged_model(str(tmp_path / 'model'), ranges)
-    labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
-    cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))  # fluorescence
-    seen = []
-    real = inference.LoadedModel.image_jobs
-    monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
-                        lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    _, seen = big_nuclei
     got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'out'), progress=False, diameter='range')
     # the first pass measures 40 px nuclei; the second is at a quarter of the size only when
     # 40 px is outside what the model saw of fluorescence
@@ -182,14 +185,9 @@ def test_predict_range_rescales_an_image_only_outside_its_kinds_sizes(tmp_path, 
     assert out.shape == (200, 200) and out.max() == 5
 
 
-def test_the_models_default_diameter_applies_unless_the_flag_says_otherwise(tmp_path, monkeypatch):
+def test_the_models_default_diameter_applies_unless_the_flag_says_otherwise(tmp_path, big_nuclei):
     model = _ranged_model(str(tmp_path / 'model'), {'all': [5.0, 12.0]}, predict_diameter='range')
-    labels = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
-    cv2.imwrite(str(tmp_path / 'big.png'), np.where(labels > 0, 220, 30).astype(np.uint8))
-    seen = []
-    real = inference.LoadedModel.image_jobs
-    monkeypatch.setattr(inference.LoadedModel, 'image_jobs',
-                        lambda self, image, *a, **k: seen.append(image.shape) or real(self, image, *a, **k))
+    _, seen = big_nuclei
     got = predict_paths(model, str(tmp_path / 'big.png'), str(tmp_path / 'default'), progress=False)
     assert seen[-1] == (50, 50, 1) and got[0]['scale'] == 0.25
     seen.clear()
