@@ -200,9 +200,9 @@ class TrainConfig:
                                  'quarter turns: 8x the search\'s prediction time), for a model you will run '
                                  'with bin/predict --tta')
     predict_diameter: Optional[str] = option(None, "the bin/predict --diameter this model uses when none is given "
-                                                   "(stored in the export): range = rescale only images whose nuclei "
-                                                   "are outside the sizes trained on for that kind of image, auto = "
-                                                   "every image to the training median, PIXELS, or none (default)",
+                                                   "(stored in the export): range = enlarge small nuclei to the training "
+                                                   "median, shrink only those larger than trained on for that kind of "
+                                                   "image; auto = every image to the median; PIXELS; none (default)",
                                              metavar='range|auto|PIXELS|none')
     benchmark: bool = option(False, 'short synthetic speed run: images/s per device and scaling')
     progress: bool = option(True, 'show progress bars')

@@ -79,8 +79,8 @@ class PredictConfig:
     diameter: Optional[str] = option(None, "rescale each image so its nuclei reach the network at the size the "
                                            "model was trained on (Cellpose-style): PIXELS = the typical nucleus "
                                            "diameter in your images, auto = measured from a first prediction of "
-                                           "each image (twice the work), range = as auto but only images whose "
-                                           "nuclei are outside the sizes the model was trained on for that kind of "
+                                           "each image (twice the work), range = as auto, but shrink only images "
+                                           "whose nuclei are larger than the model was trained on for that kind of "
                                            "image (fluorescence, colour, brightfield), none = no rescaling "
                                            "(default: the model's, chosen at training by --predict-diameter; "
                                            "else none)",

@@ -154,18 +154,21 @@ def test_nucleus_sizes_give_each_kind_its_range_and_all_of_them():
     assert scale.nucleus_sizes(small, None)[1].keys() == {'all'}  # kinds unknown: one range
 
 
-def test_range_rescales_only_sizes_a_kind_was_not_trained_on():
+def test_range_enlarges_always_and_shrinks_only_sizes_a_kind_was_not_trained_on():
     ranges = {'all': [8.0, 45.0], 'fluorescence': [8.0, 45.0], 'colour': [9.0, 25.0]}
     assert scale.range_factor(16, ranges, 'fluorescence', 40) == 1.0  # seen: native resolution
     assert scale.range_factor(16, ranges, 'colour', 40) == pytest.approx(0.4)  # large tissue: to the median
-    assert scale.range_factor(16, ranges, 'colour', 6) == pytest.approx(16 / 6)
     assert scale.range_factor(16, ranges, 'brightfield', 40) == 1.0  # a kind never seen: every nucleus
     assert scale.range_factor(16, ranges, 'brightfield', 60) == pytest.approx(16 / 60)
-    # within 15 % of the range's ends: close enough to what it saw (and to the measurement's error)
-    assert scale.range_factor(16, ranges, 'colour', 28) == 1.0 and scale.range_factor(16, ranges, 'colour', 7.9) == 1.0
+    # up to 15 % above the range: close enough to what it saw (and to the measurement's error)
+    assert scale.range_factor(16, ranges, 'colour', 28) == 1.0
     assert scale.range_factor(16, ranges, 'colour', 29) == pytest.approx(16 / 29)
+    # smaller than the median: enlarged as by auto, seen or not (within auto's 15 % nothing)
+    assert scale.range_factor(16, ranges, 'fluorescence', 10) == pytest.approx(1.6)
+    assert scale.range_factor(16, ranges, 'colour', 6) == pytest.approx(16 / 6)
+    assert scale.range_factor(16, ranges, 'colour', 14.5) == 1.0
     assert scale.range_factor(16, ranges, 'colour', None) == 1.0  # too few objects to measure
-    assert scale.range_factor(16, None, 'colour', 40) == 1.0
+    assert scale.range_factor(16, None, 'colour', 40) == 1.0 and scale.range_factor(16, None, 'colour', 8) == 2.0
 
 
 def _ranged_model(folder, ranges, **extra):
