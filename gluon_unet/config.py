@@ -307,8 +307,9 @@ class TrainConfig:
             if problem:
                 raise UserError('--predict-diameter %s' % problem)
             if self.predict_diameter != 'none' and not self.crop:
-                raise UserError('--predict-diameter needs training at native resolution (--crop): images resized to '
-                                '--size have no one nucleus size to rescale to')
+                raise UserError('--predict-diameter %s needs training at native resolution (--crop): images resized '
+                                'to --size have no one nucleus size to rescale to (--predict-diameter none turns it '
+                                'off)' % self.predict_diameter)
         side = self.crop or self.size
         if side % (2 ** m.depth):
             raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'

@@ -68,7 +68,7 @@ def test_training_records_the_median_diameter_in_the_export(tiny):
 @pytest.mark.parametrize('argv, words', [
     (['--predict-diameter', 'big'], '--predict-' + BAD_DIAMETER[2:]),
     (['--predict-diameter', '-4'], '--predict-' + BAD_DIAMETER[2:]),
-    (['--predict-diameter', 'range', '--crop', '0'], '--predict-diameter needs training at native resolution'),
+    (['--predict-diameter', 'range', '--crop', '0'], '--predict-diameter range needs training at native resolution'),
 ])
 def test_bad_predict_diameter_is_one_line(tmp_path, argv, words):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'run'),
