@@ -30,7 +30,8 @@ SCALE_LIMITS = (0.25, 4.0)
 #: Images whose nuclei are within this factor of the model's diameter are not rescaled.
 SCALE_TOLERANCE = 1.15
 #: ``--diameter range``: the sizes a model has seen of a kind of image are the diameters
-#: between these percentiles of that kind's training nuclei (give or take SCALE_TOLERANCE).
+#: between these percentiles of that kind's training nuclei (recorded both; the rule
+#: shrinks only nuclei above the top one times SCALE_TOLERANCE).
 RANGE_PERCENTILES = (5.0, 95.0)
 #: ... counted only for a kind with at least this many training nuclei; an image of a kind
 #: seen less is judged against every training nucleus (the ``'all'`` range).
