@@ -20,41 +20,55 @@ class _Float32ReLU(nn.HybridBlock):
     (about 200x slower: 250 ms for 16x16x128x128 on a 2-core Xeon, half the step) when its
     input and its gradient arrive in two different blocked layouts; it reorders one of them
     only when the other is plain (``src/operator/nn/mkldnn/mkldnn_batch_norm-inl.h``).
-    With AMX that happens at layers of fewer than 32 channels: the AMX forward
-    convolution writes ``acdb`` while the backward one, which oneDNN 2.4 has no AMX kernel
-    for at so few channels, writes ``aBcd16b``. ``amp_cast`` is a oneDNN reorder to the
-    plain layout (``src/operator/tensor/amp_cast.cc``), forward and backward, so the
-    gradient reaching BatchNorm is plain and is reordered: the fast kernel runs. The cost,
-    a few reorders of the narrowest maps, is small beside it (docs/performance.md).
+    With AMX that happens where channels are not a multiple of 32 (e.g. 16): the AMX
+    forward convolution writes ``acdb`` while the backward one, which oneDNN 2.4 has no
+    AMX kernel for there, writes ``aBcd16b`` (:func:`amx_float32_relus` says where).
+    ``amp_cast`` is a oneDNN reorder to the plain layout (``src/operator/tensor/amp_cast.cc``),
+    forward and backward, so the gradient reaching BatchNorm is plain and is reordered:
+    the fast kernel runs. The cost, a few reorders of those maps, is small beside it
+    (docs/performance.md).
     """
 
     def hybrid_forward(self, F, x):
         return F.Activation(F.amp_cast(x, dtype='float32'), act_type='relu')
 
 
-#: Layers narrower than this get :class:`_Float32ReLU` on AMX (oneDNN 2.4's AMX
-#: convolutions pack channels in pairs of 16 and have no backward kernel below 32).
-AMX_NARROW = 32
+def amx_float32_relus(in_channels, channels):
+    """Which of a :class:`_DoubleConv`'s two ReLUs compute in float32 on AMX: ``(first,
+    second)``, for a block of ``channels`` fed ``in_channels``.
+
+    Where oneDNN 2.4 (MXNet 1.9.1) runs a layer's forward convolution on AMX and the
+    backward one that produces its BatchNorm's gradient without (or the other way round),
+    the two blocked layouts differ and :class:`_Float32ReLU` is needed. oneDNN 2.4's AMX
+    kernels work on channels in blocks of 32: the first ReLU needs it when the block's channels are not a multiple
+    of 32, or its input's are not and exceed 16 (3x3 convolutions from up to 16 channels
+    run forward on AMX); the second when its channels are not a multiple of 32 and exceed
+    16 (its gradient comes through pooling and the decoder's concatenation). Measured on
+    a Xeon with AMX with DNNL_VERBOSE: widths 4-96 and depths 2-4 run no ``bnorm_ref``
+    with this rule; with float32 ReLUs only below 32 channels, widths 12, 20, 24, 28, 40
+    and 48 did (tests/test_amx.py).
+    """
+    first = channels % 32 != 0 or (in_channels % 32 != 0 and in_channels > 16)
+    return first, channels % 32 != 0 and channels > 16
 
 
 class _DoubleConv(nn.HybridBlock):
-    """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match."""
+    """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match.
 
-    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, amx=False, **kwargs):
+    ``amx``: a bfloat16 network on AMX, where :func:`amx_float32_relus` chooses ReLUs in
+    float32 (``in_channels`` is only read for that).
+    """
+
+    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, amx=False, in_channels=0, **kwargs):
         super().__init__(**kwargs)
         self.body = nn.HybridSequential()
-        plain = self.float32_relu(channels, batch_norm, amx)
-        for _ in range(2):
+        plain = amx_float32_relus(in_channels, channels) if amx and batch_norm else (False, False)
+        for i in range(2):
             # A bias in front of BatchNorm is cancelled by its mean subtraction.
             self.body.add(nn.Conv2D(channels, 3, padding=1, use_bias=not batch_norm))
             if batch_norm:
                 self.body.add(norm_layer(**norm_kwargs))
-            self.body.add(_Float32ReLU() if plain else nn.Activation('relu'))
-
-    @staticmethod
-    def float32_relu(channels, batch_norm, amx):
-        """Whether the block computes its ReLU (and so its output) in float32."""
-        return amx and batch_norm and channels < AMX_NARROW
+            self.body.add(_Float32ReLU() if plain[i] else nn.Activation('relu'))
 
     # What the symbolic training graph recomputes in backward (see :func:`recompute`);
     # None: nothing. Read only while a symbol is built: CachedOp ignores the attribute.
@@ -134,7 +148,7 @@ class _Up(nn.HybridBlock):
         else:
             # Resize + conv avoids the checkerboard artefacts of transposed convs.
             self.up = nn.Conv2D(channels, 3, padding=1)
-        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs, amx)
+        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs, amx, in_channels=2 * channels)
         # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
         # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
         # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
@@ -143,13 +157,13 @@ class _Up(nn.HybridBlock):
         # _TransposedConv2x2's depth_to_space is float32, and the multicast then cast the
         # skip up too: the concatenation (twice the channels, full resolution) was float32
         # and cast back for the next convolution, at each level. Cast the upsampled map
-        # back instead, where the skip is bfloat16 (not under _Float32ReLU). Exact: the
-        # values are the convolution's bfloat16 output, only moved. 2-4 % faster steps,
-        # 11 % less memory at width 64 (docs/performance.md). Keeping the transposes in
+        # back instead, where the skip is bfloat16 (not a _Float32ReLU's). Exact: the
+        # values are the convolution's bfloat16 output, only moved. 11 % less memory at
+        # width 64 on AMX, 16-19 % without (docs/performance.md). Keeping the transposes in
         # bfloat16 is no option: MXNet 1.9.1's oneDNN bfloat16 transpose crashes ("double
         # free or corruption").
-        self.to_bfloat16 = (amp_dtype == 'bfloat16' and mode == 'deconv'
-                            and not _DoubleConv.float32_relu(channels, batch_norm, amx))
+        skip_float32 = amx and batch_norm and amx_float32_relus(0, channels)[1]  # the encoder's block
+        self.to_bfloat16 = amp_dtype == 'bfloat16' and mode == 'deconv' and not skip_float32
 
     # 'blocks' (see :func:`recompute`): the upsampling and the concatenation are
     # recomputed too, so the concatenated input (2x the block's channels at full
@@ -198,8 +212,8 @@ class UNet(nn.HybridBlock):
         convolutions are computed as 1x1 convolutions (:class:`_TransposedConv2x2`, the
         same parameters): MXNet 1.9 cannot train a hybridized bfloat16 Deconvolution.
     amx : bool
-        The bfloat16 network will run on AMX (``runtime.amx_state()``): layers narrower
-        than :data:`AMX_NARROW` compute their ReLU in float32 (:class:`_Float32ReLU`),
+        The bfloat16 network will run on AMX (``runtime.amx_state()``): the layers
+        :func:`amx_float32_relus` names compute their ReLU in float32 (:class:`_Float32ReLU`),
         which keeps oneDNN 2.4's BatchNorm backward on its fast kernel. The same
         function and parameters, so checkpoints are interchangeable.
 
@@ -217,9 +231,11 @@ class UNet(nn.HybridBlock):
         with self.name_scope():
             self.down = nn.HybridSequential()
             for level in range(depth):
-                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs, amx))
+                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs, amx,
+                                          in_channels=width * 2 ** (level - 1) if level else in_channels))
             self.pool = nn.MaxPool2D(2, 2)
-            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs, amx)
+            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs, amx,
+                                      in_channels=width * 2 ** (depth - 1))
             self.drop = nn.Dropout(dropout) if dropout > 0 else None
             self.up = nn.HybridSequential()
             for level in reversed(range(depth)):
