@@ -40,9 +40,12 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
     init = mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2)
     if net is None:
         # On AMX the narrowest layers need a float32 ReLU to keep BatchNorm fast (model.py).
-        amx = ctxs[0].device_type == 'cpu' and amx_state()[0]
+        cpu = ctxs[0].device_type == 'cpu'
+        amx = cpu and amx_state()[0]
+        # BatchNorm + ReLU as one oneDNN kernel where there is one: CPU contexts (model.UNet).
+        fuse = cpu and mx.runtime.Features().is_enabled('MKLDNN')
         net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
-                          amp_dtype=amp_dtype, amx=amx)
+                          amp_dtype=amp_dtype, amx=amx, fuse_bn_relu=fuse)
         net.initialize(init, ctx=ctxs)
     else:
         net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized

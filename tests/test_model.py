@@ -98,3 +98,51 @@ def test_amp_dtype_is_explicit_and_chooses_the_upsampling_block(amp_dtype, stand
     # The same structural parameter names (what checkpoints store) either way.
     plain = build_model(ModelConfig(in_channels=1, width=4, depth=2))
     assert sorted(net._collect_params_with_prefix()) == sorted(plain._collect_params_with_prefix())
+
+
+@pytest.mark.parametrize('hybridize', [True, False])
+def test_fused_batchnorm_relu_is_the_same_function_with_the_same_parameter_names(hybridize):
+    # Training on CPU builds the network with nn.BatchNormReLU (one oneDNN kernel); exports
+    # and GPUs build it without: outputs, gradients, running statistics and the structural
+    # names that checkpoints store must agree.
+    from mxnet.gluon import nn
+    from gluon_unet.model import UNet
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
+    results, names = [], []
+    for fuse in (False, True):
+        mx.random.seed(0)
+        net = UNet(in_channels=1, width=4, depth=2, fuse_bn_relu=fuse)
+        net.initialize(mx.init.Xavier())
+        if hybridize:
+            net.hybridize()
+        xg = x.copy()
+        xg.attach_grad()
+        with mx.autograd.record():
+            y = net(xg)
+            loss = (y * y).sum()
+        loss.backward()
+        params = net._collect_params_with_prefix()
+        names.append(sorted(params))
+        results.append([y.asnumpy(), xg.grad.asnumpy(), net(x).asnumpy()]  # the last: inference mode
+                       + [params[k].data().asnumpy() for k in sorted(params) if 'running' in k]
+                       + [params[k].grad().asnumpy() for k in sorted(params) if params[k].grad_req != 'null'])
+        fused = sum(isinstance(b, nn.BatchNormReLU) for b in net.down[0].body)
+        assert fused == (2 if fuse else 0)
+    assert names[0] == names[1]
+    for a, b in zip(*results):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+def test_the_training_network_fuses_batchnorm_relu_on_cpu_and_an_export_does_not():
+    from mxnet.gluon import nn
+    from gluon_unet.config import TrainConfig
+    from gluon_unet.step import build_network
+    cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), size=16, batch_size=2, progress=False)
+    net = build_network(cfg, [mx.cpu(0), mx.cpu(1)])
+    assert isinstance(net.down[0].body[1], nn.BatchNormReLU)
+    # checkpoint.py and the export build the network as build_model(cfg.model) does
+    assert not any(isinstance(b, nn.BatchNormReLU) for b in build_model(cfg.model).down[0].body)
+    # SyncBatchNorm is not fused
+    synced = build_network(TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), sync_bn=True),
+                           [mx.cpu(0), mx.cpu(1)])
+    assert not any(isinstance(b, nn.BatchNormReLU) for b in synced.down[0].body)
