@@ -52,6 +52,10 @@ def amx_float32_relus(in_channels, channels):
     return first, channels % 32 != 0 and channels > 16
 
 
+#: Gluon's BatchNorm class as imported (benchmarks/bench_norm.py patches the name).
+_GLUON_BATCHNORM = nn.BatchNorm
+
+
 class _ReLUInTheNorm(nn.HybridBlock):
     """Where the ReLU was: it is computed by the ``nn.BatchNormReLU`` before it. Holds the
     slot so that the structural parameter names stay those of the unfused network."""
@@ -76,9 +80,11 @@ class _DoubleConv(nn.HybridBlock):
         for i in range(2):
             # A bias in front of BatchNorm is cancelled by its mean subtraction.
             self.body.add(nn.Conv2D(channels, 3, padding=1, use_bias=not batch_norm))
-            fused = fuse and batch_norm and norm_layer is nn.BatchNorm and not plain[i]
+            norm = norm_layer(**norm_kwargs) if batch_norm else None
+            # Only Gluon's own BatchNorm (not SyncBatchNorm, nor a norm a benchmark swapped in).
+            fused = fuse and type(norm) is _GLUON_BATCHNORM and not plain[i]
             if batch_norm:
-                self.body.add(nn.BatchNormReLU(**norm_kwargs) if fused else norm_layer(**norm_kwargs))
+                self.body.add(nn.BatchNormReLU(**norm_kwargs) if fused else norm)
             self.body.add(_Float32ReLU() if plain[i] else _ReLUInTheNorm() if fused else nn.Activation('relu'))
 
     # What the symbolic training graph recomputes in backward (see :func:`recompute`);

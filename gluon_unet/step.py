@@ -43,7 +43,9 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
         cpu = ctxs[0].device_type == 'cpu'
         amx = cpu and amx_state()[0]
         # BatchNorm + ReLU as one oneDNN kernel where there is one: CPU contexts (model.UNet).
-        fuse = cpu and mx.runtime.Features().is_enabled('MKLDNN')
+        # Not with --memory balanced/low: their recomputation marks assume separate layers
+        # (fused, 'low' saved nothing at width 16).
+        fuse = cpu and cfg.memory == 'speed' and mx.runtime.Features().is_enabled('MKLDNN')
         net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
                           amp_dtype=amp_dtype, amx=amx, fuse_bn_relu=fuse)
         net.initialize(init, ctx=ctxs)
