@@ -146,3 +146,26 @@ def test_the_training_network_fuses_batchnorm_relu_on_cpu_and_an_export_does_not
     synced = build_network(TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), sync_bn=True),
                            [mx.cpu(0), mx.cpu(1)])
     assert not any(isinstance(b, nn.BatchNormReLU) for b in synced.down[0].body)
+
+
+def test_build_network_initializes_what_a_forward_pass_would_without_running_the_network():
+    # build_network infers the deferred shapes symbolically (a forward pass left oneDNN
+    # kernels for a batch of one cached, with their scratch memory); a seed must still
+    # give the weights Gluon's own deferred initialization by a forward pass gives.
+    from gluon_unet.config import TrainConfig
+    from gluon_unet.step import build_network
+    cfg = TrainConfig(model=ModelConfig(in_channels=3, width=4, depth=3), size=32, progress=False)
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = build_network(cfg, ctxs)
+    assert net._cached_op is None  # hybridized, never run
+    mx.random.seed(cfg.seed)
+    ref = build_model(cfg.model)
+    ref.initialize(mx.init.Xavier(rnd_type='gaussian', factor_type='in', magnitude=2), ctx=ctxs)
+    ref.hybridize(static_alloc=True, static_shape=True)
+    with mx.autograd.predict_mode():
+        ref(mx.nd.zeros((1, 3, 32, 32), ctx=ctxs[0])).wait_to_read()
+    got, want = net._collect_params_with_prefix(), ref._collect_params_with_prefix()
+    assert sorted(got) == sorted(want)
+    for name, p in want.items():
+        for ctx in ctxs:
+            np.testing.assert_array_equal(got[name].data(ctx).asnumpy(), p.data(ctx).asnumpy(), err_msg=name)
