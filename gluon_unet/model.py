@@ -153,7 +153,7 @@ class _Up(nn.HybridBlock):
     """Double the resolution and halve the channels, then concatenate the skip."""
 
     def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, amp_dtype=None, amx=False,
-                 fuse=False, **kwargs):
+                 onednn_training=False, **kwargs):
         super().__init__(**kwargs)
         self.mode = mode
         if mode == 'deconv':
@@ -166,7 +166,7 @@ class _Up(nn.HybridBlock):
             # Resize + conv avoids the checkerboard artefacts of transposed convs.
             self.up = nn.Conv2D(channels, 3, padding=1)
         self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs, amx, in_channels=2 * channels,
-                                fuse=fuse)
+                                fuse=onednn_training)
         # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
         # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
         # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
@@ -182,6 +182,16 @@ class _Up(nn.HybridBlock):
         # free or corruption").
         skip_float32 = amx and batch_norm and amx_float32_relus(0, channels)[1]  # the encoder's block
         self.to_bfloat16 = amp_dtype == 'bfloat16' and mode == 'deconv' and not skip_float32
+        # The skip feeds both the encoder's pooling and this concatenation, so backward sums
+        # its two gradients (add_n). Concat's backward writes the plain layout and pooling's
+        # a oneDNN blocked one, and MXNet 1.9.1 runs add_n on oneDNN only when all its
+        # inputs are blocked: otherwise it reorders them to plain and adds element by element
+        # in bfloat16 (13x slower than oneDNN's sum for 16x16x128x128 on a 2-core Xeon; 22 ms
+        # of a 222 ms step at width 16). A 1x1 average pooling here is an exact identity
+        # whose gradient leaves in the blocked layout, so add_n runs on oneDNN: +5-7 % per
+        # step, and less memory (docs/performance.md). Training only: nothing to sum in an
+        # export; bfloat16 only: in float32 it was within the noise.
+        self.skip_blocked = onednn_training and amp_dtype == 'bfloat16' and not skip_float32
 
     # 'blocks' (see :func:`recompute`): the upsampling and the concatenation are
     # recomputed too, so the concatenated input (2x the block's channels at full
@@ -189,6 +199,8 @@ class _Up(nn.HybridBlock):
     recompute = None
 
     def hybrid_forward(self, F, x, skip):
+        if self.skip_blocked:
+            skip = F.Pooling(skip, kernel=(1, 1), stride=(1, 1), pool_type='avg')
         mirrored = F is mx.sym and self.recompute == 'blocks'
         with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
             if self.mode == 'bilinear':
@@ -234,19 +246,21 @@ class UNet(nn.HybridBlock):
         :func:`amx_float32_relus` names compute their ReLU in float32 (:class:`_Float32ReLU`),
         which keeps oneDNN 2.4's BatchNorm backward on its fast kernel. The same
         function and parameters, so checkpoints are interchangeable.
-    fuse_bn_relu : bool
-        BatchNorm and the ReLU after it as one operator (``nn.BatchNormReLU``, oneDNN's
-        fused kernel): 5-14 % faster training steps on CPU (docs/performance.md). CPU
-        only: MXNet 1.9 has no GPU kernel for it, and ONNX no such operator, so exports
-        are built without it. The same function and parameter names. Not with
-        SyncBatchNorm.
+    onednn_training : bool
+        The network trains on CPU contexts (oneDNN). BatchNorm and the ReLU after it
+        become one operator (``nn.BatchNormReLU``, oneDNN's fused kernel; not with
+        SyncBatchNorm): 5-14 % faster training steps. Under bfloat16, each skip reaches
+        its concatenation through an identity that keeps its gradient in oneDNN's layout
+        (see :class:`_Up`): 5-7 % more. CPU training only: MXNet 1.9 has no GPU kernel for
+        the fused operator, ONNX no such operator, and inference sums no gradients, so
+        exports are built without both. The same function and parameter names.
 
     Input ``(N, in_channels, H, W)``; output logits ``(N, classes, H, W)``.
     """
 
     def __init__(self, in_channels=1, classes=1, width=32, depth=4, batch_norm=True,
                  dropout=0.0, upsample='deconv', sync_bn_devices=0, amp_dtype=None, amx=False,
-                 fuse_bn_relu=False, **kwargs):
+                 onednn_training=False, **kwargs):
         super().__init__(**kwargs)
         self.in_channels, self.depth = in_channels, depth
         if sync_bn_devices:
@@ -258,15 +272,15 @@ class UNet(nn.HybridBlock):
             for level in range(depth):
                 self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs, amx,
                                           in_channels=width * 2 ** (level - 1) if level else in_channels,
-                                          fuse=fuse_bn_relu))
+                                          fuse=onednn_training))
             self.pool = nn.MaxPool2D(2, 2)
             self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs, amx,
-                                      in_channels=width * 2 ** (depth - 1), fuse=fuse_bn_relu)
+                                      in_channels=width * 2 ** (depth - 1), fuse=onednn_training)
             self.drop = nn.Dropout(dropout) if dropout > 0 else None
             self.up = nn.HybridSequential()
             for level in reversed(range(depth)):
                 self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs, amp_dtype, amx,
-                                fuse=fuse_bn_relu))
+                                onednn_training=onednn_training))
             self.head = nn.Conv2D(classes, 1)
 
     def forward(self, x, *args):
@@ -321,18 +335,18 @@ def probability_maps(logits, second=None):
     return foreground_probability(logits).expand_dims(axis=1)
 
 
-def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None, amx=False, fuse_bn_relu=False):
+def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None, amx=False, onednn_training=False):
     """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
 
     ``amp_dtype`` is the dtype of the AMP already initialized (``step.init_amp``'s
-    result), None for float32; ``amx``: it will run on AMX; ``fuse_bn_relu``: on CPU
-    contexts only (both: see :class:`UNet`).
+    result), None for float32; ``amx``: it will run on AMX; ``onednn_training``: it will
+    train on CPU contexts (both: see :class:`UNet`).
     """
     return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.outputs,
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
                 upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype,
-                amx=amx and amp_dtype == 'bfloat16', fuse_bn_relu=fuse_bn_relu)
+                amx=amx and amp_dtype == 'bfloat16', onednn_training=onednn_training)
 
 
 RECOMPUTE = ('activations', 'blocks')

@@ -43,12 +43,12 @@ def build_network(cfg, ctxs, amp_dtype=None, net=None):
         # On AMX the narrowest layers need a float32 ReLU to keep BatchNorm fast (model.py).
         cpu = ctxs[0].device_type == 'cpu'
         amx = cpu and amx_state()[0]
-        # BatchNorm + ReLU as one oneDNN kernel where there is one: CPU contexts (model.UNet).
-        # Not with --memory balanced/low: their recomputation marks assume separate layers
-        # (fused, 'low' saved nothing at width 16).
-        fuse = cpu and cfg.memory == 'speed' and mx.runtime.Features().is_enabled('MKLDNN')
+        # oneDNN's fused BatchNorm + ReLU, and bfloat16 skips whose gradients oneDNN sums
+        # (model.UNet): CPU contexts only. Not with --memory balanced/low: their
+        # recomputation marks assume separate layers (fused, 'low' saved nothing at width 16).
+        onednn = cpu and cfg.memory == 'speed' and mx.runtime.Features().is_enabled('MKLDNN')
         net = build_model(cfg.model, sync_bn_devices=len(ctxs) if cfg.sync_bn and len(ctxs) > 1 else 0,
-                          amp_dtype=amp_dtype, amx=amx, fuse_bn_relu=fuse)
+                          amp_dtype=amp_dtype, amx=amx, onednn_training=onednn)
         net.initialize(init, ctx=ctxs)
     else:
         net.initialize(init, ctx=ctxs)  # no-op (with a warning from MXNet) if already initialized

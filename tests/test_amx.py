@@ -308,3 +308,51 @@ def test_the_upsampled_map_is_concatenated_in_bfloat16_with_the_same_result():
                                 # skips of 24 and 48 channels are float32 under AMX
                                 # (model.amx_float32_relus): those stay float32
                                 'amx24': ['float32', 'float32']}
+
+
+SKIP_SUMS = r"""
+import json, sys
+import mxnet as mx
+import numpy as np
+from mxnet.contrib import amp
+amp.init(target_dtype='bfloat16')
+from gluon_unet.model import UNet
+from gluon_unet.runtime import amx_state
+
+mx.random.seed(0)
+# 16 and 32 channels: blocked skips (at 8, oneDNN keeps one plain and add_n stays MXNet's)
+net = UNet(in_channels=1, width=16, depth=2, amp_dtype='bfloat16', amx=amx_state()[0], onednn_training=True)
+for block in net.up:
+    block.skip_blocked = block.skip_blocked and sys.argv[1] == 'on'
+net.initialize(mx.init.Xavier())
+net.hybridize(static_alloc=True, static_shape=True)
+x = mx.nd.array(np.random.RandomState(0).randn(4, 1, 32, 32))
+x.attach_grad()
+with mx.autograd.record():
+    y = mx.nd.amp_cast(net(x), dtype='float32')
+    loss = (y * y).sum()
+loss.backward()
+print('RESULT ' + json.dumps({
+    'blocked': [block.skip_blocked for block in net.up],
+    'values': [y.asnumpy().tolist(), x.grad.asnumpy().tolist(),
+               [p.grad().asnumpy().tolist() for _, p in sorted(net.collect_params().items())
+                if p.grad_req != 'null']]}))
+"""
+
+
+@pytest.mark.usefixtures('requires_bf16')
+def test_bfloat16_skip_gradients_are_summed_by_onednn_with_the_same_result():
+    # Each skip's two gradients (pooling's, blocked; the concatenation's, plain) were
+    # summed by MXNet's element-wise bfloat16 kernel, 13x slower than oneDNN's sum, which
+    # MXNet uses only when both are blocked. The 1x1 average pooling in front of the
+    # concatenation is an identity whose gradient is blocked: oneDNN sums, same numbers.
+    runs = {}
+    for mode in ('on', 'off'):
+        out = _run(SKIP_SUMS, mode, DNNL_VERBOSE='1')
+        runs[mode] = (_result(out), sum(kind == 'sum' for kind, _, _ in _conv_lines(out.stdout)))
+    assert runs['on'][0]['blocked'] == [True, True] and runs['off'][0]['blocked'] == [False, False]
+    assert runs['on'][1] >= 2 > runs['off'][1], (runs['on'][1], runs['off'][1])
+    (y_on, dx_on, grads_on), (y_off, dx_off, grads_off) = runs['on'][0]['values'], runs['off'][0]['values']
+    assert len(grads_on) == len(grads_off) > 0
+    for on, off in [(y_on, y_off), (dx_on, dx_off)] + list(zip(grads_on, grads_off)):
+        np.testing.assert_array_equal(np.asarray(on), np.asarray(off))

@@ -111,7 +111,7 @@ def test_fused_batchnorm_relu_is_the_same_function_with_the_same_parameter_names
     results, names = [], []
     for fuse in (False, True):
         mx.random.seed(0)
-        net = UNet(in_channels=1, width=4, depth=2, fuse_bn_relu=fuse)
+        net = UNet(in_channels=1, width=4, depth=2, onednn_training=fuse)
         net.initialize(mx.init.Xavier())
         if hybridize:
             net.hybridize()
@@ -142,6 +142,11 @@ def test_the_training_network_fuses_batchnorm_relu_on_cpu_and_an_export_does_not
     assert isinstance(net.down[0].body[1], nn.BatchNormReLU)
     # checkpoint.py and the export build the network as build_model(cfg.model) does
     assert not any(isinstance(b, nn.BatchNormReLU) for b in build_model(cfg.model).down[0].body)
+    # The skips' identity for oneDNN's gradient sums: bfloat16 training on CPU only
+    # (tests/test_amx.py checks what it does)
+    assert not any(up.skip_blocked for up in net.up)  # float32
+    assert all(up.skip_blocked for up in build_model(cfg.model, amp_dtype='bfloat16', onednn_training=True).up)
+    assert not any(up.skip_blocked for up in build_model(cfg.model, amp_dtype='bfloat16').up)
     # SyncBatchNorm is not fused
     synced = build_network(TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), sync_bn=True),
                            [mx.cpu(0), mx.cpu(1)])
