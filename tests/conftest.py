@@ -106,6 +106,26 @@ def export_brightness_model(folder, sidecar=BRIGHTNESS_SIDECAR):
     return folder
 
 
+def unet_twin(seed, x, hybridize=True, **unet_kwargs):
+    """A small UNet built with ``unet_kwargs`` (seeded, Xavier), one forward and backward of
+    ``sum(y**2)`` on ``x``: ``(net, structural parameter names, y, x's gradient)``. For tests
+    that two builds of the network are the same function with the same parameters."""
+    import mxnet as mx
+    from gluon_unet.model import UNet
+    mx.random.seed(seed)
+    net = UNet(**unet_kwargs)
+    net.initialize(mx.init.Xavier())
+    if hybridize:
+        net.hybridize()
+    xg = x.copy()
+    xg.attach_grad()
+    with mx.autograd.record():
+        y = net(xg)
+        loss = (y * y).sum()
+    loss.backward()
+    return net, sorted(net._collect_params_with_prefix()), y.asnumpy(), xg.grad.asnumpy()
+
+
 def nuclei_png(seed, size=40):
     """The PNG bytes of one grey synthetic nuclei image."""
     import cv2

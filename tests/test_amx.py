@@ -208,21 +208,13 @@ def test_only_bfloat16_layers_on_amx_that_need_it_get_the_float32_relu():
 def test_the_float32_relu_is_the_same_function_with_the_same_parameters():
     # Same outputs and gradients, same structural names: checkpoints move between
     # machines with and without AMX.
+    from conftest import unet_twin
     x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
     results, names = [], []
     for amx in (False, True):
-        mx.random.seed(0)
-        net = UNet(in_channels=1, width=4, depth=2, amx=amx)
-        net.initialize(mx.init.Xavier())
-        net.hybridize()
-        xg = x.copy()
-        xg.attach_grad()
-        with mx.autograd.record():
-            y = net(xg)
-            loss = (y * y).sum()
-        loss.backward()
-        names.append(sorted(net._collect_params_with_prefix()))
-        results.append((y.asnumpy(), xg.grad.asnumpy()))
+        _, structural, y, dx = unet_twin(0, x, in_channels=1, width=4, depth=2, amx=amx)
+        names.append(structural)
+        results.append((y, dx))
     assert len(_narrow_relus(UNet(in_channels=1, width=4, depth=2, amx=True))) == 5
     assert names[0] == names[1]
     for a, b in zip(*results):

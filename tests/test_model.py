@@ -106,24 +106,14 @@ def test_fused_batchnorm_relu_is_the_same_function_with_the_same_parameter_names
     # and GPUs build it without: outputs, gradients, running statistics and the structural
     # names that checkpoints store must agree.
     from mxnet.gluon import nn
-    from gluon_unet.model import UNet
+    from conftest import unet_twin
     x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
     results, names = [], []
     for fuse in (False, True):
-        mx.random.seed(0)
-        net = UNet(in_channels=1, width=4, depth=2, onednn_training=fuse)
-        net.initialize(mx.init.Xavier())
-        if hybridize:
-            net.hybridize()
-        xg = x.copy()
-        xg.attach_grad()
-        with mx.autograd.record():
-            y = net(xg)
-            loss = (y * y).sum()
-        loss.backward()
+        net, structural, y, dx = unet_twin(0, x, hybridize, in_channels=1, width=4, depth=2, onednn_training=fuse)
         params = net._collect_params_with_prefix()
-        names.append(sorted(params))
-        results.append([y.asnumpy(), xg.grad.asnumpy(), net(x).asnumpy()]  # the last: inference mode
+        names.append(structural)
+        results.append([y, dx, net(x).asnumpy()]  # the last: inference mode
                        + [params[k].data().asnumpy() for k in sorted(params) if 'running' in k]
                        + [params[k].grad().asnumpy() for k in sorted(params) if params[k].grad_req != 'null'])
         fused = sum(isinstance(b, nn.BatchNormReLU) for b in net.down[0].body)
