@@ -188,7 +188,7 @@ class _Up(nn.HybridBlock):
         # inputs are blocked: otherwise it reorders them to plain and adds element by element
         # in bfloat16 (13x slower than oneDNN's sum for 16x16x128x128 on a 2-core Xeon; 22 ms
         # of a 222 ms step at width 16). A 1x1 average pooling here is an exact identity
-        # whose gradient leaves in the blocked layout, so add_n runs on oneDNN: +5-7 % per
+        # whose gradient leaves in the blocked layout, so add_n runs on oneDNN: +5-9 % per
         # step, and less memory (docs/performance.md). Training only: nothing to sum in an
         # export; bfloat16 only: in float32 it was within the noise.
         self.skip_blocked = onednn_training and amp_dtype == 'bfloat16' and not skip_float32
@@ -251,7 +251,7 @@ class UNet(nn.HybridBlock):
         become one operator (``nn.BatchNormReLU``, oneDNN's fused kernel; not with
         SyncBatchNorm): 5-14 % faster training steps. Under bfloat16, each skip reaches
         its concatenation through an identity that keeps its gradient in oneDNN's layout
-        (see :class:`_Up`): 5-7 % more. CPU training only: MXNet 1.9 has no GPU kernel for
+        (see :class:`_Up`): 5-9 % more. CPU training only: MXNet 1.9 has no GPU kernel for
         the fused operator, ONNX no such operator, and inference sums no gradients, so
         exports are built without both. The same function and parameter names.
 
