@@ -107,7 +107,7 @@ def run_predict(code_root, model, image, out):
 def baseline_rss(code_root):
     """Peak RSS (MB) of a child that only imports the package and mxnet: the fixed cost."""
     env = dict(os.environ, PYTHONPATH=code_root)
-    return _child([sys.executable, '-c', 'import gluon_unet.predict, mxnet, skimage.segmentation'], env, None)[1]
+    return _child([sys.executable, '-c', 'import gluon_unet.inference.predict, mxnet, skimage.segmentation'], env, None)[1]
 
 
 def _child(cmd, env, cwd):

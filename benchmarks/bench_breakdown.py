@@ -3,7 +3,7 @@
 For one WIDTH:SIZE:BATCH setup (depth 4, 3 channels, Adam, BCE: the step of
 ``bench_train.py``), each measured in its own child process after warm-up steps:
 
-* **ours** (``gluon_unet.benchmark.make_training_step``, bfloat16 AMP with ``--amp``), with
+* **ours** (``gluon_unet.training.benchmark.make_training_step``, bfloat16 AMP with ``--amp``), with
   AMX on and off where the CPU has it (off: ``DNNL_MAX_CPU_ISA=AVX512_CORE_BF16``):
   milliseconds per step of each MXNet operator (MXNet's profiler, with bulk execution off
   so that every operator is timed on its own), and of each oneDNN primitive kind and
@@ -154,7 +154,7 @@ def main(argv=None):
     except ValueError:
         ap.error('--config must be WIDTH:SIZE:BATCH, e.g. 16:128:16 (got %r)' % args.config)
     sys.path.insert(0, ROOT)
-    from gluon_unet.hardware import cpu_description, cpu_has_amx
+    from gluon_unet.machine.cpu import cpu_description, cpu_has_amx
     import tempfile
     from importlib.metadata import PackageNotFoundError, version
     spec = dict(width=width, size=size, batch=batch, channels=3, depth=4, amp=args.amp, cpus=1,

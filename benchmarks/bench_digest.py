@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 import mxnet as mx  # noqa: E402
 
-from gluon_unet import checkpoint, export, inference, sidecar  # noqa: E402
+from gluon_unet import checkpoint
+from gluon_unet.inference import export, batched as inference, sidecar  # noqa: E402
 from gluon_unet.config import ModelConfig, TrainConfig  # noqa: E402
 from gluon_unet.data import cache, load_dataset  # noqa: E402
 from gluon_unet.model import build_model  # noqa: E402

@@ -63,13 +63,13 @@ def worker(kvstore, width, depth, size, batch):
     if os.environ.get('DMLC_ROLE') in ('server', 'scheduler'):
         import mxnet  # noqa: F401  (ps-lite: importing mxnet serves the job and exits)
         return 0
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults(contexts=1)  # before mxnet loads; divides the cores by the host's workers
     import mxnet as mx
-    from gluon_unet import distributed
-    from gluon_unet.benchmark import synthetic_batch
+    from gluon_unet.training import distributed
+    from gluon_unet.training.benchmark import synthetic_batch
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.step import build_network, make_step
+    from gluon_unet.training.step import build_network, make_step
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=width, depth=depth, batch_norm=True), size=size,
                       batch_size=batch, optimizer='adam', lr=1e-3, kvstore=kvstore, cpus=1, output='-')
     ctxs = [mx.cpu(0)]

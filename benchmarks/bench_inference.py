@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 import mxnet as mx  # noqa: E402
 
 from gluon_unet.config import ModelConfig  # noqa: E402
-from gluon_unet.inference import InputJob, image_jobs, predict_image  # noqa: E402
+from gluon_unet.inference.batched import InputJob, image_jobs, predict_image  # noqa: E402
 from gluon_unet.model import build_model, flops_per_image  # noqa: E402
 
 

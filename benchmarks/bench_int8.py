@@ -39,11 +39,11 @@ sys.path.insert(0, ROOT)
 def network_rows(export, sizes, batches, reps):
     """Median images/s per (size, batch) of float32, float32 + oneDNN fusion and int8."""
     # As bin/predict starts: AMX where the CPU has it, unless DNNL_MAX_CPU_ISA says otherwise.
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults()
     import mxnet as mx
 
-    from gluon_unet.inference import load_exported
+    from gluon_unet.inference.batched import load_exported
     nets = {'float32': load_exported(export)[0], 'float32+fusion': load_exported(export)[0],
             'int8': load_exported(export, precision='int8')[0]}
     channels = json.load(open(os.path.join(export, 'model.json')))['in_channels']
@@ -103,7 +103,7 @@ def mask_difference(a_dir, b_dir):
 
 
 def dsb_part(export, data, count, seed, rounds, threads, work):
-    from gluon_unet.evaluate import evaluate, mean_row
+    from gluon_unet.inference.evaluate import evaluate, mean_row
     calibrated = set(json.load(open(os.path.join(export, 'model.json')))['int8']['calibration']['images'])
     ids = sorted(d for d in os.listdir(data) if os.path.isdir(os.path.join(data, d, 'images')) and d not in calibrated)
     random.Random(seed).shuffle(ids)
@@ -124,7 +124,7 @@ def dsb_part(export, data, count, seed, rounds, threads, work):
 
 
 def cpu_line():
-    from gluon_unet.hardware import cpu_description, cpu_flags
+    from gluon_unet.machine.cpu import cpu_description, cpu_flags
     flags = cpu_flags()
     return '%s; %s' % (cpu_description(), ', '.join('%s %s' % (f, 'yes' if f in flags else 'no')
                                                      for f in ('avx512_vnni', 'avx_vnni', 'amx_int8')))
@@ -163,7 +163,7 @@ def main(argv=None):
         print('model: %s; int8 calibrated on %d inputs of %d images (%s); vs float32 there: %s'
               % (export, record['calibration']['inputs'], len(record['calibration']['images']),
                  record['calibration']['calib_mode'], record['vs_float32']))
-        from gluon_unet.hardware import cpu_has_amx
+        from gluon_unet.machine.cpu import cpu_has_amx
         amx_modes = (['on', 'off'] if cpu_has_amx() else ['on']) if args.amx == 'auto' else args.amx.split(',')
         print('\n| AMX | threads | input | float32 img/s | float32+fusion | int8 | int8 / float32 | fusion / float32 |')
         print('|---|---|---|---|---|---|---|---|')

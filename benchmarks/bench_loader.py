@@ -68,7 +68,7 @@ def main(argv=None):
     if args.limit:
         samples = samples[:args.limit]
     n_files = sum(1 + len(s.masks) for s in samples)
-    from gluon_unet.hardware import cpu_description
+    from gluon_unet.machine.cpu import cpu_description
     print('machine: %s, %d CPUs' % (cpu_description(), os.cpu_count()))
     print('%d samples, %d files, %d px, %d workers' % (len(samples), n_files, args.size, args.workers))
     for s in samples:  # page cache: time decoding, not the disk

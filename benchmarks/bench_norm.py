@@ -3,13 +3,13 @@
 nnU-Net normalizes each image by itself (InstanceNorm), which suits a data set whose
 images look unlike each other (DSB: fluorescence, brightfield, H&E). This asks what it
 would cost here before any recipe uses it. The step timed is the trainer's own
-(``gluon_unet.benchmark.make_training_step``: the network of ``step.build_network``,
+(``gluon_unet.training.benchmark.make_training_step``: the network of ``step.build_network``,
 hybridized, the recipe's loss and optimizer, ``parallel.DataParallelStep``) for the
 training config ``--config`` (default: the ``dsb2018`` recipe) on one CPU context, on a
 synthetic batch of ``--batch`` x ``--size`` px, with the norm layer after each
 convolution swapped for each kind. Kinds are timed in turn, ``--rounds`` times, so a
 load change hits all; each round reports the median images/s of ``--repeats`` timed
-repetitions after ``--warmup`` steps (``gluon_unet.benchmark.measure``), and the ratio
+repetitions after ``--warmup`` steps (``gluon_unet.training.benchmark.measure``), and the ratio
 to BatchNorm is the median of the rounds' ratios. Each measurement runs in a fresh
 process: nine networks built in turn in one process held 19.6 GB at width 16 (the memory
 of the finished ones was not given back), one per process 4.4 GB.
@@ -29,16 +29,16 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 # As bin/train: all the physical cores for OpenMP (set before mxnet loads), unless the
 # environment says otherwise; MXNet's own default would use half of them.
-from gluon_unet.runtime import apply_runtime_defaults  # noqa: E402
+from gluon_unet.machine.runtime import apply_runtime_defaults  # noqa: E402
 
 apply_runtime_defaults()
 
 from mxnet.gluon import nn  # noqa: E402
 
 from gluon_unet import model, recipes  # noqa: E402
-from gluon_unet.benchmark import make_training_step, measure, synthetic_batch  # noqa: E402
+from gluon_unet.training.benchmark import make_training_step, measure, synthetic_batch  # noqa: E402
 from gluon_unet.config import TrainConfig  # noqa: E402
-from gluon_unet.devices import make_contexts  # noqa: E402
+from gluon_unet.machine.devices import make_contexts  # noqa: E402
 from gluon_unet.errors import UserError  # noqa: E402
 
 

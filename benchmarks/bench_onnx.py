@@ -4,7 +4,7 @@ Two parts, in one run:
 
 * **export cost** - for U-Nets of the DSB recipe's shape (depth 5, BatchNorm; widths
   ``--export-widths``), the seconds of a plain export (hybridize, forward, symbol + params +
-  model.json) and of :func:`gluon_unet.onnx_export.add_onnx` on it (conversion + the
+  model.json) and of :func:`gluon_unet.inference.export_onnx.add_onnx` on it (conversion + the
   numpy parity check on 3 shapes), and the sizes of ``model-0000.params`` and ``model.onnx``;
 * **prediction** - ``bin/predict`` on ``--images`` DSB stage1_train samples, once with this
   Python (MXNet) and once with ``--onnx-python`` (an environment with requirements-onnx.txt
@@ -57,9 +57,9 @@ def export_cost(widths, folder):
     import mxnet as mx
 
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.export import export_block
+    from gluon_unet.inference.export import export_block
     from gluon_unet.model import build_model
-    from gluon_unet.onnx_export import add_onnx
+    from gluon_unet.inference.export_onnx import add_onnx
     rows = []
     for width in widths:
         cfg = TrainConfig(model=ModelConfig(in_channels=1, width=width, depth=5, batch_norm=True), crop=256)
@@ -137,7 +137,7 @@ def compare(mx_out, ort_out, truth):
     """Label images equal, and per-image DSB scores of both against the truth."""
     import cv2
 
-    from gluon_unet.evaluate import evaluate
+    from gluon_unet.inference.evaluate import evaluate
     names = sorted(n for n in os.listdir(mx_out) if n.endswith('_labels.png'))
     same = sum(np.array_equal(cv2.imread(os.path.join(mx_out, n), cv2.IMREAD_UNCHANGED),
                               cv2.imread(os.path.join(ort_out, n), cv2.IMREAD_UNCHANGED)) for n in names)
@@ -191,8 +191,8 @@ def main(argv=None):
             model = train_model(args.data, sample(args.data, args.train_images, args.seed + 1, exclude=ids), folder,
                                 args.train_epochs)
             print('\ntrained %s in %.0f s' % (model, time.perf_counter() - t))
-        from gluon_unet.onnx_export import add_onnx
-        from gluon_unet.sidecar import find_export, read_sidecar
+        from gluon_unet.inference.export_onnx import add_onnx
+        from gluon_unet.inference.sidecar import find_export, read_sidecar
         export = os.path.dirname(find_export(model))
         if 'onnx' not in read_sidecar(os.path.join(export, 'model.json')):
             add_onnx(export)

@@ -66,7 +66,7 @@ def main(argv=None):
     parser.add_argument('--batches', type=int, default=20)
     parser.add_argument('--rounds', type=int, default=3)
     args = parser.parse_args(argv)
-    from gluon_unet.hardware import gpu_status, probe_gpu
+    from gluon_unet.machine.gpus import gpu_status, probe_gpu
     count, reason = gpu_status()
     if count <= args.gpu:
         print('skipped: no GPU %d: %s' % (args.gpu, reason or 'this machine has %d GPU(s)' % count))

@@ -12,7 +12,7 @@ the wall-clock speed of the VM moved too much to see it in images/s alone.
     python benchmarks/bench_step_stalls.py --cpus 2 --steps 60
     python benchmarks/bench_step_stalls.py --cpus 2 --steps 60 --root /tmp/prefix   # another tree's package
 
-Same step as ``bench_train.py`` (``gluon_unet.benchmark.make_training_step``), width 16 @128,
+Same step as ``bench_train.py`` (``gluon_unet.training.benchmark.make_training_step``), width 16 @128,
 batch 16, 1 input channel unless told otherwise.
 """
 import argparse
@@ -56,14 +56,14 @@ def main(argv=None):
         p.error('--root %s: no gluon_unet/__init__.py there' % args.root)
     width, size, batch = (int(v) for v in args.config.split(':'))
     sys.path.insert(0, os.path.abspath(args.root) if args.root else ROOT)
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults(contexts=args.cpus, memory='speed')  # as bin/train --cpus N
     import mxnet as mx
-    from gluon_unet.benchmark import make_training_step, synthetic_batch
+    from gluon_unet.training.benchmark import make_training_step, synthetic_batch
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.devices import make_contexts
-    from gluon_unet.hardware import cpu_description
-    from gluon_unet.runtime import configure_runtime
+    from gluon_unet.machine.devices import make_contexts
+    from gluon_unet.machine.cpu import cpu_description
+    from gluon_unet.machine.runtime import configure_runtime
     cfg = TrainConfig(model=ModelConfig(in_channels=args.channels, width=width, depth=4), size=size,
                       batch_size=batch, cpus=args.cpus, optimizer='adam', loss='bce', lr=1e-3, progress=False)
     ctxs = make_contexts('', args.cpus)

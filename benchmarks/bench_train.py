@@ -19,7 +19,7 @@ used meanwhile (column "other", in cores; ``/proc/stat``), a repetition is repea
 after a pause when that exceeds ``--max-foreign``, and a reduced CPU affinity mask is
 reported. Idle workers block on their pipe and use no CPU.
 
-Ours is the trainer's own step (``gluon_unet.benchmark.make_training_step``: the
+Ours is the trainer's own step (``gluon_unet.training.benchmark.make_training_step``: the
 network of ``step.build_network``, ``SegmentationLoss('bce')``, Adam via
 ``optim.make_trainer``, ``parallel.DataParallelStep``). PyTorch (``benchmarks/torch_unet.py``,
 benchmark-only: ``pip install torch``) trains the same architecture eagerly with
@@ -96,13 +96,13 @@ def _mx_train(spec):
     sys.path.insert(0, spec.get('root') or ROOT)  # --old: that tree's gluon_unet
     # As bin/train --cpus N --memory M: OpenMP threads and MXNet scratch buffers per
     # context (runtime.apply_runtime_defaults) unless --env sets them.
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults(contexts=spec['cpus'], memory=spec.get('memory', 'speed'))
-    from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
+    from gluon_unet.training.benchmark import make_training_step, synthetic_batch, time_steps
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.devices import make_contexts
-    from gluon_unet.runtime import configure_runtime
-    from gluon_unet.step import init_amp
+    from gluon_unet.machine.devices import make_contexts
+    from gluon_unet.machine.runtime import configure_runtime
+    from gluon_unet.training.step import init_amp
     cfg = TrainConfig(model=ModelConfig(in_channels=spec['channels'], width=spec['width'],
                                         depth=spec['depth']),
                       size=spec['size'], batch_size=spec['batch'], cpus=spec['cpus'],
@@ -154,13 +154,13 @@ def _torch_train(spec):
 def _mx_infer(spec):
     sys.path.insert(0, ROOT)
     # As bin/predict: all the physical cores unless --env sets OMP_NUM_THREADS.
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults()
     import mxnet as mx
     from gluon_unet.config import ModelConfig
-    from gluon_unet.inference import load_exported
+    from gluon_unet.inference.batched import load_exported
     from gluon_unet.model import build_model
-    from gluon_unet.runtime import configure_runtime
+    from gluon_unet.machine.runtime import configure_runtime
     configure_runtime(1)
     base = _rss_kib('VmRSS')
     net = build_model(ModelConfig(in_channels=spec['channels'], width=spec['width'], depth=spec['depth']))
@@ -209,7 +209,7 @@ def _peak_worker(amp, conn):
     ``amp``: on AMX where gluon_unet turns it on, as for our workers): the practical peak
     the rows' GFLOP/s are compared with, measured here rather than assumed for a CPU."""
     sys.path.insert(0, ROOT)
-    from gluon_unet.runtime import apply_runtime_defaults
+    from gluon_unet.machine.runtime import apply_runtime_defaults
     apply_runtime_defaults()
     import mxnet as mx
     import numpy as np
@@ -515,7 +515,7 @@ def main(argv=None):
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '
               'rows will be distorted' % (len(os.sched_getaffinity(0)), os.cpu_count()), flush=True)
     sys.path.insert(0, ROOT)
-    from gluon_unet.hardware import cpu_description
+    from gluon_unet.machine.cpu import cpu_description
     machine = cpu_description()
     print('machine: %s, %d CPUs' % (machine, os.cpu_count()), flush=True)
     print('load average at start: %s' % ' '.join(open('/proc/loadavg').read().split()[:3]), flush=True)

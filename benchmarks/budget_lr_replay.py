@@ -2,7 +2,7 @@
 
 The budget plans the run's length again after every epoch and stretches or shrinks the
 LR schedule to end with the last epoch that fits, so when the plan moves by an epoch the
-rate jumps a little (``gluon_unet/budget.py``). This compares the rate each epoch ended
+rate jumps a little (``gluon_unet/training/budget.py``). This compares the rate each epoch ended
 with (``metrics.csv``) with the rate the schedule would have given had the final epoch
 count been known from the start, and sums the difference over the run. No training, no
 hold-out: seconds.
@@ -25,7 +25,7 @@ def ideal_rates(cfg, epochs, steps_per_epoch):
     from the start: ``make_lr_scheduler`` with the arguments the engine gives it.
 
     ``cfg`` is the run's ``TrainConfig`` (``TrainConfig.from_dict`` of its config.json)."""
-    from gluon_unet.optim import make_lr_scheduler
+    from gluon_unet.training.optim import make_lr_scheduler
     sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, epochs * steps_per_epoch,
                               warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
                               step_fractions=cfg.step_fractions())

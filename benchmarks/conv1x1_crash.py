@@ -1,4 +1,4 @@
-"""Which 1x1 convolutions kill MXNet 1.9.1 on this CPU, against gluon_unet.limits' rule.
+"""Which 1x1 convolutions kill MXNet 1.9.1 on this CPU, against gluon_unet.machine.limits' rule.
 
 Each shape runs in its own process: one inference-mode 1x1 convolution of 4 input
 channels over (1, 4, H, W) to OUT outputs. A process killed by SIGFPE ("Floating point
@@ -43,8 +43,8 @@ def main(argv=None):
     except ValueError:
         p.error('shapes are HxW or HxW:OUT, e.g. 2048x1024 or 512x512:512')
     sys.path.insert(0, ROOT)
-    from gluon_unet.hardware import cpu_description
-    from gluon_unet.limits import conv1x1_crashes
+    from gluon_unet.machine.cpu import cpu_description
+    from gluon_unet.machine.limits import conv1x1_crashes
     print('CPU: %s' % cpu_description())
     agree = 0
     for h, w, k in shapes:

@@ -124,7 +124,7 @@ def main(argv=None):
     if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
         p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
     sys.path.insert(0, ROOT)
-    from gluon_unet.hardware import cpu_description
+    from gluon_unet.machine.cpu import cpu_description
     print('CPU: %s, %d cores' % (cpu_description(), os.cpu_count() or 1))
     roots = {'this tree': ROOT}
     if args.old:

@@ -44,7 +44,7 @@ class TorchUNet(nn.Module):
         self.up = nn.ModuleList(Up(width * 2 ** (level + 1), width * 2 ** level, batch_norm)
                                 for level in reversed(range(depth)))
         self.head = nn.Conv2d(width, classes, 1)
-        for m in self.modules():  # He init, as gluon_unet.step.build_network
+        for m in self.modules():  # He init, as gluon_unet.training.step.build_network
             if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
                 nn.init.kaiming_normal_(m.weight, nonlinearity='relu')
 

@@ -10,8 +10,13 @@ Importing the package changes nothing in the process (no environment variable, n
 logging setup) and does not load mxnet.
 """
 import importlib
+import os
+import sys
 
-__version__ = '0.2.0'
+__version__ = '0.3.0'
+
+# gluon_unet 0.2's module paths (gluon_unet.engine, ...) for one more release: see _moved/.
+__path__.append(os.path.join(os.path.dirname(__file__), '_moved'))
 
 
 def version_string():
@@ -38,24 +43,31 @@ def mxnet_distribution():
     return ', '.join(found) or 'mxnet not installed'
 
 
-# The public names, imported on first use (PEP 562) rather than here: most of them load
-# mxnet, and use_all_cores() (like bin/train after reading --cpus) must run first to choose
-# the thread count and scratch buffers, which libmxnet reads once, when it loads.
+def _lazy(package, exports):
+    """``(__getattr__, __dir__)`` for a package whose public names (``exports``: name ->
+    submodule) are imported on first use (PEP 562), not when the package is: most of them
+    load mxnet, which the ONNX environment does not have and which must not load before
+    :func:`use_all_cores` (or ``bin/train`` after reading ``--cpus``) has chosen the
+    thread count and scratch buffers libmxnet reads once, when it loads."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name):
+        if name not in exports:
+            raise AttributeError('module %r has no attribute %r' % (package, name))
+        value = getattr(importlib.import_module('.' + exports[name], package), name)
+        namespace[name] = value  # later lookups skip this function
+        return value
+
+    def __dir__():
+        return sorted(set(namespace) | set(exports))
+    return __getattr__, __dir__
+
+
 _EXPORTS = {'ModelConfig': 'config', 'TrainConfig': 'config', 'SegmentationDataset': 'data',
-            'synthetic_dataset': 'data', 'fit': 'engine', 'UNet': 'model', 'build_model': 'model',
-            'DataParallelStep': 'parallel', 'use_all_cores': 'runtime'}
+            'synthetic_dataset': 'data', 'fit': 'training', 'UNet': 'model', 'build_model': 'model',
+            'DataParallelStep': 'training', 'use_all_cores': 'machine.runtime'}
 
 __all__ = ['ModelConfig', 'TrainConfig', 'SegmentationDataset', 'synthetic_dataset', 'fit', 'UNet',
            'build_model', 'DataParallelStep', 'use_all_cores', '__version__']
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError('module %r has no attribute %r' % (__name__, name))
-    value = getattr(importlib.import_module('.' + _EXPORTS[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)

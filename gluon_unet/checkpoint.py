@@ -36,7 +36,7 @@ _EPOCH_FILE = re.compile(r'epoch(\d+)(?:-step(\d+))?\.ckpt$')
 def save_checkpoint(path, net, trainer, meta, average=None):
     """Write ``net`` parameters, ``trainer`` states and ``meta`` (JSON-able) to ``path``.
 
-    With ``average`` (a :class:`~gluon_unet.averaging.WeightAverage`) the model the
+    With ``average`` (a :class:`~gluon_unet.training.ema.WeightAverage`) the model the
     checkpoint holds - what export, prediction and fine-tuning load - is the average;
     the training weights are kept beside it (``train:``) for ``--resume``.
     """

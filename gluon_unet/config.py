@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import UserError
-from .limits import safe_sides, unet_crash
-from .scale import diameter_choice_error
+from .data.sizes import diameter_choice_error
+from .machine.limits import safe_sides, unet_crash
 
 _CHOICES = {
     'upsample': ('deconv', 'bilinear'),
@@ -48,6 +48,59 @@ def option(default, help, **extra):
     return field(default=default, metadata=meta)
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field accepts, for its one-line error and for the tests that
+    generate bad values from it (``tests/test_cli_contract.py``): ``low`` to ``high``,
+    each included unless ``open`` names it (``'low'``, ``'high'``, ``'both'``). nan and
+    the infinities never pass. ``note`` ends the message, e.g. ``'(0 = off)'``."""
+    low: float
+    high: float
+    open: str = ''
+    note: str = ''
+
+    def contains(self, value):
+        low_ok = value > self.low if self.open in ('low', 'both') else value >= self.low
+        high_ok = value < self.high if self.open in ('high', 'both') else value <= self.high
+        return bool(low_ok and high_ok and math.isfinite(value))  # nan fails every comparison
+
+    def words(self, integer):
+        """``'between 1 and 7'``, ``'in [0, 1)'``: what the message says the value must be."""
+        if integer:
+            return 'an integer between %d and %d' % (self.low, self.high)
+        brackets = ('(' if self.open in ('low', 'both') else '[') + '%g, %g' + \
+            (')' if self.open in ('high', 'both') else ']')
+        return 'a number in ' + brackets % (self.low, self.high)
+
+
+def within(low, high, open='', note=''):
+    """``option(..., within=within(0, 1, 'high'))``: a :class:`Range`."""
+    return Range(low, high, open, note)
+
+
+def shown(value, limit=60):
+    """``repr(value)`` cut to ``limit`` characters, for a one-line error that echoes a value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def check_ranges(config, flag=None):
+    """Raise :class:`UserError` naming the flag of the first field of ``config`` (a config
+    dataclass) whose value is outside its ``within`` :class:`Range`.
+
+    ``flag``: field name -> flag (default ``--field-name``, or the field's ``flag``)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        rng, value = f.metadata.get('within'), getattr(config, f.name)
+        if rng is None or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if not rng.contains(value):
+            integer = int in (typing.get_args(hints[f.name]) or (hints[f.name],))
+            name = flag(f.name) if flag else '--' + f.metadata.get('flag', f.name.replace('_', '-'))
+            raise UserError('%s must be %s%s (got %s)' % (name, rng.words(integer),
+                                                          ' ' + rng.note if rng.note else '', shown(value)))
+
+
 #: The help of ``--gpus`` and ``--cpus``, the same for every command that takes them.
 GPU_IDS = "'0-7', '0,2,5', '0-3,6', 'all'"
 GPUS_HELP = 'GPU ids: %s; empty = CPU' % GPU_IDS
@@ -59,11 +112,11 @@ class ModelConfig:
     """Architecture of the U-Net; enough to rebuild it from a checkpoint."""
     in_channels: int = option(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
                             flag='channels')
-    classes: int = option(1, 'output classes; 1 = binary mask with a sigmoid')
-    width: int = option(32, 'filters of the first level; doubled at every pooling')
-    depth: int = option(4, 'number of poolings; image sides must be divisible by 2**depth')
+    classes: int = option(1, 'output classes; 1 = binary mask with a sigmoid', within=within(1, 256))
+    width: int = option(32, 'filters of the first level; doubled at every pooling', within=within(1, 1024))
+    depth: int = option(4, 'number of poolings; image sides must be divisible by 2**depth', within=within(1, 7))
     batch_norm: bool = option(True, 'BatchNorm after every convolution')
-    dropout: float = option(0.0, 'dropout rate at the bottleneck (0 = off)')
+    dropout: float = option(0.0, 'dropout rate at the bottleneck (0 = off)', within=within(0, 1, 'high'))
     upsample: str = option('deconv', 'decoder upsampling: transposed conv or bilinear resize + conv')
     target: str = option('mask', 'what the network predicts: mask (foreground); mask-gap (foreground with a '
                                '1 px background line where nuclei touch, so the map keeps them apart); or '
@@ -94,11 +147,14 @@ class TrainConfig:
     val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)')
     layout: str = option('auto', 'input layout (auto-detected by default)')
     mask_suffix: str = option('_mask', 'paired layout: name.png <-> name<suffix>.png')
-    size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)')
-    crop: int = option(0, 'random SIZE crops at native resolution instead of resizing (0 = off)')
-    val_split: float = option(0.1, 'fraction held out for validation (seeded shuffle)')
+    size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)',
+                       within=within(1, 16384))
+    crop: int = option(0, 'random SIZE crops at native resolution instead of resizing (0 = off)',
+                       within=within(0, 16384, note='(0 = off)'))
+    val_split: float = option(0.1, 'fraction held out for validation (seeded shuffle)', within=within(0, 1, 'high'))
     workers: Optional[int] = option(None, 'data loader worker processes (0 = in the main process); default: '
-                                         '2 per GPU up to the CPU cores less one, or 2 for CPU training')
+                                         '2 per GPU up to the CPU cores less one, or 2 for CPU training',
+                                    within=within(0, 1024))
     cache_dir: Optional[str] = option(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
                                           'i.e. ~/.cache/gluon_unet; never inside your data)')
     normalize: str = option('none', 'per-image input normalization, also applied by bin/predict: invert '
@@ -108,7 +164,8 @@ class TrainConfig:
                                   'auto), none')
     denoise: float = option(1.0, 'Gaussian sigma (pixels) of the denoise before the percentile stretch of '
                                '--normalize percentile, auto and stain, so a dim nucleus is not stretched into '
-                               'specks; 0 = off (as before it existed); stored in the export')
+                               'specks; 0 = off; stored in the export',
+                            within=within(0, 100, note='(pixels; 0 = off)'))
     balance: str = option('none', 'groups: draw every appearance group equally often per epoch (same epoch '
                                 'length; rare groups repeat); sqrt: in proportion to the square root of its '
                                 'size (rare groups more often, common ones not starved); oversample: every '
@@ -124,45 +181,47 @@ class TrainConfig:
     stain_jitter: float = option(0.0, 'HED stain jitter of colour training images (Tellez et al. 2018): their '
                                     'hematoxylin, eosin and DAB densities scaled by 1 +- SIGMA and shifted by '
                                     '+- SIGMA at random, before --normalize; grey images are left alone. 0.05 '
-                                    'light, 0.2 strong; 0 = off')
-    synthetic_count: int = option(192, 'number of generated demo images when --data is absent')
+                                    'light, 0.2 strong; 0 = off', within=within(0, 1, 'high', '(e.g. 0.05; 0 = off)'))
+    synthetic_count: int = option(192, 'number of generated demo images when --data is absent',
+                                  within=within(1, 1000000))
 
     # devices and data-parallel step
     gpus: str = option('', GPUS_HELP + " (with --kvstore horovod: the host's GPUs, dealt to its processes by local "
                                        "rank; 'all' = GPU <local rank>)")
-    cpus: int = option(1, CPUS_HELP)
+    cpus: int = option(1, CPUS_HELP, within=within(1, 1024))
     kvstore: str = option('device', 'gradient aggregation across devices / machines')
     update_on_kvstore: Optional[bool] = option(None, 'run the optimizer on the kvstore '
                                                   '(default: MXNet decides; off with --clip-grad/--amp)')
 
     # optimization
-    epochs: int = option(50, 'maximum number of epochs')
+    epochs: int = option(50, 'maximum number of epochs', within=within(1, 100000))
     time_budget: float = option(0.0, 'minutes the whole run may take (0 = no limit): the data loading counts, and '
                                    'the post-processing search after the epochs is kept aside (estimated after '
                                    'the first epoch from a probe of its validation images); after each epoch, '
                                    'the run is cut to the epochs that fit and the LR schedule ends with the last '
-                                   'of them')
+                                   'of them', within=within(0, 525600, note='(minutes; 0 = no limit)'))
     batch_size: int = option(16, 'batch size per process, split across its devices (with a dist '
-                                'kvstore or horovod: per worker process; the global batch is workers x this)')
+                                'kvstore or horovod: per worker process; the global batch is workers x this)',
+                             within=within(1, 65536))
     optimizer: str = option('adam', 'optimizer')
-    lr: float = option(1e-3, 'peak learning rate')
-    momentum: float = option(0.9, 'SGD momentum')
+    lr: float = option(1e-3, 'peak learning rate', within=within(0, 100, 'low'))
+    momentum: float = option(0.9, 'SGD momentum', within=within(0, 1, 'high'))
     nesterov: bool = option(True, 'Nesterov momentum for SGD')
     weight_decay: float = option(0.0, 'weight decay of the convolution kernels (decoupled for adamw; '
-                                 'biases and BatchNorm gamma/beta are not decayed)')
-    clip_grad: float = option(0.0, 'clip the global gradient norm (0 = off)')
+                                 'biases and BatchNorm gamma/beta are not decayed)', within=within(0, 10))
+    clip_grad: float = option(0.0, 'clip the global gradient norm (0 = off)', within=within(0, 1e6, note='(0 = off)'))
     ema: float = option(0.0, 'keep an exponential moving average of the weights with this decay per step '
                            '(e.g. 0.99: about the last 100 steps; warmed up as (1+t)/(10+t)); validation, '
                            'the best checkpoint and the export use the average, training the raw weights; '
-                           '0 = off')
+                           '0 = off', within=within(0, 1, 'high', '(a decay per step, e.g. 0.99; 0 = off)'))
     lr_schedule: str = option('constant', 'learning-rate schedule, stepped every iteration')
-    warmup_epochs: float = option(0.0, 'linear warmup length in epochs')
+    warmup_epochs: float = option(0.0, 'linear warmup length in epochs', within=within(0, 100000))
     lr_steps: str = option('0.6,0.85', "'step' schedule: fractions of training where LR drops 10x")
     loss: str = option('bce', 'loss: bce, dice, bce_dice, lovasz (the Lovasz hinge, a convex surrogate of the IoU), '
                             'bce_lovasz (bce + lovasz), wbce (BCE weighted by the U-Net paper\'s map, heavy in '
                             'the gaps between nuclei), wbce_dice (wbce + Dice), ce (classes > 1)')
     dice_weight: float = option(1.0, 'weight of the Dice term in bce_dice and wbce_dice, of the Lovasz term in '
-                                   'bce_lovasz')
+                                   'bce_lovasz', within=within(0, 1e6))
     weight_on: str = option('all', 'wbce and wbce_dice: the outputs the pixel weights apply to: all, or second (the '
                                  'second map of a two-map --target only: the foreground keeps the plain BCE, so '
                                  'its outlines are drawn as bce_dice draws them)')
@@ -184,14 +243,16 @@ class TrainConfig:
                                        'A folder holding another run is refused')
     overwrite: bool = option(False, 'start over in an --output that holds a run: deletes its config, logs, '
                                   'metrics, checkpoints and export (other files stay)')
-    seed: int = option(0, 'random seed (data split, initialization, augmentation)')
+    seed: int = option(0, 'random seed (data split, initialization, augmentation)', within=within(0, 2 ** 32 - 1))
     monitor: str = option('val_iou', 'metric that picks the best checkpoint and drives early stopping')
-    patience: int = option(20, 'early stopping: epochs without improvement (0 = off)')
-    min_delta: float = option(0.0, 'early stopping: smallest change that counts as improvement')
-    keep_last: int = option(2, 'how many recent checkpoints to keep besides the best')
+    patience: int = option(20, 'early stopping: epochs without improvement (0 = off)',
+                           within=within(0, 100000, note='(0 = off)'))
+    min_delta: float = option(0.0, 'early stopping: smallest change that counts as improvement',
+                              within=within(0, 1e6))
+    keep_last: int = option(2, 'how many recent checkpoints to keep besides the best', within=within(0, 100000))
     resume: Optional[str] = option(None, "checkpoint or run folder to resume from, or 'auto' (latest in "
                                        "--output; without --output, the newest runs/unet-N)")
-    threshold: float = option(0.5, 'probability threshold for masks')
+    threshold: float = option(0.5, 'probability threshold for masks', within=within(0, 1, 'both'))
     tune_postprocess: bool = option(True, 'after training, choose the threshold, watershed h and minimum object '
                                         'size on the validation split; stored in the export for bin/predict')
     tune_mode: str = option('auto', 'the bin/predict --mode the search predicts the validation images with '
@@ -247,33 +308,55 @@ class TrainConfig:
 
     # -- validation ---------------------------------------------------------------------
     def validate(self):
-        """Raise :class:`UserError` naming the flag of the first invalid value."""
+        """Raise :class:`UserError` naming the flag of the first invalid value: its type,
+        its range (each field's ``within``), then the rules that tie fields together."""
         check_types(dataclasses.asdict(self.model), ModelConfig)
         check_types({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'model'},
                     TrainConfig)
-        m = self.model
-        if m.in_channels not in (0, 1, 3):
-            raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %r)' % m.in_channels)
-        _positive('--classes', m.classes)
-        _positive('--width', m.width)
-        if not 1 <= m.depth <= 7:
-            raise UserError('--depth must be between 1 and 7 (got %r)' % m.depth)
-        if not 0.0 <= m.dropout < 1.0:
-            raise UserError('--dropout must be in [0, 1) (got %r)' % m.dropout)
-        for name in ('epochs', 'batch_size', 'size', 'cpus', 'synthetic_count'):
-            _positive(flag_name(name), getattr(self, name))
-        for name in ('workers', 'crop', 'patience', 'keep_last'):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise UserError('%s must be >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
-        # Written so that nan fails too (every comparison with nan is False); argparse's
-        # float() accepts 'nan' and 'inf', and a nan decay or rate only shows as a nan loss.
-        for name in ('lr', 'threshold'):
-            if not 0 < getattr(self, name) < math.inf:
-                raise UserError('%s must be a finite number > 0 (got %r)' % (flag_name(name), getattr(self, name)))
-        for name in ('time_budget', 'weight_decay', 'clip_grad', 'warmup_epochs', 'min_delta', 'momentum',
-                     'dice_weight', 'denoise'):
-            if not 0 <= getattr(self, name) < math.inf:
-                raise UserError('%s must be a finite number >= 0 (got %r)' % (flag_name(name), getattr(self, name)))
+        if self.model.in_channels not in (0, 1, 3):
+            raise UserError('--channels must be 1 or 3 (or 0 = from the data) (got %s)'
+                            % shown(self.model.in_channels))
+        check_ranges(self.model, flag_name)
+        check_ranges(self)
+        for key, allowed in _CHOICES.items():
+            value = getattr(self.model, key) if hasattr(self.model, key) else getattr(self, key)
+            if value not in allowed:
+                raise UserError('%s must be one of %s (got %s)'
+                                % (flag_name(key), ', '.join(allowed), shown(value)))
+        self._check_text_values()
+        self._check_devices()
+        self._check_shape()
+        self._check_loss_and_target()
+        return self
+
+    def _check_text_values(self):
+        """The fields that hold a number or a list as text: --scale-aug, --lr-steps, --predict-diameter."""
+        try:
+            lo, hi = self.scale_range()
+        except ValueError:
+            lo = hi = math.nan
+        if not 0 < lo <= hi < math.inf:  # nan fails too
+            raise UserError('--scale-aug must be MIN,MAX zoom factors with 0 < MIN <= MAX, e.g. 0.5,2.0 (got %s)'
+                            % shown(self.scale_aug))
+        if self.lr_schedule == 'step':
+            try:
+                steps = self.step_fractions()
+            except ValueError:
+                steps = None
+            if not steps or not all(0 < s < 1 for s in steps):
+                raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %s)"
+                                % shown(self.lr_steps))
+        if self.predict_diameter is not None:
+            problem = diameter_choice_error(self.predict_diameter)
+            if problem:
+                raise UserError('--predict-diameter %s' % problem)
+            if self.predict_diameter != 'none' and not self.crop:
+                raise UserError('--predict-diameter %s needs training at native resolution (--crop): images resized '
+                                'to --size have no one nucleus size to rescale to (--predict-diameter none turns it '
+                                'off)' % self.predict_diameter)
+
+    def _check_devices(self):
+        """What the kvstore, the time budget, SyncBatchNorm, AMP and --memory allow together."""
         if self.time_budget and self.lr_schedule != 'constant' and self.kvstore.startswith('dist') \
                 and (self.kvstore == 'dist_async' or self.update_on_kvstore):
             # The servers run the optimizer on a copy of the schedule sent at the start.
@@ -287,39 +370,24 @@ class TrainConfig:
             raise UserError('--sync-bn with --kvstore horovod: MXNet synchronizes BatchNorm only between the '
                             'devices of one process and Horovod runs one process per GPU; drop --sync-bn '
                             '(each process normalizes over its own --batch-size)')
-        try:
-            lo, hi = self.scale_range()
-        except ValueError:
-            lo = hi = math.nan
-        if not 0 < lo <= hi < math.inf:  # nan fails too
-            raise UserError('--scale-aug must be MIN,MAX zoom factors with 0 < MIN <= MAX, e.g. 0.5,2.0 (got %r)'
-                            % self.scale_aug)
-        if not 0.0 <= self.stain_jitter < 1.0:
-            raise UserError('--stain-jitter must be in [0, 1) (e.g. 0.05; 0 = off) (got %r)' % self.stain_jitter)
-        if not 0.0 <= self.ema < 1.0:
-            raise UserError('--ema must be in [0, 1) (a decay per step, e.g. 0.99; 0 = off) (got %r)' % self.ema)
-        if not 0.0 <= self.val_split < 1.0:
-            raise UserError('--val-split must be in [0, 1) (got %r)' % self.val_split)
-        if self.threshold >= 1:
-            raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
-        if self.predict_diameter is not None:
-            problem = diameter_choice_error(self.predict_diameter)
-            if problem:
-                raise UserError('--predict-diameter %s' % problem)
-            if self.predict_diameter != 'none' and not self.crop:
-                raise UserError('--predict-diameter %s needs training at native resolution (--crop): images resized '
-                                'to --size have no one nucleus size to rescale to (--predict-diameter none turns it '
-                                'off)' % self.predict_diameter)
-        side = self.crop or self.size
+        if self.memory != 'speed' and (self.amp or self.sync_bn):
+            # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
+            # the memory settings train through a bound symbol (parallel.MirroredStep).
+            raise UserError('--memory %s does not combine with %s; use --memory speed'
+                            % (self.memory, '--amp' if self.amp else '--sync-bn'))
+
+    def _check_shape(self):
+        """The training side must halve ``depth`` times, and run on this MXNet."""
+        m, side = self.model, self.crop or self.size
         if side % (2 ** m.depth):
             raise UserError('--%s %d is not divisible by 2**depth = %d (depth %d); use a multiple of %d'
                             % ('crop' if self.crop else 'size', side, 2 ** m.depth, m.depth, 2 ** m.depth))
         if not self.gpus:
             self._check_cpu_shape(side)
-        for key, allowed in _CHOICES.items():
-            value = getattr(m, key) if hasattr(m, key) else getattr(self, key)
-            if value not in allowed:
-                raise UserError('%s must be one of %s (got %r)' % (flag_name(key), ', '.join(allowed), value))
+
+    def _check_loss_and_target(self):
+        """Which losses train which targets and classes."""
+        m = self.model
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
                             '(bce, dice, bce_dice, lovasz, bce_lovasz, wbce, wbce_dice), not --loss ce' % m.target)
@@ -333,24 +401,9 @@ class TrainConfig:
             raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '
                             '(mask+border, mask+centre, mask+contact) (got --loss %s, --target %s)'
                             % (self.loss, m.target))
-        if self.memory != 'speed' and (self.amp or self.sync_bn):
-            # Both work through autograd (loss scaling, the threaded SyncBatchNorm step);
-            # the memory settings train through a bound symbol (parallel.MirroredStep).
-            raise UserError('--memory %s does not combine with %s; use --memory speed'
-                            % (self.memory, '--amp' if self.amp else '--sync-bn'))
         if (m.classes > 1) != (self.loss == 'ce'):
             raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "
                             "(got --loss %s, --classes %d)" % (self.loss, m.classes))
-        if self.lr_schedule == 'step':
-            try:
-                steps = self.step_fractions()
-            except ValueError:
-                steps = None
-            if not steps or not all(0 < s < 1 for s in steps):
-                raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %r)"
-                                % self.lr_steps)
-        return self
-
 
     def _check_cpu_shape(self, side):
         """Refuse a side whose network MXNet 1.9.1's CPU build dies on (:mod:`.limits`):
@@ -406,8 +459,3 @@ def flag_name(field_name):
         if f.name == field_name and 'flag' in f.metadata:
             return '--' + f.metadata['flag']
     return '--' + field_name.replace('_', '-')
-
-
-def _positive(flag, value):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError('%s must be a positive integer (got %r)' % (flag, value))

@@ -1,91 +1,86 @@
-"""The U-Net (Ronneberger et al. 2015) as a pure Gluon HybridBlock: config in, block out."""
+"""The U-Net (Ronneberger et al. 2015) as a pure Gluon HybridBlock: config in, block out.
+
+The architecture only. Its pieces - the BatchNorm and ReLU after each convolution, the
+upsampling, the join of a skip - come from a :class:`Layers` object, the plain Gluon
+layers by default (what GPUs and every export use). Training passes the variant the
+devices need: SyncBatchNorm, AMP's casts, or on CPUs the oneDNN rewrites of
+:mod:`gluon_unet.machine.onednn`, which keep the same function and parameter names so
+that checkpoints move between them.
+"""
 import contextlib
 
 import mxnet as mx
-from mxnet.contrib.amp.amp import bfloat16 as amp_bfloat16
 from mxnet.gluon import nn
 from mxnet.gluon.contrib.nn import SyncBatchNorm
 
 from .errors import UserError
 
-#: MXNet's bfloat16 dtype for ``amp_cast`` (numpy has none; AMP's own casts use this).
-BFLOAT16 = amp_bfloat16
 
+class Layers:
+    """The U-Net's replaceable pieces, as plain Gluon layers.
 
-class _Float32ReLU(nn.HybridBlock):
-    """ReLU in float32 for a bfloat16 network on AMX: the same function, but its output and
-    its gradient leave in the plain NCHW layout.
-
-    Why: MXNet 1.9.1's oneDNN BatchNorm backward falls back to oneDNN's reference kernel
-    (about 200x slower: 250 ms for 16x16x128x128 on a 2-core Xeon, half the step) when its
-    input and its gradient arrive in two different blocked layouts; it reorders one of them
-    only when the other is plain (``src/operator/nn/mkldnn/mkldnn_batch_norm-inl.h``).
-    With AMX that happens where channels are not a multiple of 32 (e.g. 16): the AMX
-    forward convolution writes ``acdb`` while the backward one, which oneDNN 2.4 has no
-    AMX kernel for there, writes ``aBcd16b`` (:func:`amx_float32_relus` says where).
-    ``amp_cast`` is a oneDNN reorder to the plain layout (``src/operator/tensor/amp_cast.cc``),
-    forward and backward, so the gradient reaching BatchNorm is plain and is reordered:
-    the fast kernel runs. The cost, a few reorders of those maps, is small beside it
-    (docs/performance.md).
+    Parameters
+    ----------
+    sync_bn_devices : int
+        When > 0, BatchNorm is ``SyncBatchNorm`` synchronized over this many devices.
+    amp : bool
+        The network trains under AMP (``amp.init`` done): a skip and the upsampled map
+        are cast to one dtype before they are joined (MXNet's AMP lists do not make
+        Concat cast to the widest type).
     """
 
-    def hybrid_forward(self, F, x):
-        return F.Activation(F.amp_cast(x, dtype='float32'), act_type='relu')
+    def __init__(self, sync_bn_devices=0, amp=False):
+        self.sync_bn_devices, self.amp = sync_bn_devices, amp
+
+    def norm(self):
+        """A BatchNorm (synchronized across devices with ``sync_bn_devices``)."""
+        return SyncBatchNorm(num_devices=self.sync_bn_devices) if self.sync_bn_devices else nn.BatchNorm()
+
+    def norm_relu(self, channels, in_channels, second, batch_norm):
+        """``(norm or None, relu)`` after a :class:`DoubleConv`'s first or ``second`` 3x3
+        convolution of ``channels``, the block being fed ``in_channels``."""
+        return (self.norm() if batch_norm else None), nn.Activation('relu')
+
+    def upsample(self, channels, mode):
+        """The decoder's upsampling to ``channels`` from ``2 * channels``: a 2x2 transposed
+        convolution (``'deconv'``), or the 3x3 convolution after a bilinear resize."""
+        if mode == 'deconv':
+            return nn.Conv2DTranspose(channels, kernel_size=2, strides=2, in_channels=2 * channels)
+        # Resize + conv avoids the checkerboard artefacts of transposed convs.
+        return nn.Conv2D(channels, 3, padding=1)
+
+    def join(self, channels, mode, batch_norm):
+        """The block that concatenates the upsampled map and the skip of ``channels``."""
+        return Join(self.amp)
 
 
-def amx_float32_relus(in_channels, channels):
-    """Which of a :class:`_DoubleConv`'s two ReLUs compute in float32 on AMX: ``(first,
-    second)``, for a block of ``channels`` fed ``in_channels``.
+class Join(nn.HybridBlock):
+    """``concat(upsampled, skip)`` on the channel axis; under AMP both are cast to one
+    dtype first (MXNet keeps Deconvolution in float32 while the skip is in the AMP dtype)."""
 
-    Where oneDNN 2.4 (MXNet 1.9.1) runs a layer's forward convolution on AMX and the
-    backward one that produces its BatchNorm's gradient without (or the other way round),
-    the two blocked layouts differ and :class:`_Float32ReLU` is needed. oneDNN 2.4's AMX
-    kernels work on channels in blocks of 32: the first ReLU needs it when the block's channels are not a multiple
-    of 32, or its input's are not and exceed 16 (3x3 convolutions from up to 16 channels
-    run forward on AMX); the second when its channels are not a multiple of 32 and exceed
-    16 (its gradient comes through pooling and the decoder's concatenation). Measured on
-    a Xeon with AMX with DNNL_VERBOSE: widths 4-96 and depths 2-4 run no ``bnorm_ref``
-    with this rule; with float32 ReLUs only below 32 channels, widths 12, 20, 24, 28, 40
-    and 48 did (tests/test_amx.py).
-    """
-    first = channels % 32 != 0 or (in_channels % 32 != 0 and in_channels > 16)
-    return first, channels % 32 != 0 and channels > 16
+    def __init__(self, multicast=False, **kwargs):
+        super().__init__(**kwargs)
+        self.multicast = multicast
+
+    def hybrid_forward(self, F, x, skip):
+        if self.multicast:
+            x, skip = F.amp_multicast(x, skip, num_outputs=2)
+        return F.concat(x, skip, dim=1)
 
 
-#: Gluon's BatchNorm class as imported (benchmarks/bench_norm.py patches the name).
-_GLUON_BATCHNORM = nn.BatchNorm
+class DoubleConv(nn.HybridBlock):
+    """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match."""
 
-
-class _ReLUInTheNorm(nn.HybridBlock):
-    """Where the ReLU was: it is computed by the ``nn.BatchNormReLU`` before it. Holds the
-    slot so that the structural parameter names stay those of the unfused network."""
-
-    def hybrid_forward(self, F, x):
-        return x
-
-
-class _DoubleConv(nn.HybridBlock):
-    """(3x3 conv -> [BatchNorm] -> ReLU) x 2, 'same' padding so skip shapes match.
-
-    ``amx``: a bfloat16 network on AMX, where :func:`amx_float32_relus` chooses ReLUs in
-    float32 (``in_channels`` is only read for that). ``fuse``: BatchNorm and ReLU as one
-    oneDNN operator (see :class:`UNet`).
-    """
-
-    def __init__(self, channels, batch_norm, norm_layer, norm_kwargs, amx=False, in_channels=0, fuse=False,
-                 **kwargs):
+    def __init__(self, channels, in_channels, batch_norm, layers, **kwargs):
         super().__init__(**kwargs)
         self.body = nn.HybridSequential()
-        plain = amx_float32_relus(in_channels, channels) if amx and batch_norm else (False, False)
-        for i in range(2):
+        for second in (False, True):
             # A bias in front of BatchNorm is cancelled by its mean subtraction.
             self.body.add(nn.Conv2D(channels, 3, padding=1, use_bias=not batch_norm))
-            norm = norm_layer(**norm_kwargs) if batch_norm else None
-            # Only Gluon's own BatchNorm (not SyncBatchNorm, nor a norm a benchmark swapped in).
-            fused = fuse and type(norm) is _GLUON_BATCHNORM and not plain[i]
-            if batch_norm:
-                self.body.add(nn.BatchNormReLU(**norm_kwargs) if fused else norm)
-            self.body.add(_Float32ReLU() if plain[i] else _ReLUInTheNorm() if fused else nn.Activation('relu'))
+            norm, relu = layers.norm_relu(channels, in_channels, second, batch_norm)
+            if norm is not None:
+                self.body.add(norm)
+            self.body.add(relu)
 
     # What the symbolic training graph recomputes in backward (see :func:`recompute`);
     # None: nothing. Read only while a symbol is built: CachedOp ignores the attribute.
@@ -107,91 +102,15 @@ class _DoubleConv(nn.HybridBlock):
         return x
 
 
-class _TransposedConv2x2(nn.HybridBlock):
-    """``Conv2DTranspose(channels, kernel_size=2, strides=2)`` computed as a 1x1
-    convolution to ``4 * channels`` whose channels are then moved into 2x2 pixel
-    blocks (``depth_to_space``).
+class Up(nn.HybridBlock):
+    """Double the resolution and halve the channels, join the skip, then a :class:`DoubleConv`."""
 
-    With stride equal to kernel size every input pixel writes its own 2x2 output block,
-    so the two are the same function with the same parameters (names, shapes and
-    initialisation match ``Conv2DTranspose``, so checkpoints are interchangeable). Why:
-    under bfloat16 AMP, the backward pass of a hybridized graph with Deconvolution
-    crashes MXNet 1.9 (segfault, or "could not execute a primitive"), while a 1x1
-    Convolution trains in bfloat16. Used only under bfloat16 AMP: in float32,
-    Deconvolution is the faster kernel, and cuDNN's works under float16 AMP.
-    """
-
-    def __init__(self, channels, kernel_size=2, strides=2, in_channels=0, **kwargs):
-        super().__init__(**kwargs)
-        assert kernel_size == strides == 2 and in_channels > 0
-        self.channels, self.in_channels = channels, in_channels
-        self.weight = self.params.get('weight', shape=(in_channels, channels, 2, 2))
-        self.bias = self.params.get('bias', shape=(channels,), init='zeros')
-
-    def hybrid_forward(self, F, x, weight, bias):
-        # (in, out, kh, kw) -> (kh, kw, out, in): output pixel (2i + kh, 2j + kw) of
-        # channel o comes from channel (kh * 2 + kw) * out + o of the 1x1 convolution.
-        w = F.reshape(F.transpose(weight, axes=(2, 3, 1, 0)),
-                      shape=(4 * self.channels, self.in_channels, 1, 1))
-        y = F.Convolution(x, w, F.tile(bias, reps=(4,)), kernel=(1, 1),
-                          num_filter=4 * self.channels)
-        # depth_to_space as reshapes and two 4-D transposes: MXNet runs a transpose of at
-        # most 4 dimensions as a oneDNN reorder (float32 and bfloat16), anything larger
-        # (one 6-D transpose did this before) with its plain C++ kernel: 34 ms against
-        # 10 ms of a ~300 ms bfloat16 step at width 16 on an AMX Xeon.
-        # y: (N, kh*kw*C, H, W) -> per (n, kh): (kw, C*H, W) -> (C*H, W, kw) = (C*H, 2W)
-        y = F.reshape(y, shape=(0, -4, 2, -1, -2))           # (N, kh, kw*C, H, W)
-        y = F.reshape(y, shape=(-3, -4, 2, -1, -2))          # (N*kh, kw, C, H, W)
-        y = F.reshape(y, shape=(0, 0, -3, 0))                # (N*kh, kw, C*H, W)
-        y = F.reshape(F.transpose(y, axes=(0, 2, 3, 1)), shape=(0, 0, -3))  # (N*kh, C*H, 2W)
-        # -> (N, C*H, kh, 2W), i.e. (N, C, H, kh, 2W): row 2i + kh, column 2j + kw
-        y = F.transpose(F.reshape(y, shape=(-4, -1, 2, -2)), axes=(0, 2, 1, 3))
-        return F.reshape(F.reshape(y, shape=(0, -4, self.channels, -1, -2)), shape=(0, 0, -3, 0))
-
-
-class _Up(nn.HybridBlock):
-    """Double the resolution and halve the channels, then concatenate the skip."""
-
-    def __init__(self, channels, mode, batch_norm, norm_layer, norm_kwargs, amp_dtype=None, amx=False,
-                 onednn_training=False, **kwargs):
+    def __init__(self, channels, mode, batch_norm, layers, **kwargs):
         super().__init__(**kwargs)
         self.mode = mode
-        if mode == 'deconv':
-            # oneDNN's Deconvolution is the faster float32 kernel (width 16 at 128 px:
-            # 8 % faster steps), but cannot train hybridized in bfloat16. cuDNN's trains
-            # under float16 AMP.
-            up = _TransposedConv2x2 if amp_dtype == 'bfloat16' else nn.Conv2DTranspose
-            self.up = up(channels, kernel_size=2, strides=2, in_channels=2 * channels)
-        else:
-            # Resize + conv avoids the checkerboard artefacts of transposed convs.
-            self.up = nn.Conv2D(channels, 3, padding=1)
-        self.conv = _DoubleConv(channels, batch_norm, norm_layer, norm_kwargs, amx, in_channels=2 * channels,
-                                fuse=onednn_training)
-        # Under bfloat16 AMP, MXNet keeps Deconvolution in float32 while the skip path
-        # is bfloat16, and its bf16 lists do not make Concat cast to the widest type;
-        # an explicit multicast does (only under AMP, so float32 graphs stay unchanged).
-        self.multicast = amp_dtype is not None
-        # MXNet's bfloat16 lists run reshape and transpose in float32, so the output of
-        # _TransposedConv2x2's depth_to_space is float32, and the multicast then cast the
-        # skip up too: the concatenation (twice the channels, full resolution) was float32
-        # and cast back for the next convolution, at each level. Cast the upsampled map
-        # back instead, where the skip is bfloat16 (not a _Float32ReLU's). Exact: the
-        # values are the convolution's bfloat16 output, only moved. 11 % less memory at
-        # width 64 on AMX, 16-19 % without (docs/performance.md). Keeping the transposes in
-        # bfloat16 is no option: MXNet 1.9.1's oneDNN bfloat16 transpose crashes ("double
-        # free or corruption").
-        skip_float32 = amx and batch_norm and amx_float32_relus(0, channels)[1]  # the encoder's block
-        self.to_bfloat16 = amp_dtype == 'bfloat16' and mode == 'deconv' and not skip_float32
-        # The skip feeds both the encoder's pooling and this concatenation, so backward sums
-        # its two gradients (add_n). Concat's backward writes the plain layout and pooling's
-        # a oneDNN blocked one, and MXNet 1.9.1 runs add_n on oneDNN only when all its
-        # inputs are blocked: otherwise it reorders them to plain and adds element by element
-        # in bfloat16 (13x slower than oneDNN's sum for 16x16x128x128 on a 2-core Xeon; 22 ms
-        # of a 222 ms step at width 16). A 1x1 average pooling here is an exact identity
-        # whose gradient leaves in the blocked layout, so add_n runs on oneDNN: +5-9 % per
-        # step, and less memory (docs/performance.md). Training only: nothing to sum in an
-        # export; bfloat16 only: in float32 it was within the noise.
-        self.skip_blocked = onednn_training and amp_dtype == 'bfloat16' and not skip_float32
+        self.up = layers.upsample(channels, mode)
+        self.conv = DoubleConv(channels, 2 * channels, batch_norm, layers)
+        self.join = layers.join(channels, mode, batch_norm)
 
     # 'blocks' (see :func:`recompute`): the upsampling and the concatenation are
     # recomputed too, so the concatenated input (2x the block's channels at full
@@ -199,18 +118,11 @@ class _Up(nn.HybridBlock):
     recompute = None
 
     def hybrid_forward(self, F, x, skip):
-        if self.skip_blocked:
-            skip = F.Pooling(skip, kernel=(1, 1), stride=(1, 1), pool_type='avg')
         mirrored = F is mx.sym and self.recompute == 'blocks'
         with mx.AttrScope(force_mirroring='True') if mirrored else contextlib.nullcontext():
             if self.mode == 'bilinear':
                 x = F.contrib.BilinearResize2D(x, scale_height=2., scale_width=2.)
-            x = self.up(x)
-            if self.to_bfloat16:
-                x = F.amp_cast(x, dtype=BFLOAT16)
-            if self.multicast:
-                x, skip = F.amp_multicast(x, skip, num_outputs=2)
-            x = F.concat(x, skip, dim=1)
+            x = self.join(self.up(x), skip)
         return self.conv(x)
 
 
@@ -234,53 +146,29 @@ class UNet(nn.HybridBlock):
         Dropout rate at the bottleneck (0 disables it).
     upsample : {'deconv', 'bilinear'}
         Decoder upsampling.
-    sync_bn_devices : int
-        When > 0, BatchNorm is ``SyncBatchNorm`` synchronized over this many devices.
-    amp_dtype : {None, 'float16', 'bfloat16'}
-        The AMP dtype the network will train in (``amp.init(target_dtype=...)``, which
-        must come first), None for float32. Under 'bfloat16' the 2x2 transposed
-        convolutions are computed as 1x1 convolutions (:class:`_TransposedConv2x2`, the
-        same parameters): MXNet 1.9 cannot train a hybridized bfloat16 Deconvolution.
-    amx : bool
-        The bfloat16 network will run on AMX (``runtime.amx_state()``): the layers
-        :func:`amx_float32_relus` names compute their ReLU in float32 (:class:`_Float32ReLU`),
-        which keeps oneDNN 2.4's BatchNorm backward on its fast kernel. The same
-        function and parameters, so checkpoints are interchangeable.
-    onednn_training : bool
-        The network trains on CPU contexts (oneDNN). BatchNorm and the ReLU after it
-        become one operator (``nn.BatchNormReLU``, oneDNN's fused kernel; not with
-        SyncBatchNorm): 5-14 % faster training steps. Under bfloat16, each skip reaches
-        its concatenation through an identity that keeps its gradient in oneDNN's layout
-        (see :class:`_Up`): 5-9 % more. CPU training only: MXNet 1.9 has no GPU kernel for
-        the fused operator, ONNX no such operator, and inference sums no gradients, so
-        exports are built without both. The same function and parameter names.
+    layers : Layers, optional
+        How the pieces are built (default: plain :class:`Layers`). Every variant gives
+        the same function with the same parameters.
 
     Input ``(N, in_channels, H, W)``; output logits ``(N, classes, H, W)``.
     """
 
     def __init__(self, in_channels=1, classes=1, width=32, depth=4, batch_norm=True,
-                 dropout=0.0, upsample='deconv', sync_bn_devices=0, amp_dtype=None, amx=False,
-                 onednn_training=False, **kwargs):
+                 dropout=0.0, upsample='deconv', layers=None, **kwargs):
         super().__init__(**kwargs)
         self.in_channels, self.depth = in_channels, depth
-        if sync_bn_devices:
-            norm_layer, norm_kwargs = SyncBatchNorm, {'num_devices': sync_bn_devices}
-        else:
-            norm_layer, norm_kwargs = nn.BatchNorm, {}
+        layers = layers or Layers()
         with self.name_scope():
             self.down = nn.HybridSequential()
             for level in range(depth):
-                self.down.add(_DoubleConv(width * 2 ** level, batch_norm, norm_layer, norm_kwargs, amx,
-                                          in_channels=width * 2 ** (level - 1) if level else in_channels,
-                                          fuse=onednn_training))
+                self.down.add(DoubleConv(width * 2 ** level, width * 2 ** (level - 1) if level else in_channels,
+                                         batch_norm, layers))
             self.pool = nn.MaxPool2D(2, 2)
-            self.bottom = _DoubleConv(width * 2 ** depth, batch_norm, norm_layer, norm_kwargs, amx,
-                                      in_channels=width * 2 ** (depth - 1), fuse=onednn_training)
+            self.bottom = DoubleConv(width * 2 ** depth, width * 2 ** (depth - 1), batch_norm, layers)
             self.drop = nn.Dropout(dropout) if dropout > 0 else None
             self.up = nn.HybridSequential()
             for level in reversed(range(depth)):
-                self.up.add(_Up(width * 2 ** level, upsample, batch_norm, norm_layer, norm_kwargs, amp_dtype, amx,
-                                onednn_training=onednn_training))
+                self.up.add(Up(width * 2 ** level, upsample, batch_norm, layers))
             self.head = nn.Conv2D(classes, 1)
 
     def forward(self, x, *args):
@@ -335,18 +223,16 @@ def probability_maps(logits, second=None):
     return foreground_probability(logits).expand_dims(axis=1)
 
 
-def build_model(model_cfg, sync_bn_devices=0, amp_dtype=None, amx=False, onednn_training=False):
+def build_model(model_cfg, layers=None):
     """Build a :class:`UNet` from a :class:`~gluon_unet.config.ModelConfig`.
 
-    ``amp_dtype`` is the dtype of the AMP already initialized (``step.init_amp``'s
-    result), None for float32; ``amx``: it will run on AMX; ``onednn_training``: it will
-    train on CPU contexts (both: see :class:`UNet`).
+    ``layers``: how its pieces are built (:class:`Layers`, the default; training passes
+    SyncBatchNorm, AMP and the CPU backend's variant through it).
     """
     return UNet(in_channels=model_cfg.in_channels, classes=model_cfg.outputs,
                 width=model_cfg.width, depth=model_cfg.depth,
                 batch_norm=model_cfg.batch_norm, dropout=model_cfg.dropout,
-                upsample=model_cfg.upsample, sync_bn_devices=sync_bn_devices, amp_dtype=amp_dtype,
-                amx=amx and amp_dtype == 'bfloat16', onednn_training=onednn_training)
+                upsample=model_cfg.upsample, layers=layers)
 
 
 RECOMPUTE = ('activations', 'blocks')
@@ -362,7 +248,7 @@ def recompute(net, what):
     during backward, so its output need not live from forward to backward. Gluon's
     CachedOp builds its gradient graph without any mirror function
     (``src/imperative/cached_op.h``, ``MXGradient(..., nullptr, ...)``), which is why
-    :class:`gluon_unet.parallel.MirroredStep` trains through a bound symbol.
+    :class:`gluon_unet.training.parallel.MirroredStep` trains through a bound symbol.
 
     A recomputed BatchNorm updates its running statistics once per step, as without
     recomputing (checked by ``tests/test_memory.py``).
@@ -372,7 +258,7 @@ def recompute(net, what):
     blocks = []
 
     def visit(block):
-        if isinstance(block, (_DoubleConv, _Up, UNet)):
+        if isinstance(block, (DoubleConv, Up, UNet)):
             blocks.append(block)
         for child in block._children.values():
             visit(child)

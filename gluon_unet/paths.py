@@ -151,6 +151,19 @@ def run_files(folder):
     return found
 
 
+def holds_run(folder):
+    """What of a run ``folder`` holds: the run files and the run subfolders holding files
+    gluon_unet recognises (:func:`run_files`); empty when it holds no run."""
+    if not os.path.isdir(folder):
+        return []
+    found = []
+    for path in run_files(folder):
+        top = path.split(os.sep, 1)[0]
+        if top not in found:
+            found.append(top)
+    return found
+
+
 def remove_files(folder, names):
     """Delete ``folder``/name for each of ``names``, one file at a time (already gone: fine)."""
     for name in names:

@@ -1,11 +1,13 @@
-"""What a run leaves behind for people: ``train.log``, ``metrics.csv``, ``curves.png``."""
-import csv
+"""The package's logger: the console, and a run's ``train.log`` (:func:`setup_logging`).
+
+What else a run leaves for people, ``metrics.csv`` and ``curves.png``, is
+:mod:`gluon_unet.training.recorder`'s."""
 import logging
 import os
 import sys
 
 from .errors import errno_words
-from .utils import atomic_open, atomic_path, write_errors, write_point
+from .utils import write_errors, write_point
 
 LOGGER_NAME = 'gluon_unet'
 
@@ -71,60 +73,3 @@ class _RunLogHandler(logging.FileHandler):
 
 def get_logger():
     return logging.getLogger(LOGGER_NAME)
-
-
-class MetricsTable:
-    """``metrics.csv``, one row per epoch; rewritten atomically so it matches a resume."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def write(self, history):
-        if not history:
-            return
-        columns = []
-        for row in history:
-            columns += [k for k in row if k not in columns and not isinstance(row[k], (list, dict))]
-        with atomic_open(self.path, 'w', newline='') as f:
-            writer = csv.DictWriter(f, columns, extrasaction='ignore')
-            writer.writeheader()
-            for row in history:
-                writer.writerow({k: _fmt(row.get(k)) for k in columns})
-
-
-def plot_curves(history, path):
-    """Loss and validation metrics per epoch, redrawn after every epoch."""
-    if not history:
-        return
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    epochs = [r['epoch'] for r in history]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key in ('train_loss', 'val_loss'):
-        if any(key in r for r in history):
-            ax1.plot(epochs, [r.get(key, float('nan')) for r in history], marker='.', label=key)
-    ax1.set_xlabel('epoch')
-    ax1.set_ylabel('loss')
-    ax1.set_yscale('log')
-    ax1.legend()
-    for key in ('val_iou', 'val_dice', 'val_dsb'):
-        if any(key in r for r in history):
-            ax2.plot(epochs, [r.get(key, float('nan')) for r in history], marker='.', label=key)
-    ax2.set_xlabel('epoch')
-    ax2.set_ylim(0, 1)
-    if ax2.get_legend_handles_labels()[0]:
-        ax2.legend()
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=80, format='png')
-    finally:
-        plt.close(fig)
-
-
-def _fmt(v):
-    if isinstance(v, float):
-        return '%.6g' % v
-    return v

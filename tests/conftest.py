@@ -60,7 +60,7 @@ def skip_unless_cpu_bfloat16():
     there a bf16 AMP network fails at its first forward. Only that case skips; on a CPU
     that passes the probe, a failing bf16 test is a real failure.
     """
-    from gluon_unet.hardware import cpu_bfloat16_support
+    from gluon_unet.machine.cpu import cpu_bfloat16_support
     ok, reason = cpu_bfloat16_support()
     if not ok:
         pytest.skip(reason)
@@ -77,7 +77,7 @@ def requires_bf16():
 def export_names():
     """The files an export holds here, sorted: with ``model.onnx`` where the onnx package
     is installed (exports write it by default then), without it elsewhere."""
-    from gluon_unet.onnx_export import onnx_available
+    from gluon_unet.inference.export_onnx import onnx_available
     return sorted(['model-0000.params', 'model-symbol.json', 'model.json'] + (['model.onnx'] if onnx_available()[0]
                                                                               else []))
 
@@ -192,11 +192,11 @@ def run_in_own_group(argv, timeout, **kw):
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``gpu`` (``@pytest.mark.gpu`` or ``@pytest.mark.gpu(min_gpus=2)``) run
     where MXNet sees enough GPUs; elsewhere they are collected and skipped with the reason
-    from :func:`gluon_unet.hardware.gpu_status` (``pytest -m gpu -rs`` prints it)."""
+    from :func:`gluon_unet.machine.gpus.gpu_status` (``pytest -m gpu -rs`` prints it)."""
     marked = [item for item in items if item.get_closest_marker('gpu')]
     if not marked:
         return
-    from gluon_unet.hardware import gpu_status
+    from gluon_unet.machine.gpus import gpu_status
     count, reason = gpu_status()
     for item in marked:
         need = item.get_closest_marker('gpu').kwargs.get('min_gpus', 1)

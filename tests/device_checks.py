@@ -18,10 +18,10 @@ import mxnet as mx
 import numpy as np
 
 from gluon_unet.data import synthetic_nuclei
-from gluon_unet.losses import SegmentationLoss
-from gluon_unet.optim import make_trainer
-from gluon_unet.parallel import DataParallelStep
-from gluon_unet.step import build_network
+from gluon_unet.training.losses import SegmentationLoss
+from gluon_unet.training.optim import make_trainer
+from gluon_unet.training.parallel import DataParallelStep
+from gluon_unet.training.step import build_network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -206,7 +206,7 @@ AMP_SCRIPT = textwrap.dedent('''
     import json, sys
     import mxnet as mx
     from gluon_unet.config import ModelConfig, TrainConfig
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     cfg = TrainConfig(model=ModelConfig(width=8, depth=2, in_channels=1), size=32, epochs=4,
                       batch_size=8, synthetic_count=48, workers=0, output=sys.argv[1], progress=False,
                       amp=True, lr=3e-3, augment=False, patience=0, **json.loads(sys.argv[2]))
@@ -238,8 +238,8 @@ def check_export_predicts_like_cpu(cfg, predict_ctxs, tol=CPU_TOL):
     """Train ``cfg`` (its devices: ``cfg.gpus`` / ``cfg.cpus``), then predict images of
     several sizes with the export on ``predict_ctxs`` and on one CPU: the same
     probabilities. Returns the largest difference."""
-    from gluon_unet.engine import fit
-    from gluon_unet.inference import load_model, predict_image
+    from gluon_unet.training.loop import fit
+    from gluon_unet.inference.batched import load_model, predict_image
     fit(cfg, verbose=False)
     params = mx.nd.load(os.path.join(cfg.output, 'export', 'model-0000.params'))
     assert params and {v.dtype for v in params.values()} == {np.float32}
@@ -262,7 +262,7 @@ def check_export_predicts_like_cpu(cfg, predict_ctxs, tol=CPU_TOL):
 def check_benchmark_json(capsys, monkeypatch, tmp_path, device_flags, ndev):
     """``bin/train --benchmark`` on ``device_flags`` (``['--cpus', '2']`` /
     ``['--gpus', '0,1']``) ends with one JSON line describing ``ndev`` devices."""
-    from gluon_unet import benchmark
+    from gluon_unet.training import benchmark
     from gluon_unet.cli import train_main
     monkeypatch.setattr(benchmark, 'REPEATS', 2)
     monkeypatch.setattr(benchmark, 'MIN_REPEAT_SECONDS', 0.0)
@@ -286,8 +286,8 @@ def check_benchmark_json(capsys, monkeypatch, tmp_path, device_flags, ndev):
 def engine_step_trainer(cfg, ctxs):
     """Build the step the way fit() does (strategy, update_on_kvstore, make_step), train
     one batch, and return the trainer (its kvstore is created at the first step)."""
-    from gluon_unet import distributed
-    from gluon_unet.step import make_step, resolve_update_on_kvstore
+    from gluon_unet.training import distributed
+    from gluon_unet.training.step import make_step, resolve_update_on_kvstore
     strategy = distributed.make_strategy(cfg.kvstore)
     net = build_network(cfg, ctxs)
     update_on_kv = resolve_update_on_kvstore(cfg, None, strategy)
@@ -421,7 +421,7 @@ def saved_contexts(path):
 def check_ema_checkpoint_holds_only_cpu_arrays(ctxs, folder):
     """A checkpoint of an ``--ema`` run on ``ctxs`` (the average lives on ``ctxs[0]``)
     holds every array as saved from cpu(0): weights, average, optimizer state, record."""
-    from gluon_unet.averaging import WeightAverage
+    from gluon_unet.training.ema import WeightAverage
     from gluon_unet.checkpoint import save_checkpoint
     from gluon_unet.config import ModelConfig
     from gluon_unet.model import build_model

@@ -17,7 +17,7 @@ from gluon_unet.cli import train_main  # noqa: E402
 
 def main(config_path, dump):
     import numpy as np
-    from gluon_unet import distributed, engine
+    from gluon_unet.training import distributed, loop as engine
     from gluon_unet.config import TrainConfig
     seen = {}
     real_strategy, real_build = distributed.make_strategy, engine.build_network

@@ -10,10 +10,11 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet import runtime
+from gluon_unet.machine import runtime
 from gluon_unet.config import ModelConfig
-from gluon_unet.hardware import cpu_has_amx, request_amx_tiles
-from gluon_unet.model import UNet, _Float32ReLU, amx_float32_relus, build_model
+from gluon_unet.machine.cpu import cpu_has_amx, request_amx_tiles
+from gluon_unet.machine.onednn import Float32ReLU, OneDNNLayers, amx_float32_relus
+from gluon_unet.model import Layers, UNet, build_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,13 +32,13 @@ def fresh_amx(monkeypatch):
     monkeypatch.setattr(runtime, '_amx', None)
     monkeypatch.delenv(runtime.ISA_VARIABLE, raising=False)
     asked = []
-    monkeypatch.setattr('gluon_unet.hardware.request_amx_tiles',
+    monkeypatch.setattr('gluon_unet.machine.cpu.request_amx_tiles',
                         lambda: asked.append(True) or (True, 'granted (simulated)'))
     return asked
 
 
 def test_a_cpu_without_amx_changes_nothing(fresh_amx, monkeypatch):
-    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: False)
+    monkeypatch.setattr('gluon_unet.machine.cpu.cpu_has_amx', lambda flags=None: False)
     used, reason = runtime.enable_amx()
     assert not used and reason == 'no AMX on this CPU'
     assert not fresh_amx, 'asked Linux for AMX tile state on a CPU without AMX'
@@ -45,7 +46,7 @@ def test_a_cpu_without_amx_changes_nothing(fresh_amx, monkeypatch):
 
 
 def test_the_users_isa_choice_wins(fresh_amx, monkeypatch):
-    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: True)
+    monkeypatch.setattr('gluon_unet.machine.cpu.cpu_has_amx', lambda flags=None: True)
     monkeypatch.setenv(runtime.ISA_VARIABLE, 'AVX512_CORE_BF16')
     used, reason = runtime.enable_amx()
     assert not used and 'AVX512_CORE_BF16 (yours) leaves AMX off' in reason
@@ -62,7 +63,7 @@ def test_a_users_amx_choice_gets_the_permission_it_needs(fresh_amx, monkeypatch)
 
 def test_amx_is_left_off_once_mxnet_is_loaded(fresh_amx, monkeypatch):
     # oneDNN may have read the variable already: setting it now could half-work.
-    monkeypatch.setattr('gluon_unet.hardware.cpu_has_amx', lambda flags=None: True)
+    monkeypatch.setattr('gluon_unet.machine.cpu.cpu_has_amx', lambda flags=None: True)
     assert 'mxnet' in sys.modules
     used, reason = runtime.enable_amx()
     assert not used and 'loaded before' in reason and not fresh_amx
@@ -94,11 +95,11 @@ def _conv_lines(stdout):
 
 START = r'''
 import json, os, subprocess, sys
-from gluon_unet.runtime import apply_runtime_defaults, amx_state, configure_runtime, user_environ
+from gluon_unet.machine.runtime import apply_runtime_defaults, amx_state, configure_runtime, user_environ
 apply_runtime_defaults()
 used, reason = amx_state()
 handed_on = user_environ().get('DNNL_MAX_CPU_ISA')  # what bin/launch and the export child get
-from gluon_unet.hardware import cpu_bfloat16_support
+from gluon_unet.machine.cpu import cpu_bfloat16_support
 import mxnet as mx
 configure_runtime(1)  # as fit() and bin/train --benchmark start
 if cpu_bfloat16_support()[0]:
@@ -147,9 +148,9 @@ def test_a_users_amx_setting_no_longer_crashes():
 
 STEP = r'''
 import sys
-from gluon_unet.runtime import apply_runtime_defaults, amx_state
+from gluon_unet.machine.runtime import apply_runtime_defaults, amx_state
 apply_runtime_defaults()
-from gluon_unet.benchmark import make_training_step, synthetic_batch, time_steps
+from gluon_unet.training.benchmark import make_training_step, synthetic_batch, time_steps
 from gluon_unet.config import ModelConfig, TrainConfig
 import mxnet as mx
 cfg = TrainConfig(model=ModelConfig(in_channels=1, width=int(sys.argv[1]), depth=2), size=32, batch_size=4,
@@ -164,8 +165,8 @@ print('RESULT {"used": %s}' % ('true' if amx_state()[0] else 'false'))
 @pytest.mark.parametrize('width', [8, 24])
 def test_bfloat16_training_runs_no_reference_kernel(width):
     # On AMX, BatchNorm backward fell back to oneDNN's reference kernel (bnorm_ref: half
-    # the step at width 16) until model._Float32ReLU; at widths of channels that are not
-    # multiples of 32 beyond 16 (24: 24, 48, 96), until model.amx_float32_relus.
+    # the step at width 16) until onednn.Float32ReLU; at widths of channels that are not
+    # multiples of 32 beyond 16 (24: 24, 48, 96), until onednn.amx_float32_relus.
     out = _run(STEP, str(width), DNNL_VERBOSE='1')
     assert _result(out)['used'] == _amx_expected()
     rows = _conv_lines(out.stdout)
@@ -177,11 +178,16 @@ def test_bfloat16_training_runs_no_reference_kernel(width):
     assert not slow, slow
 
 
+def _bfloat16(amx):
+    """The layers of a bfloat16 network on oneDNN, on AMX or not."""
+    return OneDNNLayers(Layers(amp=True), bfloat16=True, amx=amx)
+
+
 def _narrow_relus(net):
     found = []
 
     def visit(block):
-        if isinstance(block, _Float32ReLU):
+        if isinstance(block, Float32ReLU):
             found.append(block)
         for child in block._children.values():
             visit(child)
@@ -193,16 +199,17 @@ def test_only_bfloat16_layers_on_amx_that_need_it_get_the_float32_relu():
     # Blocks of 8, 16, 32, 64 / 32, 16, 8 channels: the first ReLU of the four blocks of 8
     # and 16 channels (the second's gradient arrives in a layout BatchNorm handles).
     cfg = ModelConfig(in_channels=1, width=8, depth=3)
-    assert len(_narrow_relus(build_model(cfg, amp_dtype='bfloat16', amx=True))) == 4
+    assert len(_narrow_relus(build_model(cfg, _bfloat16(amx=True)))) == 4
     # 24, 48 / 96 / 48, 24: both ReLUs of every block but the bottom's, whose input has 48.
-    assert len(_narrow_relus(build_model(ModelConfig(in_channels=1, width=24, depth=2),
-                                         amp_dtype='bfloat16', amx=True))) == 9
+    assert len(_narrow_relus(build_model(ModelConfig(in_channels=1, width=24, depth=2), _bfloat16(amx=True)))) == 9
     assert [amx_float32_relus(i, c) for i, c in [(3, 16), (16, 32), (3, 32), (32, 64), (24, 48), (48, 96)]] == [
         (True, False), (False, False), (False, False), (False, False), (True, True), (True, False)]
-    assert not _narrow_relus(build_model(cfg, amp_dtype='bfloat16'))
-    assert not _narrow_relus(build_model(cfg, amx=True))  # float32 does not use AMX
-    assert not _narrow_relus(build_model(ModelConfig(in_channels=1, width=32, depth=2),
-                                         amp_dtype='bfloat16', amx=True))
+    assert not _narrow_relus(build_model(cfg, _bfloat16(amx=False)))
+    from gluon_unet.config import TrainConfig
+    from gluon_unet.training.step import network_layers
+    float32 = network_layers(TrainConfig(model=cfg), [mx.cpu(0)], amp_dtype=None)
+    assert not _narrow_relus(build_model(cfg, float32))  # float32 does not use AMX
+    assert not _narrow_relus(build_model(ModelConfig(in_channels=1, width=32, depth=2), _bfloat16(amx=True)))
 
 
 def test_the_float32_relu_is_the_same_function_with_the_same_parameters():
@@ -212,10 +219,10 @@ def test_the_float32_relu_is_the_same_function_with_the_same_parameters():
     x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
     results, names = [], []
     for amx in (False, True):
-        _, structural, y, dx = unet_twin(0, x, in_channels=1, width=4, depth=2, amx=amx)
+        _, structural, y, dx = unet_twin(0, x, in_channels=1, width=4, depth=2, layers=OneDNNLayers(Layers(), amx=amx))
         names.append(structural)
         results.append((y, dx))
-    assert len(_narrow_relus(UNet(in_channels=1, width=4, depth=2, amx=True))) == 5
+    assert len(_narrow_relus(UNet(in_channels=1, width=4, depth=2, layers=OneDNNLayers(Layers(), amx=True)))) == 5
     assert names[0] == names[1]
     for a, b in zip(*results):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
@@ -235,7 +242,7 @@ def test_loading_an_export_settles_amx(tmp_path, monkeypatch):
     # bin/predict and bin/export never go through fit(): loading the model is where mxnet
     # has surely run, so the AMX setting leaves the environment there.
     from conftest import export_brightness_model
-    from gluon_unet import inference
+    from gluon_unet.inference import batched as inference
     calls = []
     monkeypatch.setattr(inference, 'settle_amx', lambda: calls.append(True))
     inference.load_exported(export_brightness_model(str(tmp_path / 'export')))
@@ -249,14 +256,16 @@ import mxnet as mx
 import numpy as np
 from mxnet.contrib import amp
 amp.init(target_dtype='bfloat16')
-from gluon_unet.model import UNet
+from gluon_unet.machine.onednn import OneDNNLayers
+from gluon_unet.model import Layers, UNet
 
 
 def build(amx, cast, width=8):
     mx.random.seed(0)
-    net = UNet(in_channels=1, width=width, depth=2, amp_dtype='bfloat16', amx=amx)
+    net = UNet(in_channels=1, width=width, depth=2, layers=OneDNNLayers(Layers(amp=True), bfloat16=True, amx=amx))
     for block in net.up:
-        block.to_bfloat16 = block.to_bfloat16 and cast
+        if hasattr(block.join, 'to_bfloat16'):
+            block.join.to_bfloat16 = block.join.to_bfloat16 and cast
     net.initialize(mx.init.Xavier())
     return net
 
@@ -298,7 +307,7 @@ def test_the_upsampled_map_is_concatenated_in_bfloat16_with_the_same_result():
     assert result['concat'] == {'before': ['float32', 'float32'], 'plain': ['bfloat16', 'bfloat16'],
                                 'amx': ['bfloat16', 'bfloat16'],
                                 # skips of 24 and 48 channels are float32 under AMX
-                                # (model.amx_float32_relus): those stay float32
+                                # (onednn.amx_float32_relus): those stay float32
                                 'amx24': ['float32', 'float32']}
 
 
@@ -308,14 +317,16 @@ import mxnet as mx
 import numpy as np
 from mxnet.contrib import amp
 amp.init(target_dtype='bfloat16')
-from gluon_unet.model import UNet
-from gluon_unet.runtime import amx_state
+from gluon_unet.machine.onednn import OneDNNLayers
+from gluon_unet.machine.runtime import amx_state
+from gluon_unet.model import Layers, UNet
 
 mx.random.seed(0)
 # 16 and 32 channels: blocked skips (at 8, oneDNN keeps one plain and add_n stays MXNet's)
-net = UNet(in_channels=1, width=16, depth=2, amp_dtype='bfloat16', amx=amx_state()[0], onednn_training=True)
+net = UNet(in_channels=1, width=16, depth=2,
+           layers=OneDNNLayers(Layers(amp=True), bfloat16=True, amx=amx_state()[0], training=True))
 for block in net.up:
-    block.skip_blocked = block.skip_blocked and sys.argv[1] == 'on'
+    block.join.skip_blocked = block.join.skip_blocked and sys.argv[1] == 'on'
 net.initialize(mx.init.Xavier())
 net.hybridize(static_alloc=True, static_shape=True)
 x = mx.nd.array(np.random.RandomState(0).randn(4, 1, 32, 32))
@@ -325,7 +336,7 @@ with mx.autograd.record():
     loss = (y * y).sum()
 loss.backward()
 print('RESULT ' + json.dumps({
-    'blocked': [block.skip_blocked for block in net.up],
+    'blocked': [block.join.skip_blocked for block in net.up],
     'values': [y.asnumpy().tolist(), x.grad.asnumpy().tolist(),
                [p.grad().asnumpy().tolist() for _, p in sorted(net.collect_params().items())
                 if p.grad_req != 'null']]}))

@@ -1,7 +1,7 @@
 """The Python API for experiments: callbacks see the network and the run state."""
 import numpy as np
 
-from gluon_unet.engine import EpochContext, fit
+from gluon_unet.training.loop import EpochContext, fit
 
 
 class Recorder:
@@ -83,8 +83,8 @@ def test_the_export_carries_a_model_card_and_predict_prints_it(tiny, tmp_path):
     import platform
     import mxnet as mx
     import gluon_unet
-    from gluon_unet.predict import predict_paths
-    from gluon_unet.postprocess import settings_text
+    from gluon_unet.inference.predict import predict_paths
+    from gluon_unet.inference.postprocess import settings_text
     from gluon_unet.data.synthetic import synthetic_nuclei
     import cv2
     history = fit(tiny(epochs=2, val_split=0.25), verbose=False)

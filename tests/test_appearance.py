@@ -217,8 +217,8 @@ def test_the_denoise_keeps_a_dim_noisy_nucleus_one_object():
 # -- training -> export -> predict -----------------------------------------------------------
 
 def test_training_and_predict_feed_the_network_the_same_stain_normalized_input(tiny, tmp_path, monkeypatch):
-    from gluon_unet import inference, predict
-    from gluon_unet.engine import fit
+    from gluon_unet.inference import batched as inference, predict
+    from gluon_unet.training.loop import fit
 
     d = _folder(tmp_path, ['colour', 'colour', 'fluorescence', 'brightfield'])
     cfg = tiny(data=str(d / 'images'), masks=str(d / 'masks'), crop=16, epochs=1, batch_size=2, val_split=0.0,
@@ -269,7 +269,7 @@ def test_bin_train_refuses_bad_values_in_one_line_with_exit_2(argv, flag, tmp_pa
 
 
 def test_balance_groups_without_groups_is_refused_in_one_line(tiny):
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     with pytest.raises(UserError, match='--balance groups'):
         fit(tiny(balance='groups', epochs=1), verbose=False)
 
@@ -277,7 +277,7 @@ def test_balance_groups_without_groups_is_refused_in_one_line(tiny):
 def test_denoise_is_a_setting_the_data_and_the_export_follow(tiny, tmp_path):
     """--denoise 0 reproduces the inputs of runs made before the denoise existed."""
     from gluon_unet.data.prepare import build_datasets
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     d = _folder(tmp_path, ['fluorescence', 'fluorescence', 'brightfield'])
     base = dict(data=str(d / 'images'), masks=str(d / 'masks'), crop=16, epochs=1, batch_size=2, val_split=0.0,
                 normalize='auto', cache_dir=str(tmp_path / 'cache'), in_channels=0, tune_postprocess=False)

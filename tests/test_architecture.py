@@ -1,7 +1,8 @@
-"""The package's joints (issues 15 and 46): no import cycles, imports that run one way
-(training -> inference -> shared), argument parsing in the CLI package only, modules of a
-readable size, scripts that use public names, nothing changed by ``import gluon_unet``,
-and logging that touches only its own handlers."""
+"""The package's joints: no import cycles, imports that run down the layers (one folder
+each: cli -> training -> inference -> shared -> machine -> base), argument parsing in the
+CLI package only, modules and functions of a readable size, scripts that use public
+names, nothing changed by ``import gluon_unet``, and logging that touches only its own
+handlers."""
 import ast
 import logging
 import os
@@ -139,34 +140,28 @@ def test_every_module_imports_in_a_fresh_interpreter():
 
 
 
-# -- layers: which side of the package a module is on -----------------------------------------
+# -- layers: the folders are the layers --------------------------------------------------------
 
-#: Training: the loop and everything only it uses. It may import the other layers.
-TRAINING = {'engine', 'step', 'validation', 'resume', 'stops', 'parallel', 'distributed', 'recorder', 'optim',
-            'losses', 'averaging', 'budget', 'benchmark', 'tblog'}
-#: Inference: exports, prediction, the post-processing search. Training ends in an export
-#: and a search, so it imports these; they never import training.
-INFERENCE = {'export', 'quantize', 'sidecar', 'search', 'inference', 'predict', 'predictions', 'postprocess', 'submission',
-             'overlay', 'tiling', 'onnx_export', 'onnx_numpy', 'onnx_runner', 'evaluate'}
-#: What both sides read (configs, the checkpoint format, the model, data, devices): it
-#: imports neither side.
-SHARED = {'', 'config', 'errors', 'utils', 'paths', 'checkpoint', 'model', 'metrics', 'scale', 'devices',
-          'hardware', 'runtime', 'reporting', 'limits', 'rundir', 'recipes', 'data', 'data.io', 'data.layouts',
-          'data.readers', 'data.cache', 'data.dataset', 'data.sampler', 'data.loader', 'data.pinned',
-          'data.augment', 'data.targets', 'data.weights', 'data.synthetic', 'data.prepare'}
-#: The entry points: the command line and the tools it runs; they may import anything.
-ENTRY = {'__main__', 'doctor', 'launch'}
+#: From the top down: a module may import its own layer and the layers below it, never one
+#: above. The command line runs training, which ends in a post-processing search and an
+#: export (inference); both read the shared modules (the model, its config and checkpoint
+#: format, data, metrics), which read the machine (hardware, devices, process knobs); the
+#: base (errors, writes, logging, which files are ours) is under everything.
+LAYERS = ('cli', 'training', 'inference', 'shared', 'machine', 'base')
+#: A folder is one layer.
+FOLDERS = {'cli': 'cli', 'training': 'training', 'inference': 'inference', 'data': 'shared', 'recipes': 'shared',
+           'machine': 'machine'}
+#: The few modules at the top level, each with its layer ('' is the package itself: its
+#: public names are imported on first use, so it imports nothing of the package).
+TOP_LEVEL = {'__main__': 'cli', 'config': 'shared', 'model': 'shared', 'checkpoint': 'shared', 'metrics': 'shared',
+             '': 'base', 'errors': 'base', 'utils': 'base', 'paths': 'base', 'reporting': 'base'}
 
 
-def _side(module):
+def _layer(module):
     name = module[len('gluon_unet.'):] if module.startswith('gluon_unet.') else ''
-    if name == 'cli' or name.startswith('cli.'):
-        return 'entry'
-    for side, members in (('training', TRAINING), ('inference', INFERENCE), ('shared', SHARED),
-                          ('entry', ENTRY)):
-        if name in members:
-            return side
-    return None
+    if '.' not in name and name in TOP_LEVEL:
+        return TOP_LEVEL[name]
+    return FOLDERS.get(name.split('.')[0])
 
 
 def _reachable(graph, start):
@@ -180,45 +175,48 @@ def _reachable(graph, start):
     return seen
 
 
-#: Which sides a module of each side may reach (transitively).
-ALLOWED = {'training': {'training', 'inference', 'shared'}, 'inference': {'inference', 'shared'},
-           'shared': {'shared'}}
-
-
-def _layer_violations(graph, side_of):
-    """``['gluon_unet.x (inference) -> ... gluon_unet.y (training)', ...]``: each module that
-    reaches a module of a side its own side may not import."""
+def _layer_violations(graph, layer_of):
+    """``['gluon_unet.x (inference) reaches gluon_unet.y (training)', ...]``: each module
+    that reaches, directly or not, a module of a layer above its own."""
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
     found = []
     for module in sorted(graph):
-        side = side_of(module)
-        if side not in ALLOWED:
+        layer = layer_of(module)
+        if layer not in rank:
             continue
-        bad = sorted(d for d in _reachable(graph, module) if side_of(d) not in ALLOWED[side] | {None})
-        found += ['%s (%s) reaches %s (%s)' % (module, side, d, side_of(d)) for d in bad]
+        bad = sorted(d for d in _reachable(graph, module) if rank.get(layer_of(d), len(LAYERS)) < rank[layer])
+        found += ['%s (%s) reaches %s (%s)' % (module, layer, d, layer_of(d)) for d in bad]
     return found
 
 
-def test_every_module_is_on_one_side():
-    sides = {m: _side(m) for m in _modules()}
-    assert not [m for m, side in sides.items() if side is None], 'a module on no side: add it to one of the lists'
-    assert not (TRAINING & INFERENCE or TRAINING & SHARED or INFERENCE & SHARED or ENTRY & (TRAINING | INFERENCE
-                                                                                            | SHARED))
+def test_every_module_is_in_a_layer_folder_or_named_at_the_top():
+    missing = [m for m in _modules() if _layer(m) is None]
+    assert not missing, 'modules in no layer (put them in a layer folder, or name a top-level one in TOP_LEVEL): %s' \
+        % ', '.join(missing)
+    assert set(FOLDERS.values()) | set(TOP_LEVEL.values()) == set(LAYERS)
+    on_disk = {name for name in os.listdir(PACKAGE) if not name.startswith(('_', '.'))
+               and os.path.isdir(os.path.join(PACKAGE, name))}
+    assert on_disk == set(FOLDERS), 'a folder of gluon_unet/ with no layer, or a layer with no folder'
 
 
-def test_imports_run_one_way_training_inference_shared():
+def test_imports_run_down_the_layers():
     # Function-level imports count too: they run as soon as the function does.
     graph = _import_graph()
     for module, deps in _import_graph(function_level=True).items():
         graph[module] |= deps
-    assert not _layer_violations(graph, _side), '\n'.join(_layer_violations(graph, _side))
+    assert not _layer_violations(graph, _layer), '\n'.join(_layer_violations(graph, _layer))
 
 
 def test_the_layer_check_finds_an_arrow_the_wrong_way():
-    sides = {'i': 'inference', 'j': 'inference', 't': 'training', 's': 'shared'}
-    graph = {'i': {'j'}, 'j': {'s', 't'}, 't': {'i'}, 's': set()}
-    assert _layer_violations(graph, sides.get) == ['i (inference) reaches t (training)',
-                                                   'j (inference) reaches t (training)']
-    assert _layer_violations({'t': {'i', 's'}, 'i': {'s'}, 's': set()}, sides.get) == []
+    layers = {'i': 'inference', 'j': 'inference', 't': 'training', 's': 'shared', 'm': 'machine'}
+    graph = {'i': {'j'}, 'j': {'s', 't'}, 't': {'i'}, 's': {'m'}, 'm': set()}
+    assert _layer_violations(graph, layers.get) == ['i (inference) reaches t (training)',
+                                                    'j (inference) reaches t (training)']
+    assert _layer_violations({'t': {'i', 's'}, 'i': {'s'}, 's': {'m'}, 'm': set()}, layers.get) == []
+    assert _layer_violations({'m': {'s'}, 's': set()}, layers.get) == ['m (machine) reaches s (shared)']
+    assert _layer('gluon_unet.training.loop') == 'training' and _layer('gluon_unet.data.io') == 'shared'
+    assert _layer('gluon_unet.model') == 'shared' and _layer('gluon_unet') == 'base'
+    assert _layer('gluon_unet.newmodule') is None
 
 
 # -- only the CLI parses arguments --------------------------------------------------------------
@@ -277,6 +275,42 @@ def test_no_module_is_long_without_saying_why():
                                                                                  ', '.join(long))
 
 
+#: A function longer than this (its docstring and comments included) says why it is one
+#: function, in a docstring paragraph that begins with FUNCTION_REASON.
+MAX_FUNCTION_LINES = 80
+FUNCTION_REASON = 'Why one function:'
+
+
+def _long_functions(tree, path):
+    """``['path:line name (N lines)', ...]``: functions over :data:`MAX_FUNCTION_LINES`
+    whose docstring gives no reason."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            docstring = ast.get_docstring(node) or ''
+            if lines > MAX_FUNCTION_LINES and not any(p.startswith(FUNCTION_REASON) for p in docstring.split('\n\n')):
+                found.append('%s:%d %s (%d lines)' % (path, node.lineno, node.name, lines))
+    return found
+
+
+def test_no_function_is_long_without_saying_why():
+    found = []
+    for module, path in sorted(_modules().items()):
+        with open(path) as f:
+            found += _long_functions(ast.parse(f.read(), path), os.path.relpath(path, ROOT))
+    assert not found, 'over %d lines with no "%s" paragraph in the docstring: %s' % (
+        MAX_FUNCTION_LINES, FUNCTION_REASON, ', '.join(found))
+
+
+def test_the_function_length_check_counts_lines():
+    body = '\n'.join('    x = %d' % i for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(ast.parse('def f():\n' + body), 'm.py') == ['m.py:1 f (81 lines)']
+    assert _long_functions(ast.parse('def f():\n' + body.split('\n', 1)[1]), 'm.py') == []
+    reason = '    """Long.\n\n    %s it is a table."""\n' % FUNCTION_REASON
+    assert _long_functions(ast.parse('def f():\n' + reason + body), 'm.py') == []
+
+
 # -- scripts use the public API ------------------------------------------------------------------
 
 def _private_uses(tree):
@@ -322,7 +356,7 @@ def test_benchmarks_and_experiments_use_only_public_names():
 
 
 def test_the_private_name_check_sees_each_way_in():
-    for source in ('from gluon_unet.export import _resolve_run', 'from gluon_unet import cache\ncache._intact = 1',
+    for source in ('from gluon_unet.inference.export import _resolve_run', 'from gluon_unet import cache\ncache._intact = 1',
                    'import gluon_unet.data.cache as c\nc._intact()', 'from gluon_unet._x import y'):
         assert _private_uses(ast.parse(source)), source
     assert not _private_uses(ast.parse('from gluon_unet import cache\nimport os\nos._exit(0)\ncache.intact()'))

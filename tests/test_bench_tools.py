@@ -369,7 +369,7 @@ def test_val_analysis_maps_with_batch_stats_normalize_each_image_by_itself(tiny,
     (the maps change), and predict_mode is the real one again afterwards."""
     import mxnet as mx
     import dsb_val_analysis
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
 
     cfg = tiny(batch_norm=True, epochs=1, val_split=0.25, tune_postprocess=False)
     fit(cfg, verbose=False)

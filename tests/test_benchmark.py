@@ -1,7 +1,7 @@
 """bin/train --benchmark: a table for people, then one JSON line for scripts."""
 import json
 
-from gluon_unet import benchmark
+from gluon_unet.training import benchmark
 from gluon_unet.cli import train_main
 
 
@@ -19,7 +19,7 @@ def test_benchmark_cli_last_line_is_json(tmp_path, capsys, monkeypatch):
     assert code == 0
     lines, record = _last_json(capsys)
     assert set(record) == {'images_per_s', 'per_device', 'devices', 'scaling_efficiency', 'gflops', 'cpu'}
-    from gluon_unet.hardware import cpu_description
+    from gluon_unet.machine.cpu import cpu_description
     assert record['cpu'] == cpu_description() and 'AVX' in record['cpu']  # which machine the figure is from
     assert record['devices'] == 2
     assert isinstance(record['per_device'], list) and len(record['per_device']) == 2

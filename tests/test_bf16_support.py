@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import skip_unless_cpu_bfloat16
-from gluon_unet import hardware
+from gluon_unet.machine import cpu as hardware
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -140,7 +140,7 @@ def test_train_amp_on_a_cpu_without_bf16_stops_with_one_line_before_training(tmp
     script = textwrap.dedent('''
         import sys
         import mxnet as mx
-        from gluon_unet import hardware
+        from gluon_unet.machine import cpu as hardware
         def refuse():
             raise mx.base.MXNetError(%r)
         hardware._bfloat16_probe = refuse

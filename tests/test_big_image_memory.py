@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import ndimage as ndi
 
-from gluon_unet import postprocess
+from gluon_unet.inference import postprocess
 from gluon_unet.data.synthetic import synthetic_nuclei
 
 
@@ -85,7 +85,7 @@ def test_predicting_a_dense_image_holds_a_few_image_sized_arrays_at_most(tmp_pat
     default) does not hide what grows with the image."""
     import tracemalloc
     from conftest import export_brightness_model
-    from gluon_unet.predict import predict_paths
+    from gluon_unet.inference.predict import predict_paths
 
     monkeypatch.setattr(postprocess, 'MAX_GROUP_PIXELS', 64 * 64)
     monkeypatch.setattr(postprocess, 'STRIP_ROWS', 32)

@@ -1,6 +1,6 @@
 """Shapes MXNet 1.9.1's CPU build dies on (issue 45 item 7): a 1x1 convolution in inference
 mode over H x W with H*H*W a multiple of 2**32 is a SIGFPE inside libmxnet.so (oneDNN
-2.4.4's brgemm 1x1 blocking divides by a product that wraps to 0; gluon_unet/limits.py).
+2.4.4's brgemm 1x1 blocking divides by a product that wraps to 0; gluon_unet/machine/limits.py).
 bin/predict pads such windows a little further and bin/train refuses such sides on CPU.
 No 2048 px network runs in this process: the planning is checked, and the two
 subprocesses below run one 1x1 convolution or a 1x1-convolution model."""
@@ -15,8 +15,8 @@ import pytest
 from conftest import export_brightness_model, run_in_own_group
 from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.errors import UserError
-from gluon_unet.limits import conv1x1_crashes, safe_window, unet_crash
-from gluon_unet.tiling import plan_image
+from gluon_unet.machine.limits import conv1x1_crashes, safe_window, unet_crash
+from gluon_unet.inference.tiling import plan_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -111,7 +111,7 @@ def test_the_side_limit_is_for_cpu_training_only():
 
 def test_under_bfloat16_the_upsampling_convolutions_count_too():
     # Under bf16 AMP a transposed 2x2 convolution is a 1x1 convolution to 4x its channels
-    # (model._TransposedConv2x2): at width 128 the one to level 0 of a 1024 px input sees
+    # (onednn.TransposedConv2x2): at width 128 the one to level 0 of a 1024 px input sees
     # 512x512 with 512 outputs (measured: it crashes; with 256 outputs it runs).
     assert unet_crash(1024, 1024, width_=128, depth=4) is None
     assert unet_crash(1024, 1024, width_=128, depth=4, bf16=True) == 'the upsampling to level 0 at 512x512'

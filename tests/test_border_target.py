@@ -15,14 +15,14 @@ from gluon_unet.config import TrainConfig
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import border_map, centre_map, contact_map, make_target
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_model, predict_image
-from gluon_unet.losses import SegmentationLoss
+from gluon_unet.inference.batched import load_model, predict_image
+from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob
-from gluon_unet.search import tune_postprocess
-from gluon_unet.validation import validate
+from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.inference.postprocess_search import tune_on_maps
+from gluon_unet.training.validation import validate
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -141,7 +141,7 @@ def test_the_search_tunes_the_marker_for_border_maps():
         # A faint border: the default marker score (0.5) keeps it as one interior.
         border = border_map(labels).astype(np.float32) * 0.45
         pairs.append((np.stack([prob, border]), labels))
-    result = tune_postprocess(pairs)
+    result = tune_on_maps(pairs)
     assert 'marker' in result and 'h' not in result
     assert result['score'] > result['base_score'] and result['marker'] > 0.5
 
@@ -208,7 +208,7 @@ def test_bad_target_values_are_one_line(tmp_path):
 
 def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.sidecar import read_sidecar
+    from gluon_unet.inference.sidecar import read_sidecar
     for bad, words in (({'outputs': ['foreground', 'edges']}, "'outputs' must be one of"),
                        ({'config': {'model': {'target': 'rings'}}}, "'config.model.target' must be one of"),
                        ({'postprocess': {'markers': 'rings'}}, "'postprocess' must be an object whose 'markers'"),
@@ -223,7 +223,7 @@ def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):
 
 
 def test_resume_refuses_a_changed_target(tiny):
-    from gluon_unet.resume import resume_conflicts
+    from gluon_unet.training.resume import resume_conflicts
     a, b = tiny(), tiny(target='mask+border')
     assert resume_conflicts(TrainConfig.from_dict(a.to_dict()), b) == ['--target mask (now mask+border)']
     assert b.model.outputs == 2 and a.model.outputs == 1
@@ -240,7 +240,7 @@ def test_the_search_falls_back_to_the_distance_watershed_when_the_border_map_spl
         border = border_map(labels).astype(np.float32)
         border[:, ::6] = np.maximum(border[:, ::6], 0.95 * (labels[:, ::6] > 0))  # spurious lines
         pairs.append((np.stack([prob, border]), labels))
-    result = tune_postprocess(pairs)
+    result = tune_on_maps(pairs)
     assert result['markers'] == 'distance' and 'h' in result and result['score'] > result['base_score']
     maps, labels = pairs[0]
     assert instances_from_maps(maps, markers='distance').max() == 2 < instances_from_maps(maps).max()

@@ -11,10 +11,10 @@ import pytest
 
 from gluon_unet.data.targets import centre_map, make_target
 from gluon_unet.errors import UserError
-from gluon_unet.losses import SegmentationLoss
+from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob, settings_text
-from gluon_unet.search import tune_postprocess
+from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob, settings_text
+from gluon_unet.inference.postprocess_search import tune_on_maps
 from test_border_target import _touching_pair
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -77,7 +77,7 @@ def test_the_centre_channel_takes_the_bce_and_no_dice():
     assert near[1] < near[0] and near[1] < near[2]
     # The training loss of a mask+centre run is built that way.
     from gluon_unet.config import TrainConfig
-    from gluon_unet.step import build_network, make_step
+    from gluon_unet.training.step import build_network, make_step
     cfg = TrainConfig(epochs=1, cpus=1)
     cfg.model.target, cfg.model.in_channels, cfg.model.width = 'mask+centre', 1, 4
     net = build_network(cfg, [mx.cpu()])
@@ -122,17 +122,17 @@ def test_the_search_tunes_the_centre_marker_and_names_it():
         centre = (0.93 + 0.07 * centre_map(labels)) * (labels > 0)
         pairs.append((np.stack([prob, centre]).astype(np.float32), labels))
     assert instances_from_maps(pairs[0][0], markers='centre').max() == 1
-    result = tune_postprocess(pairs, second='centre')
+    result = tune_on_maps(pairs, second='centre')
     assert result['markers'] == 'centre' and result['marker'] == 0.05
     assert result['score'] > result['base_score']
     assert settings_text(result).startswith('threshold %.2f, centre markers' % result['threshold'])
     with pytest.raises(ValueError):
-        tune_postprocess(pairs, second='rings')
+        tune_on_maps(pairs, second='rings')
 
 
 def test_a_sidecar_whose_markers_do_not_match_its_outputs_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.sidecar import read_sidecar
+    from gluon_unet.inference.sidecar import read_sidecar
     for extra, words in (({'outputs': ['foreground', 'border'], 'postprocess': {'markers': 'centre'}},
                           "'markers' is \"centre\", but the model's outputs are [\"foreground\", \"border\"]"),
                          ({'postprocess': {'markers': 'centre'}},

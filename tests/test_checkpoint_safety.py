@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gluon_unet.checkpoint import FORMAT, list_checkpoints, load_checkpoint
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
 
 

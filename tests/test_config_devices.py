@@ -6,7 +6,7 @@ import pytest
 
 from gluon_unet.cli.train import config_from_args, train_parser
 from gluon_unet.config import ModelConfig, TrainConfig
-from gluon_unet.devices import make_contexts, parse_gpu_ids
+from gluon_unet.machine.devices import make_contexts, parse_gpu_ids
 from gluon_unet.errors import UserError
 
 

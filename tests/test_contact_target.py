@@ -8,8 +8,8 @@ from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.targets import border_map, contact_map, make_target
 from gluon_unet.data.weights import unet_weight_map
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob
-from gluon_unet.search import tune_postprocess
+from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.inference.postprocess_search import tune_on_maps
 from test_border_target import _touching_pair
 
 
@@ -41,7 +41,7 @@ def test_contact_markers_separate_nuclei_the_distance_watershed_merges():
     maps = np.stack([prob, contact_map(labels).astype(np.float32) * 0.9])
     split = instances_from_maps(maps, markers='contact')
     assert split.max() == 2 and dsb_image_score(split, labels) > 0.9
-    result = tune_postprocess([(maps, labels)], second='contact')
+    result = tune_on_maps([(maps, labels)], second='contact')
     assert result['markers'] == 'contact' and result['score'] > 0.9
 
 
@@ -59,7 +59,7 @@ def test_the_weight_map_of_a_contact_model_is_heavy_on_the_contact_line():
 
 def test_weight_on_second_weighs_the_contact_output_only():
     import mxnet as mx
-    from gluon_unet.losses import SegmentationLoss
+    from gluon_unet.training.losses import SegmentationLoss
     rng = np.random.RandomState(0)
     logits = mx.nd.array(rng.randn(2, 2, 16, 16))
     target = mx.nd.array(rng.rand(2, 2, 16, 16) > 0.7)
@@ -83,7 +83,7 @@ def test_weight_on_second_needs_a_weighted_loss_and_a_second_map(tiny):
 
 
 def test_a_contact_model_trains_with_its_weights_on_the_contacts(tiny):
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     history = fit(tiny(target='mask+contact', loss='wbce_dice', weight_on='second', val_split=0.25), verbose=False)
     assert len(history) == 2 and all(np.isfinite(r['train_loss']) and np.isfinite(r['val_loss']) for r in history)
     import json

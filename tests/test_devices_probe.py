@@ -18,7 +18,7 @@ import sys
 import mxnet as mx
 import pytest
 
-from gluon_unet import devices, hardware, runtime
+from gluon_unet.machine import devices, gpus as hardware, runtime
 from gluon_unet.errors import UserError
 
 # What MXNet 1.9.1 raises at the first kernel on a GPU its wheel has no SASS for
@@ -57,7 +57,7 @@ def fake_gpus(monkeypatch):
     monkeypatch.setattr(hardware, '_mxnet_gpu_count', lambda: state['count'])
     monkeypatch.setattr(hardware, '_probe_kernels', probe)
     monkeypatch.setattr(hardware, 'gpu_properties', lambda i: state['props'].get(i, A100))
-    monkeypatch.setattr(hardware, '_mxnet_distribution', lambda: 'mxnet-cu117')
+    monkeypatch.setattr(hardware, '_mxnet_wheel', lambda: 'mxnet-cu117')
     monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
     monkeypatch.setattr(hardware, '_renumbered', None)
     monkeypatch.setattr(runtime, '_applied', dict(runtime._applied))
@@ -88,7 +88,7 @@ def test_a_gpu_without_kernels_in_this_build_stops_gpus_in_one_line(fake_gpus):
 
 def test_the_message_does_without_name_and_capability(fake_gpus, monkeypatch):
     monkeypatch.setattr(hardware, 'gpu_properties', lambda i: (None, None))
-    monkeypatch.setattr(hardware, '_mxnet_distribution', lambda: None)  # a source build
+    monkeypatch.setattr(hardware, '_mxnet_wheel', lambda: None)  # a source build
     fake_gpus['fail'][0] = NO_KERNEL_IMAGE
     msg = _error('0')
     assert msg.startswith('--gpus 0: GPU 0 cannot run this MXNet build: no kernel image is available')
@@ -315,7 +315,7 @@ PROBE_FAILS_IN_THE_ENGINE = '''
 import sys
 sys.path.insert(0, sys.argv[1])
 import mxnet as mx
-from gluon_unet import hardware
+from gluon_unet.machine import gpus as hardware
 from gluon_unet.cli import train_main
 
 def failing_kernels(ctx):
@@ -327,7 +327,7 @@ def failing_kernels(ctx):
 hardware._cuda_enabled = lambda: True
 hardware._mxnet_gpu_count = lambda: 1
 hardware.gpu_properties = lambda i: ('NVIDIA H100 80GB HBM3', (9, 0))
-hardware._mxnet_distribution = lambda: 'mxnet-cu117'
+hardware._mxnet_wheel = lambda: 'mxnet-cu117'
 hardware._probe_kernels = failing_kernels
 sys.exit(train_main(['--gpus', '0', '--output', sys.argv[2], '--no-progress']))
 '''

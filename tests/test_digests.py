@@ -16,9 +16,9 @@ import gluon_unet.data.readers as readers
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.cli import export_main, predict_main, train_main
 from gluon_unet.data import load_dataset, synthetic_nuclei
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import DamagedFile
-from gluon_unet.inference import load_exported
+from gluon_unet.inference.batched import load_exported
 
 from conftest import run_cli
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import load_dump, pids_with, reaped_tag, run_in_own_group, tiny_config, write_config
-from gluon_unet import distributed, launch
+from gluon_unet.training import distributed, launcher as launch
 from gluon_unet.cli import launch_main
 from gluon_unet.data.sampler import EpochSampler
 from gluon_unet.errors import UserError
@@ -93,7 +93,7 @@ def test_gradient_normalization_and_update_placement():
 def test_a_nonzero_rank_writes_nothing(tiny, tmp_path, monkeypatch):
     # Rank 1 of 2 without a parameter server: the job's rules, a local kvstore under them.
     monkeypatch.setattr(distributed, 'make_strategy', lambda kv: _FakeServerJob('dist_sync', 1, 2))
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     cfg = tiny(epochs=1, val_split=0.25)
     history = fit(cfg, verbose=False)
     assert len(history) == 1 and 'val_loss' not in history[0]  # rank 0 validates
@@ -113,7 +113,7 @@ def test_job_plan_environment():
 
 
 def test_workers_sharing_a_machine_split_its_cores(monkeypatch):
-    from gluon_unet import runtime
+    from gluon_unet.machine import runtime
     monkeypatch.setattr(runtime, 'physical_cores', lambda: 8)
     two = {'GLUON_UNET_LOCAL_WORKERS': '2'}
     assert runtime.apply_runtime_defaults(dict(two), contexts=1) == {'OMP_NUM_THREADS': '4'}
@@ -122,7 +122,7 @@ def test_workers_sharing_a_machine_split_its_cores(monkeypatch):
 
 def test_launch_forwards_the_users_settings_but_not_gluon_unets_defaults(monkeypatch):
     # ssh workers run on other machines: the launcher's own core count must not travel.
-    from gluon_unet import runtime
+    from gluon_unet.machine import runtime
     seen = {}
 
     class FakeJob:

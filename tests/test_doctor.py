@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gluon_unet import doctor
+from gluon_unet.cli import doctor
 from gluon_unet.cli import doctor as doctor_cli, doctor_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def test_doctor_prints_the_table():
     assert 'no CUDA support' in text and 'OMP_NUM_THREADS=' in text and '(gluon_unet)' in text
     assert 'float16 on GPUs (none here)' in text
     # AMX: used exactly where the CPU has it and Linux grants the tile state.
-    from gluon_unet.hardware import cpu_has_amx, request_amx_tiles
+    from gluon_unet.machine.cpu import cpu_has_amx, request_amx_tiles
     amx = [line for line in done.stdout.splitlines() if line.startswith('AMX')][0]
     assert amx.split()[1] == ('yes:' if cpu_has_amx() and request_amx_tiles()[0] else 'no:'), amx
     # Nothing else: where bfloat16 is missing (Zen 3) the probe's failure once leaked MXNet's

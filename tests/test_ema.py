@@ -3,13 +3,13 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet.averaging import WeightAverage
+from gluon_unet.training.ema import WeightAverage
 from gluon_unet.checkpoint import load_checkpoint, model_from_checkpoint
 from gluon_unet.data.prepare import build_datasets, prepare_data
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.losses import SegmentationLoss
-from gluon_unet.validation import validate
+from gluon_unet.training.losses import SegmentationLoss
+from gluon_unet.training.validation import validate
 
 
 def _arrays(path, prefix):
@@ -98,7 +98,7 @@ def test_resume_must_keep_the_ema_setting(tiny, tmp_path):
 
 @pytest.mark.parametrize('value', [1.0, -0.1, 1.5])
 def test_ema_outside_zero_one_is_refused(tiny, value):
-    with pytest.raises(UserError, match=r'--ema must be in \[0, 1\)'):
+    with pytest.raises(UserError, match=r'--ema must be a number in \[0, 1\)'):
         tiny(ema=value).validate()
 
 

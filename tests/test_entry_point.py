@@ -115,11 +115,11 @@ def test_bin_shims_still_work():
 def _command_parsers():
     """command -> (its parser, the config dataclasses its flags come from, extra dests)."""
     from gluon_unet.cli import doctor, evaluate, export, launch, predict, train
-    from gluon_unet.doctor import DoctorConfig
-    from gluon_unet.evaluate import EvaluateConfig
-    from gluon_unet.export import ExportConfig
-    from gluon_unet.launch import LaunchConfig
-    from gluon_unet.predict import PredictConfig
+    from gluon_unet.cli.doctor import DoctorConfig
+    from gluon_unet.inference.evaluate import EvaluateConfig
+    from gluon_unet.inference.export import ExportConfig
+    from gluon_unet.training.launcher import LaunchConfig
+    from gluon_unet.inference.predict import PredictConfig
     return {'train': (train.train_parser(), (TrainConfig, ModelConfig), {'config'}),
             'predict': (predict.predict_parser(), (predict.PredictCommand, PredictConfig), set()),
             'evaluate': (evaluate.evaluate_parser(), (EvaluateConfig,), set()),
@@ -144,7 +144,7 @@ def test_every_commands_flags_are_its_config_fields_and_each_default_lives_there
         assert '--version' in parser._option_string_actions, command
     from gluon_unet.cli.common import parse_configs
     from gluon_unet.cli.predict import PredictCommand
-    from gluon_unet.predict import PredictConfig
+    from gluon_unet.inference.predict import PredictConfig
     command, config = parse_configs(parsers['predict'][0], ['--model', 'm', '--input', 'i', '--output', 'o'],
                                     PredictCommand, PredictConfig)
     assert config == PredictConfig() and command.allow_failures is False

@@ -10,7 +10,7 @@ import pytest
 
 from gluon_unet.cli import evaluate_main as main
 from gluon_unet.errors import UserError
-from gluon_unet.evaluate import evaluate, read_labels
+from gluon_unet.inference.evaluate import evaluate, read_labels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,13 +16,13 @@ from gluon_unet.checkpoint import load_checkpoint
 from gluon_unet.cli import export_main, predict_main
 from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.data.synthetic import synthetic_nuclei
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_exported, predict_image
+from gluon_unet.inference.batched import load_exported, predict_image
 from gluon_unet.model import build_model
-from gluon_unet.predict import find_inputs, predict_paths
-from gluon_unet.submission import rle_decode
-from gluon_unet.tiling import blend_window, choose_mode, tile_starts
+from gluon_unet.inference.predict import find_inputs, predict_paths
+from gluon_unet.inference.submission import rle_decode
+from gluon_unet.inference.tiling import blend_window, choose_mode, tile_starts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import export_names
 from gluon_unet.checkpoint import save_checkpoint
-from gluon_unet.export import export_in_subprocess
+from gluon_unet.inference.export import export_in_subprocess
 from gluon_unet.model import build_model
 
 
@@ -76,7 +76,7 @@ def test_the_export_child_sees_no_gpu(tmp_path, monkeypatch):
     # It exports on the CPU. With bin/train --gpus 4-7 this process runs with
     # CUDA_VISIBLE_DEVICES=4,5,6,7, which user_environ() leaves out, so a child that saw
     # GPUs would create its CUDA context on physical GPU 0.
-    import gluon_unet.export as export
+    import gluon_unet.inference.export as export
     seen = {}
 
     def fake_run(cmd, **kwargs):

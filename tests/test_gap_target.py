@@ -12,10 +12,10 @@ from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.prepare import attach_transforms
 from gluon_unet.data.targets import make_target, separate_touching
 from gluon_unet.data.weights import unet_weight_map
-from gluon_unet.engine import fit
-from gluon_unet.inference import load_model, predict_image
-from gluon_unet.losses import SegmentationLoss
-from gluon_unet.validation import validate
+from gluon_unet.training.loop import fit
+from gluon_unet.inference.batched import load_model, predict_image
+from gluon_unet.training.losses import SegmentationLoss
+from gluon_unet.training.validation import validate
 
 from test_border_target import _Foreground, _disc, _touching_pair
 

@@ -2,7 +2,7 @@
 
 Every test here is marked ``gpu`` and runs where MXNet sees GPUs (``min_gpus`` of them);
 elsewhere it is collected and skipped with the reason (``python -m pytest -m gpu -rs``:
-"SKIPPED ... no GPU: <why>", from :func:`gluon_unet.hardware.gpu_status`). The assertions
+"SKIPPED ... no GPU: <why>", from :func:`gluon_unet.machine.gpus.gpu_status`). The assertions
 are the functions in ``device_checks.py`` that the CPU-context tests run on this machine
 (test_parallel, test_syncbn_amp, test_device_checks); only the devices and the
 tolerances differ (cuDNN chooses algorithms per shape; TF32 is off:
@@ -25,7 +25,7 @@ from device_checks import (GPU_TOL, check_amp_trains_and_exports_float32, check_
                            check_running_stats_match_imperative, check_sync_bn_matches_whole_batch,
                            check_sync_bn_uneven_batch_matches_one_device, child_env, engine_step_trainer,
                            gpu_contexts)
-from gluon_unet import devices, hardware
+from gluon_unet.machine import devices, gpus as hardware
 
 
 def _gpus():
@@ -99,10 +99,10 @@ def test_gpus_4_7_style_renumbering_shows_mxnet_only_the_requested_gpus():
     # GPU 1 (the same card: CUDA keeps its order) and GPU 0 gets no CUDA context.
     expected_name = hardware.gpu_properties(1)[0]
     code = ('import os, sys\n'
-            'from gluon_unet import runtime\n'
+            'from gluon_unet.machine import runtime\n'
             'print(runtime.prepare_training_process("1", 1))\n'
             'import mxnet as mx\n'
-            'from gluon_unet import devices, hardware\n'
+            'from gluon_unet.machine import devices, gpus as hardware\n'
             'ctxs = devices.make_contexts("1")\n'
             'print(ctxs, devices.context_names(ctxs), mx.context.num_gpus(), os.environ["CUDA_VISIBLE_DEVICES"],\n'
             '      "OMP_NUM_THREADS" in os.environ)\n'
@@ -168,7 +168,7 @@ def test_the_pinned_memory_benchmark_prints_the_three_ways():
 @pytest.mark.gpu
 def test_probing_a_gpu_leaves_nothing_for_exit():
     # probe_gpu waits for the engine after its kernels: nothing is rethrown at exit.
-    code = ('from gluon_unet import hardware\n'
+    code = ('from gluon_unet.machine import gpus as hardware\n'
             'print(hardware.probe_gpu(0))\n')
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=child_env())
     assert done.returncode == 0 and done.stdout.strip() == 'None' and not done.stderr.strip(), done.stderr

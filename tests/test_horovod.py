@@ -21,7 +21,8 @@ import pytest
 
 from conftest import load_dump, pids_with, reaped_tag, run_in_own_group, tiny_config, write_config
 from device_checks import max_diff
-from gluon_unet import distributed, runtime
+from gluon_unet.training import distributed
+from gluon_unet.machine import runtime
 from gluon_unet.errors import UserError
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
@@ -163,7 +164,7 @@ def test_without_horovod_one_line_naming_the_install(monkeypatch, capsys, tmp_pa
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith('error: --kvstore horovod: Horovod for MXNet is not installed') \
         and 'requirements-horovod.txt' in err[0]
-    from gluon_unet import doctor
+    from gluon_unet.cli import doctor
     assert doctor.horovod_status().startswith('not installed (only --kvstore horovod needs it')
 
 
@@ -243,7 +244,7 @@ def test_two_processes_match_one_at_twice_the_batch_and_resume(tmp_path, marker)
     horovodrun = horovodrun_or_skip()
     t_start = time.time()
     # Reference, in this process: one device, the global batch of 8, two epochs unbroken.
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     ref = _Dump()
     fit(hvd_config(tmp_path, batch_size=8, kvstore='device', epochs=2, output=str(tmp_path / 'ref')),
         verbose=False, callbacks=[ref])

@@ -7,9 +7,9 @@ import numpy as np
 
 from gluon_unet.config import ModelConfig
 from gluon_unet.data.synthetic import synthetic_nuclei
-from gluon_unet.inference import image_jobs, predict_image, run_jobs
+from gluon_unet.inference.batched import image_jobs, predict_image, run_jobs
 from gluon_unet.model import build_model
-from gluon_unet.tiling import DIHEDRAL, dihedral, undihedral
+from gluon_unet.inference.tiling import DIHEDRAL, dihedral, undihedral
 
 CPUS = [mx.cpu(0), mx.cpu(1), mx.cpu(2)]
 META = {'train_size': 32, 'multiple': 4, 'resize_mode': 'crop'}

@@ -13,10 +13,10 @@ from gluon_unet.data import loader as loader_mod, synthetic_dataset
 from gluon_unet.data.loader import default_workers, make_loader
 from gluon_unet.data.weights import unet_weight_map
 from gluon_unet.errors import UserError
-from gluon_unet.losses import SegmentationLoss
+from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.model import build_model
-from gluon_unet.optim import make_trainer
-from gluon_unet.parallel import DataParallelStep
+from gluon_unet.training.optim import make_trainer
+from gluon_unet.training.parallel import DataParallelStep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

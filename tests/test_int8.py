@@ -10,17 +10,17 @@ import pytest
 from conftest import export_names, run_cli, tiny_config
 from gluon_unet.cli import export_main, predict_main
 from gluon_unet.data.synthetic import synthetic_nuclei
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_exported
+from gluon_unet.inference.batched import load_exported
 from gluon_unet.metrics import dsb_image_score
-from gluon_unet.predict import predict_paths
+from gluon_unet.inference.predict import predict_paths
 
 INT8_FILES = ['model-int8-0000.params', 'model-int8-symbol.json']
 
 
 def _skip_unless_int8():
-    from gluon_unet.hardware import cpu_int8_support
+    from gluon_unet.machine.cpu import cpu_int8_support
     ok, reason = cpu_int8_support()
     if not ok:
         pytest.skip(reason)
@@ -149,7 +149,7 @@ def test_bad_precision_fails_in_one_line(int8_export, nuclei, tmp_path, capsys, 
 
 
 def test_int8_on_a_machine_that_cannot_run_it_is_one_line(run, int8_export, nuclei, tmp_path, capsys, monkeypatch):
-    from gluon_unet import hardware
+    from gluon_unet.machine import cpu as hardware
     monkeypatch.setattr(hardware, 'cpu_int8_support', lambda: (False, 'this MXNet build has no oneDNN'))
     assert run_cli(export_main, [run.output, '--int8', '--output', str(tmp_path / 'e')]) == 2
     assert capsys.readouterr().err == 'error: --int8: this MXNet build has no oneDNN\n'
@@ -160,7 +160,7 @@ def test_int8_on_a_machine_that_cannot_run_it_is_one_line(run, int8_export, nucl
 
 
 def test_int8_support_probe_names_the_cpu():
-    from gluon_unet.hardware import cpu_int8_support
+    from gluon_unet.machine.cpu import cpu_int8_support
     ok, reason = cpu_int8_support()
     assert isinstance(ok, bool) and 'int8' in reason
     if ok:

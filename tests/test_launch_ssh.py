@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gluon_unet import launch
+from gluon_unet.training import launcher as launch
 from gluon_unet.cli import launch_main
 from gluon_unet.errors import UserError
 

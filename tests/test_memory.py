@@ -10,12 +10,12 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from gluon_unet.benchmark import synthetic_batch
+from gluon_unet.training.benchmark import synthetic_batch
 from gluon_unet.checkpoint import list_checkpoints
 from gluon_unet.config import ModelConfig, TrainConfig
-from gluon_unet.engine import fit
-from gluon_unet.parallel import DataParallelStep, MirroredStep
-from gluon_unet.step import build_network, make_step
+from gluon_unet.training.loop import fit
+from gluon_unet.training.parallel import DataParallelStep, MirroredStep
+from gluon_unet.training.step import build_network, make_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,8 +89,8 @@ def _peak_rss_mib(memory):
     code = ('import sys; sys.path.insert(0, %r)\n'
             'import mxnet as mx\n'
             'from gluon_unet.config import ModelConfig, TrainConfig\n'
-            'from gluon_unet.step import build_network, make_step\n'
-            'from gluon_unet.benchmark import synthetic_batch\n'
+            'from gluon_unet.training.step import build_network, make_step\n'
+            'from gluon_unet.training.benchmark import synthetic_batch\n'
             'cfg = TrainConfig(model=ModelConfig(in_channels=1, width=16, depth=3), size=128, batch_size=4,\n'
             '                  memory=%r, progress=False)\n'
             'step = make_step(cfg, build_network(cfg, [mx.cpu()]), [mx.cpu()])\n'
@@ -155,7 +155,7 @@ def test_bad_memory_values_are_one_line_exit_2(tmp_path, argv, words):
 
 
 def test_one_context_with_a_memory_setting_gets_one_scratch_buffer():
-    from gluon_unet import runtime
+    from gluon_unet.machine import runtime
     assert 'MXNET_CPU_TEMP_COPY' not in runtime.recommended_settings(1, {})
     assert runtime.recommended_settings(1, {}, memory='low')['MXNET_CPU_TEMP_COPY'] == '1'
     assert runtime.recommended_settings(1, {}, memory='balanced')['MXNET_CPU_TEMP_COPY'] == '1'

@@ -58,10 +58,10 @@ def test_flops_count_matches_a_hand_count():
 def test_transposed_conv_as_1x1_conv_equals_conv2d_transpose(hybridize):
     # The bfloat16 stand-in for Conv2DTranspose(k=2, s=2): same function, same gradients,
     # and the same parameters, so a checkpoint loads into either.
-    from gluon_unet.model import _TransposedConv2x2
+    from gluon_unet.machine.onednn import TransposedConv2x2
     x = mx.nd.random.uniform(shape=(2, 6, 5, 7))
     ref = mx.gluon.nn.Conv2DTranspose(3, 2, strides=2, in_channels=6)
-    ours = _TransposedConv2x2(3, in_channels=6)
+    ours = TransposedConv2x2(3, in_channels=6)
     ref.initialize(mx.init.Xavier())
     ours.initialize()
     ref.bias.set_data(mx.nd.random.uniform(shape=(3,)))
@@ -87,14 +87,19 @@ def test_transposed_conv_as_1x1_conv_equals_conv2d_transpose(hybridize):
 
 @pytest.mark.parametrize('amp_dtype, stand_in', [(None, False), ('float16', False), ('bfloat16', True)])
 def test_amp_dtype_is_explicit_and_chooses_the_upsampling_block(amp_dtype, stand_in):
-    # build_model is told the AMP dtype (no peeking at MXNet's private AMP state): only
-    # bfloat16 needs the 1x1 stand-in for Deconvolution; float16 (cuDNN) and float32 use it.
-    from gluon_unet.model import _TransposedConv2x2
-    net = build_model(ModelConfig(in_channels=1, width=4, depth=2), amp_dtype=amp_dtype)
+    # The network is told the AMP dtype through its layers (no peeking at MXNet's private
+    # AMP state): only bfloat16 (on CPUs) needs the 1x1 stand-in for Deconvolution;
+    # float16 (cuDNN, on GPUs) and float32 use Deconvolution.
+    from gluon_unet.config import TrainConfig
+    from gluon_unet.machine.onednn import TransposedConv2x2
+    from gluon_unet.training.step import network_layers
+    cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2))
+    ctxs = [mx.gpu(0)] if amp_dtype == 'float16' else [mx.cpu(0)]  # only the device type is read
+    net = build_model(cfg.model, network_layers(cfg, ctxs, amp_dtype))
     ups = [block.up for block in net.up]
-    assert all(isinstance(u, _TransposedConv2x2) == stand_in for u in ups)
+    assert all(isinstance(u, TransposedConv2x2) == stand_in for u in ups)
     assert all(isinstance(u, mx.gluon.nn.Conv2DTranspose) != stand_in for u in ups)
-    assert all(block.multicast == (amp_dtype is not None) for block in net.up)
+    assert all(block.join.multicast == (amp_dtype is not None) for block in net.up)
     # The same structural parameter names (what checkpoints store) either way.
     plain = build_model(ModelConfig(in_channels=1, width=4, depth=2))
     assert sorted(net._collect_params_with_prefix()) == sorted(plain._collect_params_with_prefix())
@@ -107,10 +112,13 @@ def test_fused_batchnorm_relu_is_the_same_function_with_the_same_parameter_names
     # names that checkpoints store must agree.
     from mxnet.gluon import nn
     from conftest import unet_twin
+    from gluon_unet.machine.onednn import OneDNNLayers
+    from gluon_unet.model import Layers
     x = mx.nd.array(np.random.RandomState(0).randn(2, 1, 16, 16))
     results, names = [], []
     for fuse in (False, True):
-        net, structural, y, dx = unet_twin(0, x, hybridize, in_channels=1, width=4, depth=2, onednn_training=fuse)
+        net, structural, y, dx = unet_twin(0, x, hybridize, in_channels=1, width=4, depth=2,
+                                           layers=OneDNNLayers(Layers(), training=fuse))
         params = net._collect_params_with_prefix()
         names.append(structural)
         results.append([y, dx, net(x).asnumpy()]  # the last: inference mode
@@ -126,7 +134,7 @@ def test_fused_batchnorm_relu_is_the_same_function_with_the_same_parameter_names
 def test_the_training_network_fuses_batchnorm_relu_on_cpu_and_an_export_does_not():
     from mxnet.gluon import nn
     from gluon_unet.config import TrainConfig
-    from gluon_unet.step import build_network
+    from gluon_unet.training.step import build_network
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), size=16, batch_size=2, progress=False)
     net = build_network(cfg, [mx.cpu(0), mx.cpu(1)])
     assert isinstance(net.down[0].body[1], nn.BatchNormReLU)
@@ -134,9 +142,14 @@ def test_the_training_network_fuses_batchnorm_relu_on_cpu_and_an_export_does_not
     assert not any(isinstance(b, nn.BatchNormReLU) for b in build_model(cfg.model).down[0].body)
     # The skips' identity for oneDNN's gradient sums: bfloat16 training on CPU only
     # (tests/test_amx.py checks what it does)
-    assert not any(up.skip_blocked for up in net.up)  # float32
-    assert all(up.skip_blocked for up in build_model(cfg.model, amp_dtype='bfloat16', onednn_training=True).up)
-    assert not any(up.skip_blocked for up in build_model(cfg.model, amp_dtype='bfloat16').up)
+    from gluon_unet.machine.onednn import OneDNNLayers
+    from gluon_unet.model import Layers
+
+    def skips_blocked(layers):
+        return [getattr(up.join, 'skip_blocked', False) for up in build_model(cfg.model, layers).up]
+    assert not any(getattr(up.join, 'skip_blocked', False) for up in net.up)  # float32
+    assert all(skips_blocked(OneDNNLayers(Layers(amp=True), bfloat16=True, training=True)))
+    assert not any(skips_blocked(OneDNNLayers(Layers(amp=True), bfloat16=True)))
     # SyncBatchNorm is not fused
     synced = build_network(TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2), sync_bn=True),
                            [mx.cpu(0), mx.cpu(1)])
@@ -148,7 +161,7 @@ def test_build_network_initializes_what_a_forward_pass_would_without_running_the
     # kernels for a batch of one cached, with their scratch memory); a seed must still
     # give the weights Gluon's own deferred initialization by a forward pass gives.
     from gluon_unet.config import TrainConfig
-    from gluon_unet.step import build_network
+    from gluon_unet.training.step import build_network
     cfg = TrainConfig(model=ModelConfig(in_channels=3, width=4, depth=3), size=32, progress=False)
     ctxs = [mx.cpu(0), mx.cpu(1)]
     net = build_network(cfg, ctxs)

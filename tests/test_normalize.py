@@ -12,7 +12,7 @@ from gluon_unet.config import TrainConfig
 from gluon_unet.data import load_dataset
 from gluon_unet.data.io import BRIGHT_BACKGROUND, normalize_image
 from gluon_unet.errors import UserError
-from gluon_unet.predict import predict_paths
+from gluon_unet.inference.predict import predict_paths
 
 
 def _discs(size=48, centres=((16, 16), (34, 30)), r=7, fg=200, bg=30):

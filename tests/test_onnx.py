@@ -24,8 +24,8 @@ from gluon_unet.errors import DamagedFile, UserError
 
 onnx = pytest.importorskip('onnx')  # requirements-dev.txt installs it; a bare install may not have it
 
-from gluon_unet.onnx_export import OPSET, TOLERANCE, add_onnx, check_parity, convert  # noqa: E402
-from gluon_unet.onnx_runner import ONNX_FILE, onnx_path  # noqa: E402
+from gluon_unet.inference.export_onnx import OPSET, TOLERANCE, add_onnx, check_parity, convert  # noqa: E402
+from gluon_unet.inference.batched_onnx import ONNX_FILE, onnx_path  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +66,7 @@ def _export_kind(folder, depth=4, in_channels=1, onnx=False, **model):
     model.onnx only with ``onnx`` (the tests add it with add_onnx)."""
     mx.random.seed(0)
     cfg = TrainConfig(model=ModelConfig(in_channels=in_channels, width=4, depth=depth, **model), size=64)
-    from gluon_unet.export import export_block
+    from gluon_unet.inference.export import export_block
     from gluon_unet.model import build_model
     net = build_model(cfg.model)
     net.initialize(mx.init.Xavier(magnitude=2))
@@ -123,7 +123,7 @@ def test_every_kind_converts_with_weights_as_initializers_named_axes_and_parity(
 def test_onnxruntime_matches_mxnet_for_every_kind_on_new_shapes(kinds):
     script = textwrap.dedent('''
         import json, sys, numpy as np
-        from gluon_unet.onnx_runner import OnnxNetwork
+        from gluon_unet.inference.batched_onnx import OnnxNetwork
         out = {}
         for kind, folder in json.loads(sys.argv[1]).items():
             net = OnnxNetwork(folder + '/model.onnx', [[('CPUExecutionProvider', {})]], threads=1)
@@ -145,13 +145,16 @@ def test_bf16_trained_weights_export_as_a_float32_graph_that_converts(tmp_path):
     # reshape with -4, which MXNet's ONNX converter cannot translate. Its checkpoint holds the
     # same parameters as a float32 U-Net's, and exports are rebuilt in float32 from it.
     from gluon_unet.checkpoint import save_checkpoint
-    from gluon_unet.export import export_checkpoint
+    from gluon_unet.inference.export import export_checkpoint
     from gluon_unet.model import build_model
-    from gluon_unet.onnx_export import graph_data
-    from gluon_unet.onnx_numpy import run_graph
+    from gluon_unet.inference.export_onnx import graph_data
+    from gluon_unet.inference.onnx_numpy import run_graph
     mx.random.seed(0)
     cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2, batch_norm=False), size=32)
-    standin = build_model(cfg.model, amp_dtype='bfloat16')  # float32 here: only the structure matters
+    from gluon_unet.machine.onednn import OneDNNLayers
+    from gluon_unet.model import Layers
+    # float32 here: only the structure matters
+    standin = build_model(cfg.model, OneDNNLayers(Layers(amp=True), bfloat16=True))
     standin.initialize(mx.init.Xavier(magnitude=2))
     x = np.random.default_rng(0).random((1, 1, 32, 48), dtype=np.float32)
     expected = standin(mx.nd.array(x)).asnumpy()
@@ -187,14 +190,14 @@ def test_parity_check_refuses_a_graph_that_differs_from_mxnet(kinds):
 
 
 def test_numpy_interpreter_names_an_operator_it_does_not_know():
-    from gluon_unet.onnx_numpy import UnsupportedGraph, run_graph
+    from gluon_unet.inference.onnx_numpy import UnsupportedGraph, run_graph
     with pytest.raises(UnsupportedGraph, match='Softmax'):
         run_graph([('Softmax', ['x'], ['y'], {})], {}, {'x': np.zeros((1, 2))}, ['y'])
 
 
 def test_probability_maps_match_mxnet():
     from gluon_unet.model import probability_maps as mx_maps
-    from gluon_unet.onnx_runner import probability_maps
+    from gluon_unet.inference.batched_onnx import probability_maps
     rng = np.random.default_rng(0)
     for channels, second in ((1, None), (2, 'border'), (3, None)):
         logits = rng.normal(0, 30, (2, channels, 8, 8)).astype(np.float32)
@@ -227,8 +230,8 @@ def test_a_stale_or_damaged_model_onnx_is_refused(kinds, tmp_path):
 
 
 def test_predict_imports_no_mxnet_until_it_predicts_with_mxnet():
-    code = ('import sys, gluon_unet.cli, gluon_unet.predict, gluon_unet.onnx_runner, gluon_unet.export, '
-            'gluon_unet.inference, gluon_unet.data.io; '
+    code = ('import sys, gluon_unet.cli, gluon_unet.inference.predict, gluon_unet.inference.batched_onnx, gluon_unet.inference.export, '
+            'gluon_unet.inference.batched, gluon_unet.data.io; '
             'assert not [m for m in sys.modules if m.split(".")[0] in ("mxnet", "onnx", "onnxruntime")], '
             'sorted(m for m in sys.modules if "mxnet" in m)[:5]')
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -236,7 +239,7 @@ def test_predict_imports_no_mxnet_until_it_predicts_with_mxnet():
 
 
 def test_without_onnxruntime_the_onnx_path_is_one_line(kinds):
-    from gluon_unet.onnx_runner import load_onnx_model
+    from gluon_unet.inference.batched_onnx import load_onnx_model
     try:
         import onnxruntime  # noqa: F401
         pytest.skip('onnxruntime is installed beside mxnet here')
@@ -257,7 +260,7 @@ def trained(tmp_path_factory):
     as bin/train does, model.onnx included: the onnx package is installed), and images to
     predict."""
     from gluon_unet.data.synthetic import synthetic_nuclei
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     root = tmp_path_factory.mktemp('trained')
     cfg = tiny_config(root, epochs=4, width=8, batch_norm=True, target='mask+border', size=64, crop=32)
     fit(cfg, verbose=False)
@@ -273,7 +276,7 @@ def trained(tmp_path_factory):
 
 def test_training_writes_model_onnx_into_its_export_and_bin_export_follows_the_flags(trained, tmp_path, capsys):
     from gluon_unet.cli import export_main
-    from gluon_unet.sidecar import read_sidecar
+    from gluon_unet.inference.sidecar import read_sidecar
     run, _, _ = trained
     export = os.path.join(run, 'export')
     meta = read_sidecar(os.path.join(export, 'model.json'))
@@ -369,7 +372,7 @@ def test_onnx_environment_errors_are_one_line(trained, tmp_path):
     script = textwrap.dedent('''
         import sys
         from gluon_unet.errors import UserError
-        from gluon_unet.onnx_runner import parse_providers
+        from gluon_unet.inference.batched_onnx import parse_providers
         for text, gpus in (('nope', ''), ('cuda', ''), ('', '0')):
             try:
                 parse_providers(text, gpus)

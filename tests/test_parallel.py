@@ -5,7 +5,7 @@ import pytest
 
 from device_checks import (CPU_TOL, check_clipping_device_invariant, check_devices_equivalent, cpu_contexts,
                            check_running_stats_match_imperative, max_diff, train_params, uneven_batches)
-from gluon_unet.parallel import split_batch
+from gluon_unet.training.parallel import split_batch
 
 cpus = cpu_contexts
 
@@ -62,7 +62,7 @@ def test_every_forward_is_queued_before_any_loss_and_the_loss_is_a_graph(tiny):
     # MXNet hands all CPU contexts scratch buffers from one pool: a loss op of device 0
     # queued ahead of device 1's forward could draw the buffer that forward holds and make
     # it wait for device 0 (measured on Zen 3: 1 step in 5 ran the forwards in turn).
-    from gluon_unet.step import build_network, make_step
+    from gluon_unet.training.step import build_network, make_step
     cfg = tiny(cpus=2)
     ctxs = cpu_contexts(2)
     step = make_step(cfg, build_network(cfg, ctxs), ctxs)
@@ -82,7 +82,7 @@ def test_every_forward_is_queued_before_any_loss_and_the_loss_is_a_graph(tiny):
 def test_the_sync_bn_step_keeps_the_imperative_loss(tiny):
     # One thread per device calls the loss there; a HybridBlock's first call (which builds
     # its graph) is not guarded against threads.
-    from gluon_unet.step import build_network, make_step
+    from gluon_unet.training.step import build_network, make_step
     cfg = tiny(cpus=2, sync_bn=True, batch_norm=True)
     ctxs = cpu_contexts(2)
     step = make_step(cfg, build_network(cfg, ctxs), ctxs)

@@ -10,7 +10,7 @@ import pytest
 from conftest import export_names
 from gluon_unet import utils
 from gluon_unet.checkpoint import save_checkpoint
-from gluon_unet.export import export_checkpoint
+from gluon_unet.inference.export import export_checkpoint
 from gluon_unet.model import build_model
 from gluon_unet.utils import atomic_open, atomic_path
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from gluon_unet.metrics import iou_matrix
-from gluon_unet.overlay import overlay
-from gluon_unet.postprocess import instances_from_maps, instances_from_prob
-from gluon_unet.submission import rle_decode, rle_encode, submission_rows
+from gluon_unet.inference.overlay import overlay
+from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob
+from gluon_unet.inference.submission import rle_decode, rle_encode, submission_rows
 
 
 def disk(shape, center, radius):

@@ -1,5 +1,5 @@
 """The inference split: tiling geometry without mxnet, PredictConfig, the compatibility
-names of gluon_unet.predict."""
+names of gluon_unet.inference.predict."""
 import subprocess
 import sys
 
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from gluon_unet.errors import UserError
-from gluon_unet.predict import PredictConfig, predict_paths
-from gluon_unet.tiling import padding_to_multiple, plan_image
+from gluon_unet.inference.predict import PredictConfig, predict_paths
+from gluon_unet.inference.tiling import padding_to_multiple, plan_image
 
 
 def test_tiling_is_pure_numpy():
-    code = 'import sys, gluon_unet.tiling; assert "mxnet" not in sys.modules'
+    code = 'import sys, gluon_unet.inference.tiling; assert "mxnet" not in sys.modules'
     done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

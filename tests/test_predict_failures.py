@@ -9,7 +9,7 @@ import pytest
 
 from gluon_unet.cli import predict_main
 from gluon_unet.errors import UserError
-from gluon_unet.predict import predict_paths
+from gluon_unet.inference.predict import predict_paths
 
 from conftest import export_brightness_model, nuclei_png, run_cli
 

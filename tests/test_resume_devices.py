@@ -16,7 +16,7 @@ import pytest
 from device_checks import (RESUME_MODES, RESUME_STEPS, check_resume_across_device_counts, cpu_contexts,
                            resume_run, tiny_conv_net)
 from gluon_unet.checkpoint import load_checkpoint
-from gluon_unet.optim import make_trainer
+from gluon_unet.training.optim import make_trainer
 
 
 @functools.lru_cache(maxsize=None)

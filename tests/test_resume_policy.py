@@ -7,9 +7,9 @@ import pytest
 
 from gluon_unet.config import _CHOICES, ModelConfig, TrainConfig, flag_name
 from gluon_unet.data import synthetic_dataset
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.resume import RESUME_POLICY, check_resumable, resume_conflicts, resume_policy_text
+from gluon_unet.training.resume import RESUME_POLICY, check_resumable, resume_conflicts, resume_policy_text
 
 SETTINGS = [f.name for f in dataclasses.fields(TrainConfig) if f.name != 'model'] + \
     [f.name for f in dataclasses.fields(ModelConfig)]

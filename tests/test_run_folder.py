@@ -12,9 +12,9 @@ import pytest
 
 from gluon_unet.checkpoint import list_checkpoints
 from gluon_unet.data import synthetic_dataset
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.rundir import claim_run_folder
+from gluon_unet.training.run_folder import claim_run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,7 +94,7 @@ def test_without_output_every_run_gets_a_new_folder_and_resume_auto_finds_the_ne
 _HOLDER = '''
 import sys, time
 sys.path.insert(0, %r)
-from gluon_unet.rundir import claim_run_folder
+from gluon_unet.training.run_folder import claim_run_folder
 folder = claim_run_folder(sys.argv[1], 'unused')
 print('locked', flush=True)
 time.sleep(120)

@@ -9,8 +9,8 @@ import sys
 import mxnet  # noqa: F401  (loaded, as in any process that trains from Python)
 import pytest
 
-from gluon_unet import runtime
-from gluon_unet.devices import cpu_context_count
+from gluon_unet.machine import runtime
+from gluon_unet.machine.devices import cpu_context_count
 from gluon_unet.reporting import LOGGER_NAME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,7 @@ def _python(code, env=None, timeout=120):
 
 def test_importing_gluon_unet_leaves_the_environment_alone():
     code = ('import os; before = dict(os.environ); import gluon_unet; '
-            'from gluon_unet import TrainConfig, cli, runtime; assert dict(os.environ) == before; print("ok")')
+            'from gluon_unet import TrainConfig, cli; from gluon_unet.machine import runtime; assert dict(os.environ) == before; print("ok")')
     assert _python(code) == 'ok'
     assert _python(code, env=dict(_child_env(), OMP_NUM_THREADS='3')) == 'ok'
 
@@ -166,7 +166,7 @@ def test_importing_gluon_unet_leaves_the_environment_alone():
 def test_use_all_cores_before_mxnet_loads(tmp_path):
     # The Python API's explicit call: all physical cores for one context, divided among
     # several, replacing its own earlier choice but never the user's.
-    code = ('import os, sys, gluon_unet; from gluon_unet import runtime; '
+    code = ('import os, sys, gluon_unet; from gluon_unet.machine import runtime; '
             'runtime.physical_cores = lambda: 8; '
             'print(gluon_unet.use_all_cores(), gluon_unet.use_all_cores(contexts=4), '
             'os.environ["OMP_NUM_THREADS"], os.environ["MXNET_CPU_TEMP_COPY"], runtime.thread_source(), '
@@ -180,7 +180,7 @@ def test_use_all_cores_before_mxnet_loads(tmp_path):
 @pytest.mark.parametrize('entry', ['predict_main', 'evaluate_main', 'export_main'])
 def test_other_cli_entry_points_use_all_the_cores(entry):
     # As import gluon_unet used to: all physical cores (one context), before mxnet loads.
-    code = ('import os, sys; from gluon_unet import cli, runtime\n'
+    code = ('import os, sys; from gluon_unet import cli; from gluon_unet.machine import runtime\n'
             'try:\n    cli.%s(["--help"])\nexcept SystemExit:\n    pass\n'
             'print(os.environ.get("OMP_NUM_THREADS"), runtime.physical_cores())' % entry)
     omp, cores = _python(code).splitlines()[-1].split()
@@ -218,7 +218,7 @@ def _gpu_child_env(**extra):
     return env
 
 
-PREPARE = ('import os, sys; from gluon_unet import runtime\n'
+PREPARE = ('import os, sys; from gluon_unet.machine import runtime\n'
            'before = runtime.use_all_cores() if "--use-all-cores" in sys.argv else None\n'
            'print(runtime.prepare_training_process(sys.argv[1], 1))\n'
            'print(os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("OMP_NUM_THREADS"), '

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-from gluon_unet import inference, scale
-from gluon_unet.engine import fit
-from gluon_unet.predict import predict_paths
+from gluon_unet.data import sizes
+from gluon_unet.inference import batched as inference, scale
+from gluon_unet.training.loop import fit
+from gluon_unet.inference.predict import predict_paths
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -29,15 +30,15 @@ def _discs(shape, centres, r):
 
 def test_diameters_of_discs_and_a_typical_size_that_specks_do_not_outvote():
     big = _discs((200, 200), [(40, 40), (40, 150), (150, 40), (150, 150), (100, 100)], 20)
-    d = scale.object_diameters(big)
+    d = sizes.object_diameters(big)
     assert len(d) == 5 and np.allclose(d, 40, atol=1.0)
-    assert abs(scale.nucleus_sizes([big, _discs((60, 60), [(30, 30)], 5)])[0] - 40) < 1
-    assert scale.nucleus_sizes([np.zeros((8, 8), np.int32)]) == (None, None)
+    assert abs(sizes.nucleus_sizes([big, _discs((60, 60), [(30, 30)], 5)])[0] - 40) < 1
+    assert sizes.nucleus_sizes([np.zeros((8, 8), np.int32)]) == (None, None)
     noisy = big.copy()
     for k, (y, x) in enumerate(np.random.default_rng(0).integers(0, 200, size=(30, 2)), start=10):
         if noisy[y, x] == 0:
             noisy[y, x] = k  # 1-pixel specks: the plain median would say ~1 px
-    assert np.median(scale.object_diameters(noisy)) < 5
+    assert np.median(sizes.object_diameters(noisy)) < 5
     assert abs(scale.estimate_diameter(noisy) - 40) < 1
     assert scale.estimate_diameter(_discs((50, 50), [(25, 25)], 10)) is None  # one object: too little
 
@@ -57,7 +58,7 @@ def test_training_records_the_median_diameter_in_the_export(tiny):
     from gluon_unet.data.dataset import split_indices
     full = synthetic_dataset(24, 32, channels=1, seed=0)
     train_idx, _ = split_indices(24, 0.1, 0)
-    expected = scale.nucleus_sizes(full.instances(i) for i in train_idx)[0]
+    expected = sizes.nucleus_sizes(full.instances(i) for i in train_idx)[0]
     assert meta['diameter'] == pytest.approx(expected) and 3 < expected < 20
     # generated nuclei have no image kind: one range, over every nucleus
     assert list(meta['diameter_ranges']) == ['all'] and meta['predict_diameter'] == 'range'
@@ -146,12 +147,12 @@ def test_nucleus_sizes_give_each_kind_its_range_and_all_of_them():
     small = [_discs((100, 100), [(20, 20), (20, 70), (70, 20), (70, 70)], 5)] * 15  # 60 nuclei of ~10 px
     large = [_discs((200, 200), [(50, 50), (50, 150), (150, 50), (150, 150)], 20)] * 15  # 60 of ~40 px
     few = [_discs((60, 60), [(30, 30)], 10)]  # one nucleus of a kind: too few for a range of its own
-    median, ranges = scale.nucleus_sizes(small + large + few, ['fluorescence'] * 15 + ['colour'] * 15 + ['brightfield'])
+    median, ranges = sizes.nucleus_sizes(small + large + few, ['fluorescence'] * 15 + ['colour'] * 15 + ['brightfield'])
     assert set(ranges) == {'all', 'fluorescence', 'colour'}
     assert 9 < ranges['fluorescence'][0] <= ranges['fluorescence'][1] < 12
     assert 39 < ranges['colour'][0] <= ranges['colour'][1] < 42
     assert ranges['all'][0] < 12 and ranges['all'][1] > 39 and 9 < median < 42
-    assert scale.nucleus_sizes(small, None)[1].keys() == {'all'}  # kinds unknown: one range
+    assert sizes.nucleus_sizes(small, None)[1].keys() == {'all'}  # kinds unknown: one range
 
 
 def test_range_enlarges_always_and_shrinks_only_sizes_a_kind_was_not_trained_on():

@@ -7,8 +7,8 @@ import pytest
 
 from gluon_unet.cli import predict_main
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_exported
-from gluon_unet.predict import predict_paths
+from gluon_unet.inference.batched import load_exported
+from gluon_unet.inference.predict import predict_paths
 
 from conftest import export_brightness_model, nuclei_png, run_cli
 

@@ -10,10 +10,11 @@ import signal
 import mxnet as mx
 import pytest
 
-from gluon_unet import engine, recorder, search
+from gluon_unet.training import loop as engine, recorder
+from gluon_unet.inference import postprocess_search as search
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.cli import export_main, train_main
-from gluon_unet.inference import load_exported
+from gluon_unet.inference.batched import load_exported
 
 from conftest import run_cli
 
@@ -90,12 +91,12 @@ def test_a_signal_during_an_epoch_saves_a_checkpoint_and_says_how_to_continue(tm
 def test_a_signal_during_the_search_says_training_is_complete_and_how_to_finish(tmp_path, monkeypatch, capsys,
                                                                                 signum):
     out = str(tmp_path / 'run')
-    real = search.tune_postprocess
+    real = search.tune_on_maps
 
     def search_then_signal(*args, **kwargs):  # the maps are predicted; the settings are being scored
         _send(signum)
         return real(*args, **kwargs)
-    monkeypatch.setattr(search, 'tune_postprocess', search_then_signal)
+    monkeypatch.setattr(search, 'tune_on_maps', search_then_signal)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
     err = _one_line(capsys)
@@ -104,7 +105,7 @@ def test_a_signal_during_the_search_says_training_is_complete_and_how_to_finish(
     assert 'bin/export %s --tune-postprocess' % out in err and '--resume auto' in err, err
     assert not os.path.exists(os.path.join(out, 'export')) and not _temporary_files(out)
     _checkpoints_load(out)
-    monkeypatch.setattr(search, 'tune_postprocess', real)
+    monkeypatch.setattr(search, 'tune_on_maps', real)
     # Either piece of advice finishes the job: the export, with the searched settings.
     if signum == signal.SIGINT:
         assert run_cli(export_main, [out, '--tune-postprocess']) == 0

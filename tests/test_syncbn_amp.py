@@ -10,7 +10,7 @@ import pytest
 
 from device_checks import (check_amp_trains_and_exports_float32, check_sync_bn_matches_whole_batch,
                            check_sync_bn_uneven_batch_matches_one_device, cpu_contexts)
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
 
 
@@ -41,7 +41,7 @@ def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(
         import json, pathlib, sys
         sys.path.insert(0, sys.argv[2])
         from conftest import tiny_config
-        from gluon_unet.engine import fit
+        from gluon_unet.training.loop import fit
         cfg = tiny_config(pathlib.Path(sys.argv[1]), batch_norm=True, sync_bn=True, cpus=3,
                           synthetic_count=11, val_split=0.1, batch_size=3, epochs=1)
         print(json.dumps([r['train_loss'] for r in fit(cfg, verbose=False)]))
@@ -70,8 +70,8 @@ def test_sync_bn_on_cpu_contexts_does_not_hang_with_a_single_scratch_buffer(tmp_
         import mxnet as mx, numpy as np
         from conftest import tiny_config
         from gluon_unet.data import synthetic_nuclei
-        from gluon_unet.step import build_network, make_step, train_epoch
-        from gluon_unet.stops import StopFlag
+        from gluon_unet.training.step import build_network, make_step, train_epoch
+        from gluon_unet.training.stops import StopFlag
         cfg = tiny_config(pathlib.Path(sys.argv[1]), batch_norm=True, sync_bn=True, cpus=3, batch_size=3)
         ctxs = [mx.cpu(i) for i in range(3)]
         step = make_step(cfg, build_network(cfg, ctxs), ctxs)

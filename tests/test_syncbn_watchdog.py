@@ -19,8 +19,8 @@ faulthandler.dump_traceback_later(100, exit=True)  # where it hangs, if it ever 
 sys.path.insert(0, %(root)r)
 import mxnet as mx
 from gluon_unet.config import ModelConfig, TrainConfig
-from gluon_unet.parallel import DeviceFailure
-from gluon_unet.step import build_network, make_step
+from gluon_unet.training.parallel import DeviceFailure
+from gluon_unet.training.step import build_network, make_step
 
 cfg = TrainConfig(model=ModelConfig(in_channels=1, width=4, depth=2, batch_norm=True), size=32,
                   sync_bn=True, cpus=2, batch_size=4)

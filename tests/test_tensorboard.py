@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +75,7 @@ def test_tensorboard_logs_without_loading_an_installed_pytorch(tmp_path):
             del sys.modules[name]
         import mxnet  # the order of a training run: mxnet first
         import numpy as np
-        from gluon_unet.tblog import TensorBoardLog, require_tensorboardx
+        from gluon_unet.training.tblog import TensorBoardLog, require_tensorboardx
         require_tensorboardx()
         log = TensorBoardLog(%r)
         log.step(1, loss=0.5, lr=0.1)

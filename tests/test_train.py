@@ -12,8 +12,8 @@ import pytest
 
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.data import synthetic_dataset
-from gluon_unet.engine import fit
-from gluon_unet.step import Diverged
+from gluon_unet.training.loop import fit
+from gluon_unet.training.step import Diverged
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

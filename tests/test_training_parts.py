@@ -11,12 +11,12 @@ import pytest
 
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from gluon_unet.config import ModelConfig
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.losses import SegmentationLoss
+from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.model import build_model
-from gluon_unet.optim import make_lr_scheduler, make_trainer
-from gluon_unet.recorder import CheckpointSaver
+from gluon_unet.training.optim import make_lr_scheduler, make_trainer
+from gluon_unet.training.recorder import CheckpointSaver
 
 
 def _loss(kind, logits, target, weight=None, **kw):
@@ -175,7 +175,7 @@ def test_amp_init_leaves_the_root_logger_alone():
         import logging
         import mxnet as mx
         from gluon_unet.config import TrainConfig
-        from gluon_unet.step import init_amp
+        from gluon_unet.training.step import init_amp
         assert init_amp(TrainConfig(amp=True), [mx.cpu()]) == 'bfloat16'
         print('root handlers', len(logging.getLogger().handlers))
     ''')

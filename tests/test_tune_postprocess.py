@@ -5,11 +5,11 @@ import os
 import numpy as np
 import pytest
 
-from gluon_unet import predict as predict_mod
-from gluon_unet.engine import fit
+from gluon_unet.inference import predict as predict_mod
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_model
-from gluon_unet.search import TUNE_GRID, tune_postprocess
+from gluon_unet.inference.batched import load_model
+from gluon_unet.inference.postprocess_search import TUNE_GRID, tune_on_maps
 
 import mxnet as mx
 
@@ -39,12 +39,12 @@ def test_the_search_finds_the_threshold_and_min_size_the_data_needs():
             if truth[y, x] == 0:
                 prob[y - 1:y + 1, x - 1:x + 1] = 0.55
         pairs.append((prob, truth))
-    result = tune_postprocess(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))
+    result = tune_on_maps(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))
     assert result['score'] > result['base_score']
     assert result['threshold'] >= 0.6 or result['min_size'] >= 16
     assert result['images'] == 4
     # with the min score among the choices, the speckles (mean 0.55) may go that way instead
-    result = tune_postprocess(pairs)
+    result = tune_on_maps(pairs)
     assert result['score'] == 1.0 and (result['threshold'] >= 0.6 or result['min_size'] >= 16
                                        or result['min_score'] > 0.55)
 
@@ -53,18 +53,18 @@ def test_the_search_drops_faint_blobs_by_their_mean_probability_and_scores_what_
     """Faint blobs too large for any min size and too bright for any threshold of the grid
     are dropped by the min score; the reported score is what the chosen setting gives."""
     from gluon_unet.metrics import dsb_image_score
-    from gluon_unet.postprocess import instances_from_maps
+    from gluon_unet.inference.postprocess import instances_from_maps
     pairs = []
     for k in range(3):
         prob, truth = _nuclei([(14, 14), (14, 48), (48, 14)], 0.97)
         prob[_disc(truth.shape, 46, 46, 8 + k)] = 0.7  # debris: not a nucleus
         pairs.append((prob, truth))
-    result = tune_postprocess(pairs)
+    result = tune_on_maps(pairs)
     assert result['base_score'] < 0.8 and result['score'] == 1.0
     assert 0.7 < result['min_score'] <= 0.97
     setting = {k: result[k] for k in ('threshold', 'h', 'min_size', 'min_score')}
     assert np.mean([dsb_image_score(instances_from_maps(m, **setting), t) for m, t in pairs]) == result['score']
-    assert tune_postprocess(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))['score'] < 1.0
+    assert tune_on_maps(pairs, grid=dict(TUNE_GRID, min_score=(0.0,)))['score'] < 1.0
 
 
 def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, monkeypatch):
@@ -107,7 +107,7 @@ def test_the_search_scores_whole_validation_images_predicted_like_bin_predict(ti
     """A model trained on crops is tuned on its validation images whole (tiled, as
     bin/predict sees them), scored against their whole instance labels - not on the
     training-time crops, whose settings need not suit whole images."""
-    from gluon_unet import search
+    from gluon_unet.inference import postprocess_search as search
     seen = []
     real = search.predict_image
 
@@ -173,17 +173,17 @@ def test_export_tune_postprocess_without_validation_images_is_one_line(tiny, cap
 def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch):
     import mxnet as mx
     from gluon_unet.data.synthetic import synthetic_dataset
-    from gluon_unet.search import tune_postprocessing
-    from gluon_unet.sidecar import geometry
-    from gluon_unet.step import build_network
+    from gluon_unet.inference.postprocess_search import tune_on_dataset
+    from gluon_unet.inference.sidecar import geometry
+    from gluon_unet.training.step import build_network
     cfg = tiny(size=64, crop=32)
     net = build_network(cfg, [mx.cpu()])
     val_ds = synthetic_dataset(5, 64, channels=1, seed=2)
-    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=2 * 64 * 64)['images'] == 2
-    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=10)['images'] == 1
-    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_images=3)['images'] == 3
+    assert tune_on_dataset(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=2 * 64 * 64)['images'] == 2
+    assert tune_on_dataset(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=10)['images'] == 1
+    assert tune_on_dataset(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_images=3)['images'] == 3
     # An image larger than the budget alone is cut to its centre, labels and image alike.
-    from gluon_unet import search
+    from gluon_unet.inference import postprocess_search as search
     shapes, real = [], search.predict_image
 
     def spy(net, meta, image, ctxs, **kw):
@@ -191,7 +191,7 @@ def test_the_search_stops_gathering_images_at_its_pixel_budget(tiny, monkeypatch
         return real(net, meta, image, ctxs, **kw)
 
     monkeypatch.setattr(search, 'predict_image', spy)
-    assert tune_postprocessing(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=32 * 32)['images'] == 1
+    assert tune_on_dataset(net, [mx.cpu()], val_ds, geometry(cfg), 4, max_pixels=32 * 32)['images'] == 1
     assert shapes == [(32, 32, 1)]
     assert search._central_window((100, 40), 1000) == (slice(25, 75), slice(10, 30))
 
@@ -200,9 +200,9 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
     """--tune-mode / --tune-tta (and bin/export --tune-postprocess --mode M --tta): the
     search scores maps predicted that way, the export records it, and bin/predict notes
     when its own --mode / --tta differ."""
-    from gluon_unet import search
+    from gluon_unet.inference import postprocess_search as search
     from gluon_unet.cli import export_main
-    from gluon_unet.postprocess import settings_text
+    from gluon_unet.inference.postprocess import settings_text
     calls = []
     real = search.predict_image
 
@@ -249,7 +249,7 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
 
 def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
     from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
-    from gluon_unet.sidecar import read_sidecar
+    from gluon_unet.inference.sidecar import read_sidecar
     for bad, words in (({'tta': 'yes'}, "'postprocess' 'tta' must be true or false"),
                        ({'mode': 'tiles'}, "'postprocess' 'mode' must be one of auto, resize, tile, whole")):
         folder = export_brightness_model(str(tmp_path / next(iter(bad))), dict(BRIGHTNESS_SIDECAR, postprocess=bad))
@@ -260,5 +260,5 @@ def test_a_sidecar_whose_tta_or_mode_is_bad_is_refused(tmp_path):
 def test_the_tune_mode_choices_are_predicts_modes():
     # config.py spells them out (it stays free of numpy/OpenCV, which tiling imports).
     from gluon_unet.config import _CHOICES
-    from gluon_unet.tiling import MODES
+    from gluon_unet.inference.tiling import MODES
     assert _CHOICES['tune_mode'] == MODES

@@ -14,12 +14,13 @@ import pytest
 from gluon_unet.cli import evaluate_main, export_main
 from gluon_unet.cli.train import config_from_args
 from gluon_unet.data.io import read_image, read_labels, read_mask
-from gluon_unet.engine import fit
+from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
-from gluon_unet.inference import load_exported
+from gluon_unet.inference.batched import load_exported
 
 from gluon_unet.cli import predict_main
-from gluon_unet.rundir import claim_run_folder, holds_run
+from gluon_unet.paths import holds_run
+from gluon_unet.training.run_folder import claim_run_folder
 
 from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, export_names, nuclei_png, run_cli, tiny_config
 
@@ -155,13 +156,14 @@ def test_plain_export_keeps_the_post_processing_training_searched(run, tmp_path,
 _STOPPED_SEARCH = '''
 import os, signal, sys, time
 sys.path.insert(0, %r)
-from gluon_unet import cli, search
+from gluon_unet import cli
+from gluon_unet.inference import postprocess_search as search
 
 def stopped(*args, **kwargs):  # the search, stopped part way
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
 
-search.tune_postprocessing = stopped
+search.tune_on_dataset = stopped
 sys.exit(cli.export_main([sys.argv[1], '--tune-postprocess']))
 '''
 

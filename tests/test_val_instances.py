@@ -6,7 +6,7 @@ from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
 from gluon_unet.data.loader import make_loader
 from gluon_unet.metrics import DSBMetric
-from gluon_unet.validation import val_instances
+from gluon_unet.training.validation import val_instances
 
 
 def _touching_pair(n=4, size=48):

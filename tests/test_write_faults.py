@@ -20,7 +20,7 @@ import pytest
 from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.cli import evaluate_main, export_main, predict_main, train_main
 from gluon_unet.data.synthetic import synthetic_nuclei
-from gluon_unet.inference import load_exported
+from gluon_unet.inference.batched import load_exported
 from gluon_unet.utils import WriteFaults
 
 from conftest import run_cli
@@ -288,7 +288,7 @@ def read_only():
 
 def test_the_run_folder_turning_read_only_mid_run_is_one_line_naming_the_last_good_checkpoint(
         tiny, tmp_path, read_only):
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     from gluon_unet.errors import WriteError
     cfg = tiny(epochs=3, output=str(tmp_path / 'run'))
     causes = []
@@ -306,7 +306,7 @@ def test_the_run_folder_turning_read_only_mid_run_is_one_line_naming_the_last_go
 def test_a_disk_filling_up_during_a_checkpoint_is_one_line_naming_the_last_good_checkpoint(tiny, tmpfs):
     # MXNet writes checkpoints in C++: "FileStream.Write incomplete", no errno; the cause is
     # read off the file system.
-    from gluon_unet.engine import fit
+    from gluon_unet.training.loop import fit
     from gluon_unet.errors import WriteError
     fs = tmpfs('4m')
     cfg = tiny(epochs=3, output=str(fs / 'run'), optimizer='adam')

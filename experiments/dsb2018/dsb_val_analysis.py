@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 from gluon_unet.errors import UserError  # noqa: E402
 from gluon_unet.metrics import THRESHOLDS, dsb_image_score, dsb_score_from_iou, iou_matrix  # noqa: E402
-from gluon_unet.postprocess import instances_from_maps, object_scores  # noqa: E402
+from gluon_unet.inference.postprocess import instances_from_maps, object_scores  # noqa: E402
 
 SETTING_KEYS = ('threshold', 'min_size', 'h', 'marker', 'markers', 'min_score')
 
@@ -69,8 +69,8 @@ def validation_set(run):
 
     from gluon_unet.checkpoint import model_from_checkpoint
     from gluon_unet.data.prepare import build_datasets
-    from gluon_unet.export import resolve_run
-    from gluon_unet.sidecar import geometry
+    from gluon_unet.inference.export import resolve_run
+    from gluon_unet.inference.sidecar import geometry
     ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])
     net.hybridize(static_alloc=True, static_shape=True)
@@ -84,7 +84,7 @@ def predict_maps(net, meta, image, tta=False, scale=1.0):
     ``scale`` and mapped back."""
     import mxnet as mx
 
-    from gluon_unet.inference import predict_image
+    from gluon_unet.inference.batched import predict_image
     h, w = image.shape[:2]
     if scale != 1.0:
         size = (max(1, round(w * scale)), max(1, round(h * scale)))
@@ -198,7 +198,7 @@ def cmd_ensemble(args):
 
 
 def cmd_scale(args):
-    from gluon_unet.scale import SCALE_LIMITS, SCALE_TOLERANCE, estimate_diameter
+    from gluon_unet.inference.scale import SCALE_LIMITS, SCALE_TOLERANCE, estimate_diameter
     net, cfg, val_ds, meta, export_dir = validation_set(args.run)
     setting = tuned_setting(export_dir)
     import json
@@ -332,8 +332,8 @@ def setting_scores(images, settings, label_fn, jobs=1):
 
 
 def _image_row(item, settings, label_fn):
-    from gluon_unet.postprocess import cut_scores
-    from gluon_unet.search import TUNE_MIN_SCORES
+    from gluon_unet.inference.postprocess import cut_scores
+    from gluon_unet.inference.postprocess_search import TUNE_MIN_SCORES
     m, t = item
     return [score for setting in settings for score in cut_scores(label_fn(m, setting), m[0], t, TUNE_MIN_SCORES)]
 
@@ -355,7 +355,7 @@ def leave_one_out(scores, groups=None):
 def _grid_settings():
     import itertools
 
-    from gluon_unet.search import TUNE_GRID
+    from gluon_unet.inference.postprocess_search import TUNE_GRID
     keys = ('threshold', 'h', 'min_size')
     return [dict(zip(keys, v)) for v in itertools.product(*(TUNE_GRID[k] for k in keys))]
 
@@ -379,7 +379,7 @@ def cmd_per_kind(args):
 def _core_markers(prob, threshold, min_size, core):
     """Markers: the components of ``prob > core``; flooding downhill in the probability:
     the package's border markers with a border map of zeros."""
-    from gluon_unet.postprocess import instances_from_prob
+    from gluon_unet.inference.postprocess import instances_from_prob
     return instances_from_prob(prob, threshold=threshold, min_size=min_size, boundary=np.zeros_like(prob),
                                marker=core)
 
@@ -390,7 +390,7 @@ def _distance_times_prob(prob, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
+    from gluon_unet.inference.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(prob, threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * prob, 1.0)
     return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
@@ -423,7 +423,7 @@ def cmd_markers(args):
 
 def _centre_level(maps, threshold, min_size, level):
     """Markers: the components of the centre map above ``level`` (not its h-maxima)."""
-    from gluon_unet.postprocess import keep_orphans, level_markers
+    from gluon_unet.inference.postprocess import keep_orphans, level_markers
     from skimage.segmentation import watershed
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
     markers, elevation = level_markers(maps[1], mask, level)
@@ -437,7 +437,7 @@ def _distance_times_centre(maps, threshold, min_size, h):
     from scipy import ndimage as ndi
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import h_maxima_markers, keep_orphans
+    from gluon_unet.inference.postprocess import h_maxima_markers, keep_orphans
     mask = instances_from_maps(maps[0], threshold=threshold, min_size=min_size, split='none') > 0
     elevation = ndi.gaussian_filter(ndi.distance_transform_edt(mask) * maps[1], 1.0)
     return keep_orphans(watershed(-elevation, h_maxima_markers(elevation, mask, h), mask=mask), mask)
@@ -466,7 +466,7 @@ def cmd_centre(args):
     per = {name: setting_scores(images, settings, _centre_labels, args.jobs) for name, settings in arms.items()}
     print('%d images; best setting on all of them / each scored with the one chosen on the others' % len(images))
     for name, scores in per.items():
-        from gluon_unet.search import TUNE_MIN_SCORES
+        from gluon_unet.inference.postprocess_search import TUNE_MIN_SCORES
         best = scores.mean(0).argmax()
         setting = dict(arms[name][best // len(TUNE_MIN_SCORES)], min_score=TUNE_MIN_SCORES[best % len(TUNE_MIN_SCORES)])
         print('%-24s %.4f / %.4f   best: %s' % (name, scores.mean(0).max(), leave_one_out(scores).mean(), setting))
@@ -482,7 +482,7 @@ def oracle_labels(maps, truth, setting):
     from skimage.measure import label
     from skimage.segmentation import watershed
 
-    from gluon_unet.postprocess import keep_orphans
+    from gluon_unet.inference.postprocess import keep_orphans
     fg = truth > 0
     perfect = fg.astype(np.float32)[None]
     if maps.ndim == 3 and len(maps) == 2:  # a two-map model's own second map seeds its watershed

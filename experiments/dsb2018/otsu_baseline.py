@@ -19,8 +19,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 
 from gluon_unet.data.io import BRIGHT_BACKGROUND, read_image  # noqa: E402
-from gluon_unet.predict import find_inputs  # noqa: E402
-from gluon_unet.predictions import write_png  # noqa: E402
+from gluon_unet.inference.predict import find_inputs  # noqa: E402
+from gluon_unet.inference.predict_outputs import write_png  # noqa: E402
 
 
 def otsu_labels(image):

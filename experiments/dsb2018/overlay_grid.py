@@ -68,7 +68,7 @@ def main(argv=None):
                 ids.setdefault(kind, []).append(image_id)
     truth = {}
     if args.touching:
-        from gluon_unet.evaluate import load_truth
+        from gluon_unet.inference.evaluate import load_truth
         loaders = load_truth(args.touching)
         truth = {i: contacts(loaders[i]()) for kind in ids for i in ids[kind]}
         picks = {kind: sorted(found, key=lambda i: -truth[i].sum())[:args.per_kind] for kind, found in ids.items()}

@@ -6,7 +6,7 @@ builds its flags from the command's config dataclass (:mod:`gluon_unet.cli.commo
 
 Importing this package does not import mxnet: each entry point first applies the
 settings that libmxnet reads only when it loads (``OMP_NUM_THREADS``,
-``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``: :mod:`gluon_unet.runtime`) for the
+``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``: :mod:`gluon_unet.machine.runtime`) for the
 devices its flags name, then imports the modules that need mxnet.
 """
 import sys

@@ -1,7 +1,7 @@
 """``gluon-unet evaluate`` / ``bin/evaluate``: flags generated from
-:class:`~gluon_unet.evaluate.EvaluateConfig`, then the scores as a table (and a CSV)."""
+:class:`~gluon_unet.inference.evaluate.EvaluateConfig`, then the scores as a table (and a CSV)."""
 from ..errors import reports_errors, signals_raise
-from ..runtime import apply_runtime_defaults
+from ..machine.runtime import apply_runtime_defaults
 from .common import asks_version, config_parser, parse_configs
 
 EXAMPLES = """examples:
@@ -13,7 +13,7 @@ EXAMPLES = """examples:
 
 def evaluate_parser():
     """The ``bin/evaluate`` parser: one flag per :class:`EvaluateConfig` field."""
-    from ..evaluate import EvaluateConfig
+    from ..inference.evaluate import EvaluateConfig
     return config_parser('evaluate', EvaluateConfig, epilog=EXAMPLES,
                          description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
                                      'instance score, pixel IoU and Dice per image and mean.')
@@ -25,8 +25,7 @@ def evaluate_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..evaluate import (COLUMNS, EvaluateConfig, check_csv, evaluate, format_table, mean_row,
-                            write_csv)
+    from ..inference.evaluate import COLUMNS, EvaluateConfig, check_csv, evaluate, format_table, mean_row, write_csv
     from ..paths import check_apart, check_replaceable
     with signals_raise():
         config, = parse_configs(evaluate_parser(), argv, EvaluateConfig)

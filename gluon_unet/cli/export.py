@@ -1,9 +1,9 @@
 """``gluon-unet export`` / ``bin/export``: flags generated from
-:class:`~gluon_unet.export.ExportConfig`, then :func:`~gluon_unet.export.run_export`."""
+:class:`~gluon_unet.inference.export.ExportConfig`, then :func:`~gluon_unet.inference.export.run_export`."""
 import os
 
 from ..errors import reports_errors, signals_raise
-from ..runtime import apply_runtime_defaults
+from ..machine.runtime import apply_runtime_defaults
 from .common import asks_version, config_parser, parse_configs
 
 EXAMPLES = """examples:
@@ -15,7 +15,7 @@ EXAMPLES = """examples:
 
 def export_parser():
     """The ``bin/export`` parser: one flag per :class:`ExportConfig` field."""
-    from ..export import ExportConfig
+    from ..inference.export import ExportConfig
     return config_parser('export', ExportConfig, epilog=EXAMPLES,
                          description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
                                      '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
@@ -27,10 +27,10 @@ def export_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..export import ExportConfig, run_export
-    from ..onnx_runner import ONNX_FILE
-    from ..postprocess import settings_text
-    from ..sidecar import INT8_PARAMS, INT8_SYMBOL
+    from ..inference.export import ExportConfig, run_export
+    from ..inference.batched_onnx import ONNX_FILE
+    from ..inference.postprocess import settings_text
+    from ..inference.sidecar import INT8_PARAMS, INT8_SYMBOL
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
         prefix, notes, tuned = run_export(config)

@@ -1,5 +1,5 @@
 """``gluon-unet launch`` / ``bin/launch``: flags generated from
-:class:`~gluon_unet.launch.LaunchConfig`, then :func:`~gluon_unet.launch.run_launch`. It sets
+:class:`~gluon_unet.training.launcher.LaunchConfig`, then :func:`~gluon_unet.training.launcher.run_launch`. It sets
 no process-wide knob: each process of the job chooses its own."""
 from ..errors import reports_errors
 from .common import config_parser, parse_configs
@@ -17,7 +17,7 @@ Keep the parameter-server ports on a private network: ps-lite unpickles what it 
 
 def launch_parser():
     """The ``bin/launch`` parser: one flag per :class:`LaunchConfig` field."""
-    from ..launch import LaunchConfig
+    from ..training.launcher import LaunchConfig
     return config_parser(
         'launch', LaunchConfig, epilog=EXAMPLES,
         usage='launch -n WORKERS [-s SERVERS] [--launcher {local,ssh}] [-H HOSTFILE] [--port P] -- COMMAND ...',
@@ -28,6 +28,6 @@ def launch_parser():
 @reports_errors
 def launch_main(argv=None):
     """``bin/launch``: run the job; returns the exit code (0 when every worker succeeded)."""
-    from ..launch import LaunchConfig, run_launch
+    from ..training.launcher import LaunchConfig, run_launch
     config, = parse_configs(launch_parser(), argv, LaunchConfig)
     return run_launch(config)

@@ -1,6 +1,6 @@
 """``gluon-unet predict`` / ``bin/predict``: flags generated from
-:class:`~gluon_unet.predict.PredictConfig` (and the files of :class:`PredictCommand`),
-then :func:`~gluon_unet.predict.predict_paths`.
+:class:`~gluon_unet.inference.predict.PredictConfig` (and the files of :class:`PredictCommand`),
+then :func:`~gluon_unet.inference.predict.predict_paths`.
 
 This entry point imports no mxnet itself: the process settings its devices and mode need
 are applied first, and an export predicted with onnxruntime never loads it.
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 from ..config import option
 from ..errors import reports_errors, signals_raise
-from ..runtime import prepare_training_process
+from ..machine.runtime import prepare_training_process
 from .common import add_fields, asks_version, command_parser, parse_configs
 
 
 @dataclass
 class PredictCommand:
-    """What ``bin/predict`` takes besides :class:`~gluon_unet.predict.PredictConfig`: the
+    """What ``bin/predict`` takes besides :class:`~gluon_unet.inference.predict.PredictConfig`: the
     files, and whether failed images fail the command."""
     model: str = option(None, 'run folder (uses its export/), export folder or export prefix', required=True,
                         metavar='RUN_DIR|PREFIX')
@@ -33,7 +33,7 @@ class PredictCommand:
 def predict_parser():
     """The ``bin/predict`` parser: the files, every :class:`PredictConfig` field, then
     ``--allow-failures``."""
-    from ..predict import PredictConfig
+    from ..inference.predict import PredictConfig
     parser = command_parser(
         'predict', description='Segment nuclei with an exported model, at the original resolution; writes\n'
                                '<id>_mask.png, <id>_labels.png (16-bit instance ids) and optionally overlays\n'
@@ -68,7 +68,7 @@ def predict_main(argv=None):
         # for each new shape on each GPU (the variable is read per new shape:
         # cudnn_convolution-inl.h): its heuristics are the better deal there.
         os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
-    from ..predict import PredictConfig, predict_paths
+    from ..inference.predict import PredictConfig, predict_paths
     with signals_raise():  # SIGTERM: temporary files removed, one line, exit 143
         command, config = parse_configs(predict_parser(), argv, PredictCommand, PredictConfig)
         result = predict_paths(command.model, command.input, command.output, config)

@@ -217,7 +217,7 @@ def render_config():
     for k in keys:
         lines.append('| `%s` | `%s` | %s |' % (k, json.dumps(defaults[k]), ' | '.join(
             '`%s`' % json.dumps(loaded[n][k]) if k in loaded[n] else '' for n in names)))
-    from ..resume import resume_policy_text
+    from ..training.resume import resume_policy_text
     lines += ['', '## What `--resume` accepts', '',
               '(Generated from `resume.RESUME_POLICY`, the table `--resume` itself checks.)', '',
               resume_policy_text()]

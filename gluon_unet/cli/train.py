@@ -1,4 +1,4 @@
-"""``gluon-unet train`` / ``bin/train``: flags generated from ``TrainConfig``, then :func:`~gluon_unet.engine.fit`.
+"""``gluon-unet train`` / ``bin/train``: flags generated from ``TrainConfig``, then :func:`~gluon_unet.training.loop.fit`.
 
 Every ``TrainConfig`` (and ``ModelConfig``) field is a flag (``batch_size`` <->
 ``--batch-size``) with one default, shown in groups (:data:`FLAG_GROUPS`); ``--config
@@ -7,7 +7,7 @@ FILE.json`` or ``--config RECIPE`` sets them from a file (:func:`config_from_arg
 Importing this module does not import mxnet: :func:`train_main` first applies the
 process-wide settings that libmxnet reads only when it loads (``OMP_NUM_THREADS``,
 ``MXNET_CPU_TEMP_COPY``, ``CUDA_VISIBLE_DEVICES``:
-:func:`~gluon_unet.runtime.prepare_training_process`) for the devices its flags name,
+:func:`~gluon_unet.machine.runtime.prepare_training_process`) for the devices its flags name,
 then imports the training modules.
 """
 import dataclasses
@@ -20,8 +20,8 @@ import warnings
 from .. import recipes
 from ..config import _CHOICES, ModelConfig, TrainConfig, check_types
 from ..errors import UserError, reports_errors
+from ..machine.runtime import apply_runtime_defaults, prepare_training_process, process_gpus
 from ..reporting import get_logger
-from ..runtime import apply_runtime_defaults, prepare_training_process, process_gpus
 from ..utils import read_json
 from .common import command_parser, config_flag
 
@@ -180,12 +180,12 @@ def train_main(argv=None):
     # Under --kvstore horovod, --gpus names the host's GPUs and this process takes its share.
     prepare_training_process(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus, cfg.memory)
     if cfg.benchmark:
-        from ..benchmark import benchmark_main
+        from ..training.benchmark import benchmark_main
         return benchmark_main(cfg)
     from ..data.cache import CacheWarning
-    from ..engine import fit
-    from ..step import Diverged
-    from ..stops import Interrupted
+    from ..training.loop import fit
+    from ..training.step import Diverged
+    from ..training.stops import Interrupted
     # The log says it in one line; Python's warning would repeat it with a source line.
     warnings.simplefilter('ignore', CacheWarning)
     try:
@@ -210,8 +210,8 @@ def demo_predictions(cfg, run_dir, count=8):
     ``<run_dir>/predictions/`` (masks, instance labels, overlays, a DSB submission CSV).
     """
     from ..data.synthetic import synthetic_nuclei
-    from ..predict import predict_paths
-    from ..predictions import write_png
+    from ..inference.predict import predict_paths
+    from ..inference.predict_outputs import write_png
     images, _, _ = synthetic_nuclei(count, size=2 * (cfg.crop or cfg.size), channels=cfg.model.in_channels or 1,
                                     seed=cfg.seed + 1)
     inputs = os.path.join(run_dir, 'demo_inputs')

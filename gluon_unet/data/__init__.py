@@ -1,5 +1,5 @@
 """Data: datasets, sampling, loaders, generated nuclei and readers for user layouts."""
-import importlib
+from .. import _lazy
 
 # The names are imported on first use (PEP 562), not here: the datasets import mxnet, and
 # bin/predict on an ONNX export reads images through .io where mxnet is not installed.
@@ -9,15 +9,4 @@ _EXPORTS = {'SegmentationDataset': 'dataset', 'EpochSampler': 'sampler', 'make_l
             'discover': 'layouts', 'detect_layout': 'layouts', 'Augment': 'augment', 'make_transform': 'augment',
             'LoadOptions': 'readers', 'load_dataset': 'readers'}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError('module %r has no attribute %r' % (__name__, name))
-    value = getattr(importlib.import_module('.' + _EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy(__name__, _EXPORTS)

@@ -2,18 +2,18 @@
 channel count resolved, transforms attached, a fingerprint for ``--resume`` and the
 model card, and ``--balance``'s sampling of the appearance groups.
 
-Used by training (:func:`gluon_unet.engine.fit`) and by the post-processing search that
+Used by training (:func:`gluon_unet.training.loop.fit`) and by the post-processing search that
 ``bin/export --tune-postprocess`` reruns on a run's own validation split
-(:func:`gluon_unet.search.retune`): both rebuild the same data from a config.
+(:func:`gluon_unet.inference.postprocess_search.retune`): both rebuild the same data from a config.
 """
 import functools
 import hashlib
 
 import numpy as np
 
-from ..errors import UserError
-from ..scale import nucleus_sizes
 from . import readers
+from ..errors import UserError
+from .sizes import nucleus_sizes
 from .augment import StainJitter, make_transform
 from .dataset import split_indices
 from .synthetic import synthetic_dataset

@@ -8,7 +8,7 @@ watershed sees a neck to cut. ``mask+border``: a second channel
 with the nuclei's borders, as the 2018 Data Science Bowl winners trained: a thresholded
 foreground map merges touching nuclei into one blob, while a border channel draws the
 line between them, and instances then grow from the confident interiors (nucleus minus
-border) by a marker-controlled watershed (:func:`gluon_unet.postprocess.instances_from_prob`).
+border) by a marker-controlled watershed (:func:`gluon_unet.inference.postprocess.instances_from_prob`).
 ``mask+centre``: a second channel with each nucleus' distance to its own edge, as a
 fraction of its largest (1 at the centre, 0 on the edge and on the contact with a
 neighbour: StarDist's object probability, the "energy" of the deep watershed transform).

@@ -1,0 +1,177 @@
+"""``bin/evaluate``: score predicted nuclei against ground truth.
+
+Predictions are label images (one id per nucleus, e.g. the 16-bit PNGs of
+``bin/predict``), binary masks (split into connected components) or float probability
+maps (thresholded, then components), named after the truth ids. Truth is either the
+Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a folder of
+mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
+code as the validation metrics in training.
+"""
+import csv
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..config import option
+from ..data.io import merge_object_masks, read_labels
+from ..data.layouts import is_dsb, is_dsb_sample, list_images
+from ..errors import UserError
+from ..metrics import dsb_image_score, pixel_scores
+from ..utils import atomic_open, check_writable
+
+__all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
+           'EvaluateConfig']
+
+#: Name suffixes that still identify the image id. Earlier = preferred when several files
+#: share an id (a label image keeps the watershed splits a binary mask has lost).
+PRED_SUFFIXES = ('_labels', '_label', '_instances', '', '_mask', '_pred', '_prediction')
+TRUTH_SUFFIXES = ('_mask', '_labels', '_label', '_instances', '')
+#: Pictures for people (``bin/predict --overlay``), not predictions.
+IGNORED_SUFFIXES = ('_overlay',)
+COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status')
+
+
+def find_images(folder):
+    """Image files directly in ``folder``, sorted (see :func:`~.data.io.is_image_file`)."""
+    return [os.path.join(folder, n) for n in list_images(folder)]
+
+
+def _by_id(paths, suffixes, ignore=()):
+    """Map image id -> path, stripping a known suffix; earlier suffixes win ties."""
+    named = sorted((s for s in suffixes if s), key=len, reverse=True)
+    best = {}
+    for path in paths:
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if any(stem.endswith(s) for s in ignore):
+            continue
+        suffix = next((s for s in named if stem.endswith(s) and len(stem) > len(s)), '')
+        key, rank = stem[:len(stem) - len(suffix)], suffixes.index(suffix)
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, path)
+    return {k: v[1] for k, v in best.items()}
+
+
+def load_truth(root, threshold=0.5):
+    """Ground truth as ``{id: loader}``; each loader returns (H, W) int64 labels.
+
+    Loading is deferred so a large truth set is read one image at a time.
+    """
+    if is_dsb(root, 'masks'):
+        return {d: (lambda m=os.path.join(root, d, 'masks'): _read_dsb_masks(m))
+                for d in sorted(os.listdir(root)) if is_dsb_sample(os.path.join(root, d), 'masks')}
+    return {k: (lambda p=p: read_labels(p, threshold))
+            for k, p in _by_id(find_images(root), TRUTH_SUFFIXES).items()}
+
+
+def _read_dsb_masks(mask_dir):
+    """The instance labels of one DSB sample: mask file k -> id k."""
+    files = find_images(mask_dir)
+    if not files:
+        raise UserError('%s holds no mask images' % mask_dir)
+
+    def mismatch(path, shape, expected):
+        return UserError('%s is %dx%d but the other masks of %s are %dx%d'
+                         % (path, shape[1], shape[0], mask_dir, expected[1], expected[0]))
+    return merge_object_masks(files, mismatch=mismatch).astype(np.int64)
+
+
+def evaluate(pred_dir, truth_dir, threshold=0.5):
+    """Score every truth image.
+
+    Returns
+    -------
+    rows : list of dict
+        One per truth id, keys :data:`COLUMNS`; a missing prediction scores 0 with
+        ``status='missing'``.
+    extra : list of str
+        Prediction ids without truth (ignored).
+    """
+    for flag, d in (('--pred', pred_dir), ('--truth', truth_dir)):
+        if not os.path.isdir(d):
+            raise UserError('%s %s: no such directory' % (flag, d))
+    truth = load_truth(truth_dir, threshold)
+    if not truth:
+        raise UserError('--truth %s holds no masks (expected <id>/masks/*.png or mask images)' % truth_dir)
+    preds = _by_id(find_images(pred_dir), PRED_SUFFIXES, IGNORED_SUFFIXES)
+    matched = sorted(set(truth) & set(preds))
+    if not matched:
+        raise UserError('no prediction in %s matches a truth id in %s (e.g. %s)'
+                        % (pred_dir, truth_dir, sorted(truth)[0]))
+    rows = []
+    for image_id in sorted(truth):
+        true = truth[image_id]()
+        n_true = int(len(np.unique(true[true > 0])))
+        if image_id not in preds:
+            rows.append(dict(image_id=image_id, dsb=0.0, iou=0.0, dice=0.0, true_objects=n_true,
+                             pred_objects=0, status='missing'))
+            continue
+        pred = read_labels(preds[image_id], threshold)
+        if pred.shape != true.shape:
+            raise UserError('%s is %dx%d but the truth of %s is %dx%d'
+                            % (preds[image_id], pred.shape[1], pred.shape[0], image_id,
+                               true.shape[1], true.shape[0]))
+        px = pixel_scores(pred, true)
+        rows.append(dict(image_id=image_id, dsb=dsb_image_score(pred, true), iou=px['iou'],
+                         dice=px['dice'], true_objects=n_true,
+                         pred_objects=int(len(np.unique(pred[pred > 0]))), status='ok'))
+    extra = sorted(set(preds) - set(truth))
+    return rows, extra
+
+
+def mean_row(rows):
+    """The column means (missing predictions included as 0)."""
+    return {'image_id': 'mean', **{k: float(np.mean([r[k] for r in rows])) for k in ('dsb', 'iou', 'dice')},
+            'true_objects': int(sum(r['true_objects'] for r in rows)),
+            'pred_objects': int(sum(r['pred_objects'] for r in rows)), 'status': ''}
+
+
+def write_csv(path, rows):
+    """Write the per-image rows atomically (temp file + rename: never half a file)."""
+    check_csv(path)
+    with atomic_open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ('%.6f' % r[k] if isinstance(r[k], float) else r[k]) for k in COLUMNS})
+
+
+def check_csv(path):
+    """One line when ``--csv`` cannot be written: its folder is missing or not writable."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError('--csv %s: folder %s does not exist' % (path, folder))
+    check_writable(path, '--csv', is_file=True)
+
+
+def format_table(rows, mean):
+    """A plain-text table, one line per image, then the mean."""
+    width = max([len('image_id')] + [len(r['image_id']) for r in rows])
+    head = '%-*s  %6s  %6s  %6s  %5s  %5s' % (width, 'image_id', 'dsb', 'iou', 'dice', 'true', 'pred')
+    line = '%-*s  %6.4f  %6.4f  %6.4f  %5d  %5d'
+    out = [head, '-' * len(head)]
+    for r in rows:
+        out.append(line % (width, r['image_id'], r['dsb'], r['iou'], r['dice'], r['true_objects'],
+                           r['pred_objects']) + ('  (missing)' if r['status'] == 'missing' else ''))
+    out.append('-' * len(head))
+    out.append(line % (width, 'mean', mean['dsb'], mean['iou'], mean['dice'], mean['true_objects'],
+                       mean['pred_objects']))
+    return '\n'.join(out)
+
+
+@dataclass
+class EvaluateConfig:
+    """What ``bin/evaluate`` scores, and how; one field per flag (:mod:`gluon_unet.cli.evaluate`)."""
+    pred: str = option(None, 'predictions: label images, binary masks or float probability maps named <id>.png '
+                             '(suffixes _labels, _mask, ... allowed)', required=True, metavar='DIR')
+    truth: str = option(None, 'ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images',
+                        required=True, metavar='DIR')
+    csv: Optional[str] = option(None, 'write the per-image scores to this CSV', metavar='FILE')
+    threshold: float = option(0.5, 'foreground cut for float probability-map predictions')
+
+    def validate(self):
+        """Raise :class:`UserError` naming the flag of a bad value."""
+        if not 0 < self.threshold < 1:
+            raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        return self

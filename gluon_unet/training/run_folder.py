@@ -1,0 +1,245 @@
+"""Run folders: one run per folder, held by a lock for the run's lifetime.
+
+The policy (docs/reference/run-folder.md):
+
+- Without ``--output``, every run gets a new folder: ``runs/unet``, then ``runs/unet-2``,
+  ``runs/unet-3``... (``runs/demo...`` for the demo), like YOLO's ``exp2`` or Lightning's
+  ``version_N``. ``--resume auto`` without ``--output`` continues the newest of them, and
+  ``--resume PATH`` continues the run that checkpoint belongs to.
+- An explicit ``--output`` that already holds a run is refused with one line offering
+  ``--resume auto`` (continue it) or ``--overwrite`` (delete that run's files - only
+  the files a run writes and gluon_unet recognises, :mod:`gluon_unet.paths` - and start
+  over). A folder holds a run when it holds such files: a user's own ``predictions/``
+  or ``export/`` with nothing of gluon_unet's in them does not count.
+- While a run trains, ``<run>/.lock`` is locked (``flock``): a second process on the
+  same folder stops with one line naming the holder. The OS drops the lock when the
+  process dies, even on ``kill -9``, so a crashed run never blocks its own resume.
+"""
+import errno
+import fcntl
+import os
+import socket
+import time
+
+from ..errors import UserError, WriteError, errno_words
+from ..paths import RUN_DIRS, holds_run, remove_files, remove_if_empty, run_files
+from ..utils import write_errors, write_point
+
+LOCK_NAME = '.lock'
+
+
+def check_output_path(path, flag='--output'):
+    """One-line errors for an ``--output`` that cannot become a folder we can write."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError('%s %s is a file, not a folder' % (flag, path))
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UserError('%s %s: %s is a file, so no folder can be made under it' % (flag, path, parent))
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError('%s %s: %s is not writable' % (flag, path, parent))
+
+
+def numbered_runs(base):
+    """``base``, ``base-2``, ``base-3``... that exist, in order (up to the first gap)."""
+    found = []
+    for candidate in _candidates(base):
+        if not os.path.exists(candidate):
+            return found
+        found.append(candidate)
+
+
+def _candidates(base):
+    k = 1
+    while True:
+        yield base if k == 1 else '%s-%d' % (base, k)
+        k += 1
+
+
+class RunFolder:
+    """The folder a run writes to, locked until :meth:`release`.
+
+    Use :func:`claim_run_folder` to get one.
+    """
+
+    def __init__(self, path, fd, created):
+        self.path, self._fd, self._created = path, fd, created
+
+    def release(self, discard_if_empty=False):
+        """Unlock; with ``discard_if_empty``, remove the folder if this run made it and
+        wrote nothing there (bad input found after claiming it leaves no trace)."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        if discard_if_empty and self._created:
+            try:
+                if set(os.listdir(self.path)) <= {LOCK_NAME}:
+                    os.remove(os.path.join(self.path, LOCK_NAME))
+                    # and the parents made for it (runs/ of a first run), while empty
+                    folder = os.path.abspath(self.path)
+                    while True:
+                        os.rmdir(folder)
+                        if folder == self._created:
+                            break
+                        folder = os.path.dirname(folder)
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.release(discard_if_empty=exc_type is not None)
+
+
+def _lock(path):
+    """Create ``path`` if needed and lock it; None when another process holds it. The
+    third value is the outermost folder this call created (None if it existed)."""
+    created = None
+    top = os.path.abspath(path)
+    while not os.path.isdir(top):
+        created, top = top, os.path.dirname(top)
+    lock = os.path.join(path, LOCK_NAME)
+    try:
+        os.makedirs(path, exist_ok=True)
+        new_lock = not os.path.lexists(lock)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        _undo_lock(None, False, path, created)
+        raise UserError('--output %s: cannot create the run folder (%s)' % (path, errno_words(exc.errno))) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = ''
+        try:
+            holder = os.pread(fd, 200, 0).decode(errors='replace').strip()
+        except OSError:
+            pass
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None, holder, created
+        raise UserError('--output %s: cannot lock the run folder (%s)' % (path, exc.strerror)) from None
+    # Who holds it, for the other process's error message. A disk full (or read-only)
+    # already here stops the run before anything else: nothing of it is left behind.
+    try:
+        with write_errors(lock):
+            write_point(lock)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, ('pid %d on %s since %s\n' % (os.getpid(), socket.gethostname(),
+                                                        time.strftime('%Y-%m-%d %H:%M:%S'))).encode(), 0)
+    except WriteError as exc:
+        _undo_lock(fd, new_lock, path, created)
+        raise exc.add('the run did not start (--output %s)' % path) from None
+    return fd, None, created
+
+
+def _undo_lock(fd, remove_lock, path, created):
+    """Take back what a failed :func:`_lock` made: the lock file (when it made it) and
+    the folders it created, if empty."""
+    if fd is not None:
+        os.close(fd)
+    if remove_lock:
+        try:
+            os.remove(os.path.join(path, LOCK_NAME))
+        except OSError:
+            pass
+    if created:
+        folder = os.path.abspath(path)
+        try:
+            while True:
+                os.rmdir(folder)
+                if folder == created:
+                    break
+                folder = os.path.dirname(folder)
+        except OSError:
+            pass
+
+
+def claim_run_folder(output, default_base, resume=None, overwrite=False):
+    """Decide where a run writes, apply the policy above, and lock the folder.
+
+    Parameters
+    ----------
+    output : str or None
+        ``--output``; None picks a new numbered folder from ``default_base``.
+    default_base : str
+        E.g. ``'runs/unet'``.
+    resume : str or None
+        ``--resume`` (``'auto'`` or a checkpoint/run path).
+    overwrite : bool
+        ``--overwrite``: delete an existing run's files in ``output`` first.
+
+    Returns
+    -------
+    RunFolder
+        ``.path`` is the run folder; call ``.release()`` (or use ``with``) when done.
+    """
+    if overwrite and resume:
+        raise UserError('--overwrite starts a run afresh and --resume continues one: give only one')
+    if output is None and overwrite:
+        raise UserError('--overwrite needs --output (without it, every run gets a new folder)')
+    if output is None:
+        output = default_output(default_base, resume)
+    if output is not None:
+        check_output_path(output)
+        found = holds_run(output)
+        if found and not resume and not overwrite:
+            raise UserError('--output %s already holds a run (%s); continue it with --resume auto, start it '
+                            'over with --overwrite, or choose another --output'
+                            % (output, ', '.join(found)))
+        if resume and resume != 'auto' and found and not _inside(resume, output):
+            raise UserError('--resume %s: that checkpoint is not from the run in --output %s, which holds '
+                            'another run; choose an empty --output' % (resume, output))
+        fd, holder, created = _lock(output)
+        if fd is None:
+            raise UserError('--output %s is in use by another run (%s); wait for it or choose another '
+                            '--output' % (output, holder or 'unknown process'))
+        if overwrite:
+            _remove_run_files(output)
+        return RunFolder(output, fd, created)
+    # A new numbered folder: the first free one we can lock (two runs started at the
+    # same moment both see runs/unet free; the loser of the lock takes the next).
+    for candidate in _candidates(default_base):
+        check_output_path(candidate)
+        if holds_run(candidate):
+            continue
+        fd, _, created = _lock(candidate)
+        if fd is not None:
+            if holds_run(candidate):  # filled between our look and our lock
+                os.close(fd)
+                continue
+            return RunFolder(candidate, fd, created)
+
+
+def default_output(base, resume):
+    """The folder of the run ``resume`` continues, or None for a new numbered one."""
+    if not resume:
+        return None
+    if resume == 'auto':
+        runs = [r for r in numbered_runs(base) if holds_run(r)]
+        if not runs:
+            raise UserError('--resume auto: no run to continue under %s*; give --output' % base)
+        return runs[-1]
+    path = os.path.normpath(resume)
+    if os.path.isdir(path):
+        return resume if holds_run(resume) else None
+    # <run>/checkpoints/epochNNNN.ckpt -> <run>
+    folder = os.path.dirname(path)
+    if os.path.basename(folder) == 'checkpoints' and holds_run(os.path.dirname(folder)):
+        return os.path.dirname(folder)
+    return None
+
+
+def _inside(path, folder):
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
+
+
+def _remove_run_files(folder):
+    """``--overwrite``: delete the run's recognised files one by one, then its subfolders
+    if that left them empty; a user's own files (in them too) stay."""
+    remove_files(folder, run_files(folder))
+    for name in RUN_DIRS:
+        remove_if_empty(os.path.join(folder, name))
