@@ -74,7 +74,7 @@ def test_horovod_is_pinned_and_ci_builds_it_as_the_file_says():
     assert set(flags) == {'HOROVOD_WITH_MXNET=1', 'HOROVOD_WITH_GLOO=1', 'HOROVOD_WITHOUT_MPI=1',
                           'HOROVOD_WITHOUT_TENSORFLOW=1', 'HOROVOD_WITHOUT_PYTORCH=1'}
     assert all(flag in ci for flag in flags) and '--no-build-isolation' in ci
-    assert ci.index('requirements-dev.txt') < ci.index('-r requirements-horovod.txt')  # mxnet first
+    assert ci.index('readme_commands.py') < ci.index('-r requirements-horovod.txt')  # mxnet first
     assert 'export GLUON_UNET_REQUIRE_HOROVOD=1' in ci  # its tests may not skip in CI
     pins = dict(line.split('==') for line in _requirements('constraints.txt'))
     assert pins['horovod'] == '0.28.1'
@@ -105,7 +105,7 @@ def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
         pkg_info = tar.extractfile(top + 'PKG-INFO').read().decode()
         requires = tar.extractfile(top + 'gluon_unet.egg-info/requires.txt').read().decode()
     for needed in ('pyproject.toml', 'setup.py', 'README.md', 'requirements-base.txt', 'requirements.txt',
-                   'constraints.txt', 'gluon_unet/__main__.py', 'gluon_unet/doctor.py',
+                   'constraints.txt', 'gluon_unet/__main__.py', 'gluon_unet/cli/doctor.py',
                    'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini',
                    # the recipes (package data), what the docs tests read and the scripts tests import
                    'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'gluon_unet/cli/reference.py',

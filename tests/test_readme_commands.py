@@ -118,3 +118,20 @@ def test_several_machines_loopback_command_runs_as_written(tmp_path):
     argv = command + _tiny(output)
     code, log = _run(argv, output)
     _assert_exported_and_predicted(output, code, log, argv)
+
+
+def test_ci_runs_the_quick_start_commands_it_reads_from_the_readme():
+    # .ci/run runs, in a fresh .venv, exactly the lines .ci/readme_commands.py prints: the
+    # quick start's two commands (install and demo; install the test tools and test).
+    done = subprocess.run([sys.executable, os.path.join(ROOT, '.ci', 'readme_commands.py')], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith('python3 -m venv .venv && ') and lines[0].endswith('python bin/train')
+    assert lines[1].endswith('pip install -r requirements-dev.txt && python -m pytest -q')
+    assert [shlex.split(c) for line in lines for c in line.split(' && ')] == [
+        c for c in _shell_commands(_section('Quick start'))]
+    with open(os.path.join(ROOT, '.ci', 'run')) as f:
+        ci = f.read()
+    assert 'python3 .ci/readme_commands.py' in ci and 'bash -c "$command"' in ci
