@@ -160,9 +160,13 @@ def main(argv=None):
                             export], check=True, stdout=subprocess.DEVNULL)
         record = json.load(open(os.path.join(export, 'model.json')))['int8']
         print('CPU: %s' % cpu_line())
-        print('model: %s; int8 calibrated on %d inputs of %d images (%s); vs float32 there: %s'
+        check = record.get('check') or {}  # exports from before the check have none
+        print('model: %s; int8 calibrated on %d inputs of %d images (%s); checked on %s (%d) at threshold %s: '
+              'foreground IoU with float32 %s, masks differ on %s of the pixels, %s'
               % (export, record['calibration']['inputs'], len(record['calibration']['images']),
-                 record['calibration']['calib_mode'], record['vs_float32']))
+                 record['calibration']['calib_mode'], check.get('on'), len(check.get('images', [])),
+                 check.get('threshold'), check.get('foreground_iou'), check.get('mask_disagreement'),
+                 check.get('verdict', 'never checked')))
         from gluon_unet.machine.cpu import cpu_has_amx
         amx_modes = (['on', 'off'] if cpu_has_amx() else ['on']) if args.amx == 'auto' else args.amx.split(',')
         print('\n| AMX | threads | input | float32 img/s | float32+fusion | int8 | int8 / float32 | fusion / float32 |')

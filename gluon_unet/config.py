@@ -14,6 +14,7 @@ from typing import Optional
 
 from .errors import UserError
 from .data.sizes import diameter_choice_error
+from .machine.devices import parse_gpu_list
 from .machine.limits import safe_sides, unet_crash
 
 _CHOICES = {
@@ -41,6 +42,9 @@ def option(default, help, **extra):
     added to it), and optionally ``flag`` (another name than the field's), ``short``
     (``'-n'``), ``metavar``, ``choices`` (enforced by the parser), ``required``,
     ``positional`` and ``rest`` (a positional taking everything after it, e.g. a command).
+    Two more are rules the tests generate cases from: ``within`` (a numeric field's
+    :class:`Range`) and ``path`` (``'in'``: a file or folder the command reads, ``'out'``:
+    one it writes; every output is kept apart from every input of the same command).
     """
     meta = {'help': help, **extra}
     if isinstance(default, (list, dict)):
@@ -78,10 +82,24 @@ def within(low, high, open='', note=''):
     return Range(low, high, open, note)
 
 
-def shown(value, limit=60):
-    """``repr(value)`` cut to ``limit`` characters, for a one-line error that echoes a value."""
-    text = repr(value)
+def shown(value, limit=60, as_json=False):
+    """``repr(value)`` (``as_json``: its JSON) cut to ``limit`` characters, for a one-line
+    error that echoes a value: a nested list of 2,000 characters stays a short line."""
+    try:
+        text = json.dumps(value) if as_json else repr(value)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def check_fields(config, flag=None):
+    """Raise :class:`UserError` naming the flag of the first field of ``config`` (a config
+    dataclass) whose value has not its field's type (:func:`check_types`) or lies outside
+    its ``within`` range (:func:`check_ranges`): what every command's ``validate()`` checks
+    first."""
+    check_types({f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                 if not dataclasses.is_dataclass(getattr(config, f.name))}, type(config))
+    check_ranges(config, flag)
 
 
 def check_ranges(config, flag=None):
@@ -111,7 +129,8 @@ CPUS_HELP = 'number of CPU contexts when no GPU is used'
 class ModelConfig:
     """Architecture of the U-Net; enough to rebuild it from a checkpoint."""
     in_channels: int = option(0, 'input channels: 1 or 3 (images are converted); 0 = from the data',
-                            flag='channels')
+                            flag='channels',
+                            within=within(0, 3, note='(1 or 3; 0 = from the data)'))
     classes: int = option(1, 'output classes; 1 = binary mask with a sigmoid', within=within(1, 256))
     width: int = option(32, 'filters of the first level; doubled at every pooling', within=within(1, 1024))
     depth: int = option(4, 'number of poolings; image sides must be divisible by 2**depth', within=within(1, 7))
@@ -142,9 +161,9 @@ class TrainConfig:
 
     # data
     data: Optional[str] = option(None, 'training images: a folder (paired or DSB layout) or a CSV; '
-                                     'absent = generated demo nuclei')
-    masks: Optional[str] = option(None, 'mask folder for the paired layout')
-    val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)')
+                                     'absent = generated demo nuclei', path='in')
+    masks: Optional[str] = option(None, 'mask folder for the paired layout', path='in')
+    val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)', path='in')
     layout: str = option('auto', 'input layout (auto-detected by default)')
     mask_suffix: str = option('_mask', 'paired layout: name.png <-> name<suffix>.png')
     size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)',
@@ -156,7 +175,7 @@ class TrainConfig:
                                          '2 per GPU up to the CPU cores less one, or 2 for CPU training',
                                     within=within(0, 1024))
     cache_dir: Optional[str] = option(None, 'where to cache decoded arrays (default: $XDG_CACHE_HOME/gluon_unet, '
-                                          'i.e. ~/.cache/gluon_unet; never inside your data)')
+                                          'i.e. ~/.cache/gluon_unet; never inside your data)', path='in')
     normalize: str = option('none', 'per-image input normalization, also applied by bin/predict: invert '
                                   '(bright-background images become dark-background), percentile '
                                   '(light denoise, then stretch 0.5..99.8th percentile to 0..255), auto (both), '
@@ -240,7 +259,7 @@ class TrainConfig:
     # run bookkeeping
     output: Optional[str] = option(None, 'run folder (config, logs, metrics, checkpoints, export); default: '
                                        'a new runs/unet, runs/unet-2, ... (runs/demo... for the demo). '
-                                       'A folder holding another run is refused')
+                                       'A folder holding another run is refused', path='out')
     overwrite: bool = option(False, 'start over in an --output that holds a run: deletes its config, logs, '
                                   'metrics, checkpoints and export (other files stay)')
     seed: int = option(0, 'random seed (data split, initialization, augmentation)', within=within(0, 2 ** 32 - 1))
@@ -356,7 +375,9 @@ class TrainConfig:
                                 'off)' % self.predict_diameter)
 
     def _check_devices(self):
-        """What the kvstore, the time budget, SyncBatchNorm, AMP and --memory allow together."""
+        """--gpus' syntax, and what the kvstore, the time budget, SyncBatchNorm, AMP and
+        --memory allow together."""
+        parse_gpu_list(self.gpus)
         if self.time_budget and self.lr_schedule != 'constant' and self.kvstore.startswith('dist') \
                 and (self.kvstore == 'dist_async' or self.update_on_kvstore):
             # The servers run the optimizer on a copy of the schedule sent at the start.
@@ -438,8 +459,8 @@ def check_types(values, cls, where=None):
         if typing.get_origin(tp) is typing.Union:
             optional = type(None) in typing.get_args(tp)
             tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        if value is None and optional:
-            continue
+        if value is None and optional or tp not in (bool, int, float, str):
+            continue  # a list (launch's command) is built by the parser, not typed by a user
         ok = {bool: lambda v: isinstance(v, bool),
               int: lambda v: isinstance(v, int) and not isinstance(v, bool),
               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -448,9 +469,11 @@ def check_types(values, cls, where=None):
             kind = {bool: 'true or false', int: 'an integer', float: 'a number', str: 'a string'}[tp]
             if key == 'gpus':
                 kind = 'a string of GPU ids such as "0-7" or "0,2"'
-            name = ('%s: %s' % (where, key)) if where else flag_name(key)
+            meta = next((f.metadata for f in dataclasses.fields(cls) if f.name == key), {})
+            name = ('%s: %s' % (where, key)) if where else meta.get('metavar', key.upper()) \
+                if meta.get('positional') else flag_name(key)
             raise UserError('%s must be %s%s (got %s)' % (name, kind, ' or null' if optional else '',
-                                                          json.dumps(value)))
+                                                          shown(value, as_json=True)))
 
 
 def flag_name(field_name):

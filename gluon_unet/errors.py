@@ -1,8 +1,9 @@
 """How problems reach the user: one line, never a traceback.
 
 Anything the user can fix (a bad flag, a missing file, a corrupt image) is raised as
-:class:`UserError`; the CLI entry points (:func:`reports_errors`) turn it into a single
-line on stderr and a non-zero exit code (a usage error is one line too, exit 2:
+:class:`UserError`; the CLI entry points (:func:`gluon_unet.cli.common.reports_errors`,
+with :func:`unexpected_error` for what no code foresaw) turn it into a single line on
+stderr and a non-zero exit code (a usage error is one line too, exit 2:
 ``gluon_unet.cli.common.OneLineParser``), and :func:`mxnet_message` turns an MXNet error
 (a C++ traceback) into the line that says what failed.
 
@@ -10,7 +11,6 @@ This module imports nothing from gluon_unet (and not mxnet), so any module may u
 """
 import contextlib
 import errno as _errno
-import functools
 import os
 import re
 import signal
@@ -89,6 +89,20 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+class Stopped(KeyboardInterrupt):
+    """A command stopped by a signal, with the one line that says so and what is kept.
+
+    A ``KeyboardInterrupt``, not an ``Exception``: raised from a signal handler, it may
+    surface inside a library's code, and a library's ``except Exception`` (MXNet's deferred
+    initialization re-raises whatever it catches as a ValueError) must not turn a stop into
+    another error. The error boundary prints ``line`` and returns ``exit_code``.
+    """
+
+    def __init__(self, line, exit_code):
+        super().__init__(line)
+        self.line, self.exit_code = line, exit_code
+
+
 @contextlib.contextmanager
 def signals_raise(signums=(signal.SIGTERM,)):
     """Within the block, the signals ``signums`` raise :class:`Terminated` in the main
@@ -115,34 +129,48 @@ def signals_raise(signums=(signal.SIGTERM,)):
             signal.signal(sig, handler)
 
 
-def reports_errors(main):
-    """Decorator for CLI entry points: a :class:`UserError` becomes ``error: <message>``
-    on stderr and its exit code, Ctrl-C becomes exit 130 (a :class:`Terminated` SIGTERM
-    exit 143) - never a traceback."""
-    @functools.wraps(main)
-    def wrapper(argv=None, **kwargs):
+#: Environment variable that shows the traceback of an unexpected error (as ``--debug``).
+DEBUG_VARIABLE = 'GLUON_UNET_DEBUG'
+
+
+def unexpected_error(command, exc, debug=False):
+    """The one line for an exception no code foresaw, after saving its traceback.
+
+    mxnet missing from this Python, and a shared library ``libmxnet.so`` cannot load, are
+    said as what to install; anything else is named as a bug in gluon_unet, with where its
+    traceback is: the open ``train.log`` (a run's), or stderr now when ``debug``."""
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or '').split('.')[0] == 'mxnet':
+        return ('%s needs MXNet, which is not installed in this Python (%s): pip install -r requirements.txt '
+                '(requirements-cu117.txt for GPUs); bin/predict runs an export\'s model.onnx without it'
+                % (command, sys.executable))
+    if isinstance(exc, OSError) and library_load_error(exc) is not None:
+        return library_load_error(exc)
+    text = ' '.join(str(exc).split())
+    what = '%s: %s' % (type(exc).__name__, text[:200] + ('...' if len(text) > 200 else '')) if text else \
+        type(exc).__name__
+    trace = ''.join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logs = _log_files()
+    for path in logs:
         try:
-            return main(argv, **kwargs)
-        except UserError as exc:
-            print('error: %s' % exc, file=sys.stderr)
-            if getattr(exc, 'process_unusable', False):
-                # MXNet's engine is stuck (a device failed while the others wait at
-                # SyncBatchNorm's barrier): a normal exit would wait for it forever.
-                sys.stderr.flush()
-                os._exit(exc.exit_code)
-            return exc.exit_code
-        except KeyboardInterrupt as exc:
-            signum = getattr(exc, 'signum', signal.SIGINT)
-            print('interrupted' if signum == signal.SIGINT else 'interrupted by %s' % signal.Signals(signum).name,
-                  file=sys.stderr)
-            return 128 + signum
-        except OSError as exc:
-            message = library_load_error(exc)
-            if message is None:
-                raise
-            print('error: %s' % message, file=sys.stderr)
-            return 1
-    return wrapper
+            with open(path, 'a') as f:
+                f.write('unexpected error in %s:\n%s' % (command, trace))
+        except OSError:
+            pass
+    if debug:
+        sys.stderr.write(trace)
+        where = 'its traceback is above'
+    elif logs:
+        where = 'its traceback is in %s (or run again with --debug)' % logs[0]
+    else:
+        where = 'run again with --debug (or %s=1) to see where' % DEBUG_VARIABLE
+    return '%s failed: %s; this is a bug in gluon_unet, please report it: %s' % (command, what, where)
+
+
+def _log_files():
+    """The files the package logger writes to (a run's ``train.log``), if any."""
+    import logging
+    return [h.baseFilename for h in logging.getLogger('gluon_unet').handlers
+            if isinstance(h, logging.FileHandler)]
 
 
 _MISSING_LIBRARY = re.compile(r'(lib[\w.+-]+?\.so[\d.]*): cannot open shared object file')

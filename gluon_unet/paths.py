@@ -1,4 +1,4 @@
-"""What gluon_unet may delete or replace, and where its outputs may go.
+"""What gluon_unet may delete or replace: the files it wrote and recognises.
 
 The deletion rule
 -----------------
@@ -22,13 +22,8 @@ removes a folder only when it created it and it is empty. "Recognise" is concret
 
 Anything else, in those folders or elsewhere, is the user's and stays. An output file
 named on the command line (``predict --rle``, ``evaluate --csv``) is replaced only when
-it is one gluon_unet wrote, recognised by its header (:func:`check_replaceable`).
-
-Outputs never touch inputs
---------------------------
-Every command passes what it writes and what it reads to :func:`check_apart` before any
-work: an output that is an input (the same file, through symbolic or hard links too) or
-lies inside an input folder is refused in one line.
+it is one gluon_unet wrote, recognised by its header. Where outputs may go, their locks
+and their records: :mod:`gluon_unet.outputs`.
 
 This module imports nothing heavy (no mxnet), so the run-folder code can use it.
 """
@@ -179,58 +174,3 @@ def remove_if_empty(folder):
         os.rmdir(folder)
     except OSError:
         pass
-
-
-def check_replaceable(path, first_line, label, what):
-    """Refuse, in one line, an output file named on the command line that exists but is not
-    one gluon_unet wrote: ``what`` (e.g. 'a DSB submission') is recognised by its first
-    line starting with ``first_line``."""
-    if not path or not os.path.lexists(path):
-        return
-    head = b''
-    if os.path.isfile(path):
-        try:
-            with open(path, 'rb') as f:
-                head = f.readline(len(first_line) + 1)
-        except OSError:
-            pass
-    if not head.startswith(first_line.encode()):
-        raise UserError('%s %s exists and is not %s gluon_unet wrote (its first line does not start with %s); '
-                        'choose another file, or move it' % (label, path, what, first_line))
-
-
-def check_apart(outputs, inputs, command):
-    """Refuse, in one line, an output that is an input or lies inside an input folder.
-
-    Paths are compared resolved (``realpath``: symbolic links, ``..``), and existing
-    files by identity too (``samefile``: hard links, bind mounts).
-
-    Parameters
-    ----------
-    outputs : iterable of (label, path)
-        What ``command`` writes, e.g. ``('--rle', 'sub.csv')``; a None path is skipped.
-    inputs : iterable of (label, path)
-        What it reads: files and folders, e.g. ``('--input', 'images/')``.
-    command : str
-        The command, for the message (``'predict'``).
-
-    Raises
-    ------
-    UserError
-        Naming the output, the input and what to do.
-    """
-    inputs = [(label, path, os.path.realpath(path)) for label, path in inputs if path]
-    for out_label, out in outputs:
-        if not out:
-            continue
-        real = os.path.realpath(out)
-        for in_label, path, in_real in inputs:
-            same = real == in_real
-            if not same and os.path.exists(out) and os.path.exists(path):
-                same = os.path.samefile(out, path)
-            if same:
-                raise UserError('%s %s is %s %s, which %s reads: an output never replaces an input; choose '
-                                'another %s' % (out_label, out, in_label, path, command, out_label))
-            if os.path.isdir(in_real) and real.startswith(in_real.rstrip(os.sep) + os.sep):
-                raise UserError('%s %s lies inside %s %s, which %s reads: outputs never go into inputs; choose '
-                                'another %s' % (out_label, out, in_label, path, command, out_label))

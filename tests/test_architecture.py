@@ -154,7 +154,7 @@ FOLDERS = {'cli': 'cli', 'training': 'training', 'inference': 'inference', 'data
 #: The few modules at the top level, each with its layer ('' is the package itself: its
 #: public names are imported on first use, so it imports nothing of the package).
 TOP_LEVEL = {'__main__': 'cli', 'config': 'shared', 'model': 'shared', 'checkpoint': 'shared', 'metrics': 'shared',
-             '': 'base', 'errors': 'base', 'utils': 'base', 'paths': 'base', 'reporting': 'base'}
+             '': 'base', 'errors': 'base', 'utils': 'base', 'paths': 'base', 'outputs': 'base', 'reporting': 'base'}
 
 
 def _layer(module):

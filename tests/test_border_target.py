@@ -203,7 +203,7 @@ def test_bad_target_values_are_one_line(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', str(tmp_path),
                            '--input', str(tmp_path), '--output', str(tmp_path / 'o'), '--marker', '1.5'],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and '--marker must be in (0, 1)' in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and '--marker must be a number in (0, 1)' in proc.stderr, proc.stderr
 
 
 def test_a_sidecar_with_unknown_outputs_is_refused_in_one_line(tmp_path):

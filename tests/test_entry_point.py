@@ -96,7 +96,8 @@ def test_train_help_lists_choices_defaults_groups_and_examples():
     helps = {a.option_strings[0]: a.help for a in parser._actions if a.option_strings}
     for flag, help_text in helps.items():
         assert (help_text or '').count('default') <= 1, help_text  # each default once
-    assert '--lr X' in text and helps['--lr'].endswith('(default: 0.001; demo without --data: 0.003)')
+    assert '--lr X' in text and helps['--lr'].endswith('(default: 0.001; a number in (0, 100]; demo without --data: '
+                                                        '0.003)')
     assert helps['--augment'].endswith('(default: on)') and helps['--kvstore'].endswith('(default: device)')
     assert text.rstrip().endswith('take the same flags.)') and text.count('gluon-unet train') >= 3
 
@@ -117,7 +118,7 @@ def _command_parsers():
     from gluon_unet.cli import doctor, evaluate, export, launch, predict, train
     from gluon_unet.cli.doctor import DoctorConfig
     from gluon_unet.inference.evaluate import EvaluateConfig
-    from gluon_unet.inference.export import ExportConfig
+    from gluon_unet.inference.export_run import ExportConfig
     from gluon_unet.training.launcher import LaunchConfig
     from gluon_unet.inference.predict import PredictConfig
     return {'train': (train.train_parser(), (TrainConfig, ModelConfig), {'config'}),
@@ -136,12 +137,13 @@ def test_every_commands_flags_are_its_config_fields_and_each_default_lives_there
     assert sorted(parsers) == sorted(cli.COMMANDS)
     for command, (parser, classes, extra) in parsers.items():
         dests = sorted(a.dest for a in parser._actions if not isinstance(a, argparse._HelpAction)
-                       and a.dest not in (argparse.SUPPRESS, 'version'))
+                       and a.dest not in (argparse.SUPPRESS, 'version', 'debug'))
         fields = sorted({f.name for c in classes for f in dataclasses.fields(c)
                          if (c, f.name) != (TrainConfig, 'model')} | extra)
         assert dests == fields, command
         assert all(a.default is argparse.SUPPRESS for a in parser._actions if a.dest in set(fields) - extra), command
         assert '--version' in parser._option_string_actions, command
+        assert '--debug' in parser._option_string_actions, command  # read by the error boundary
     from gluon_unet.cli.common import parse_configs
     from gluon_unet.cli.predict import PredictCommand
     from gluon_unet.inference.predict import PredictConfig

@@ -304,7 +304,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_no_files(tmp_path, capsys):
              (['--model', two_channel, '--input', str(good)], 'has 1 channel but the model takes 2'),
              (['--model', str(tmp_path / 'empty'), '--input', str(good)], 'no exported model'),
              (['--model', model, '--input', str(good), '--mode', 'zoom'], "invalid choice: 'zoom'"),
-             (['--model', model, '--input', str(good), '--batch-size', '0'], '--batch-size must be >= 1')]
+             (['--model', model, '--input', str(good), '--batch-size', '0'], '--batch-size must be an integer between 1 and 65536')]
     for args, words in cases:
         assert _exit_code(predict_main, args + ['--output', str(out), '--rle', str(tmp_path / 's.csv')]) == 2
         err = capsys.readouterr().err

@@ -9,6 +9,7 @@ same test. Those tests skip where that environment is absent, and fail instead u
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -208,7 +209,6 @@ def test_probability_maps_match_mxnet():
 
 
 def test_a_stale_or_damaged_model_onnx_is_refused(kinds, tmp_path):
-    import shutil
     folder = str(tmp_path / 'export')
     shutil.copytree(kinds['no-batchnorm']['folder'], folder)
     assert onnx_path(folder)[0] == os.path.join(folder, ONNX_FILE)
@@ -394,3 +394,107 @@ def test_onnx_environment_errors_are_one_line(trained, tmp_path):
     assert done.returncode == 2 and done.stderr.count('\n') == 1, done.stderr
     assert done.stderr.startswith('error: mxnet is not installed and onnxruntime is not installed in this Python')
     assert 'pip install -r requirements-onnx.txt' in done.stderr and not os.path.exists(tmp_path / 'out')
+
+
+# -- an export copied for a machine without MXNet (issue 60, observation 6) ---------------
+
+def _onnx_only_copy(run, folder):
+    """What a user copies to a machine without MXNet: the export's model.json + model.onnx."""
+    os.makedirs(folder)
+    for name in ('model.json', ONNX_FILE):
+        shutil.copy2(os.path.join(run, 'export', name), folder)
+    return folder
+
+
+def test_model_json_and_model_onnx_alone_predict_without_mxnet_by_folder_or_file(trained, tmp_path):
+    from gluon_unet.cli import predict_main
+    run, images, _ = trained
+    copy = _onnx_only_copy(run, str(tmp_path / 'copy'))
+    common = ['--input', images, '--no-progress', '--mode', 'tile']
+    assert predict_main(['--model', run, '--output', str(tmp_path / 'mx')] + common) == 0
+    expected, models, onnx_file = _outputs(str(tmp_path / 'mx')), [], os.path.join(copy, ONNX_FILE)
+    for given, out in ((copy, str(tmp_path / 'folder')), (onnx_file, str(tmp_path / 'file'))):
+        done = run_onnx([os.path.join(ROOT, 'bin', 'predict'), '--model', given, '--output', out] + common)
+        assert done.returncode == 0 and done.stderr.count('\n') == 1, done.stderr  # the one line on the runtime
+        assert done.stderr.startswith('mxnet is not installed: predicting with %s on onnxruntime' % onnx_file)
+        got = _outputs(out)
+        assert sorted(got) == sorted(expected) and all(np.array_equal(got[n], expected[n]) for n in expected)
+        manifest = json.load(open(os.path.join(out, 'gluon_unet-predictions.json')))
+        models.append((manifest['complete'], manifest['model']['export'], manifest['model']['weights_sha256']))
+    # Without the params the model is known by its model.onnx: one identity for both ways in.
+    assert models[0] == models[1] and models[0][:2] == (True, copy) and models[0][2].startswith('onnx:')
+    assert sorted(os.listdir(copy)) == ['model.json', ONNX_FILE]  # nothing added to the user's copy
+
+
+def test_on_mxnet_model_onnx_names_its_export_and_alone_says_both_ways_on(trained, tmp_path, capsys):
+    # A file names the export in its folder; the runtime chooses the files: MXNet's here.
+    from gluon_unet.cli import predict_main
+    from gluon_unet.inference.batched_onnx import predict_runtime
+    from gluon_unet.inference.sidecar import find_export
+    run, images, _ = trained
+    export, image = os.path.join(run, 'export'), os.path.join(images, 'img0.png')
+    for name in (ONNX_FILE, 'model.json', 'model-0000.params', 'model-symbol.json'):
+        assert find_export(os.path.join(export, name)) == os.path.join(export, 'model')
+    assert predict_main(['--model', os.path.join(export, ONNX_FILE), '--input', image, '--output',
+                         str(tmp_path / 'out'), '--no-progress']) == 0
+    record = json.load(open(str(tmp_path / 'out' / 'gluon_unet-predictions.json')))['model']
+    assert record['export'] == export and not record['weights_sha256'].startswith('onnx:')  # MXNet's weights
+    capsys.readouterr()
+    # Another .onnx, a missing model.onnx, model.onnx without MXNet's files: one line each.
+    ort_here = subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True).returncode == 0
+    (tmp_path / 'other.onnx').write_bytes(open(os.path.join(export, ONNX_FILE), 'rb').read())
+    copy = _onnx_only_copy(run, str(tmp_path / 'copy'))
+    for given, words in ((str(tmp_path / 'other.onnx'), ["runs an export's model.onnx, beside its model.json"]),
+                         (str(tmp_path / 'gone' / ONNX_FILE), ['no such file']),
+                         (copy, [] if ort_here else [copy, 'copy those beside it', 'requirements-onnx.txt'])):
+        assert predict_main(['--model', given, '--input', image, '--output', str(tmp_path / 'no')]) == 2
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and 'Traceback' not in err and all(w in err for w in words), err
+    assert not (tmp_path / 'no').exists() and sorted(os.listdir(copy)) == ['model.json', ONNX_FILE]
+    # Told the model, the runtime choice is onnxruntime, saying why (and how to run MXNet instead).
+    runtime, why = predict_runtime(None, copy)
+    assert runtime == 'onnx' and why.startswith('the export %s has model.onnx but not MXNet' % copy), why
+    assert predict_runtime(None, run) == ('mxnet', '')
+
+
+def _edit_sidecar(folder, **keys):
+    """Replace keys of ``folder``'s model.json (None: remove), as a user edits it."""
+    meta = json.load(open(os.path.join(folder, 'model.json')))
+    meta.update(keys)
+    json.dump({k: v for k, v in meta.items() if v is not None}, open(os.path.join(folder, 'model.json'), 'w'))
+
+
+def test_damaged_model_onnx_advice_works_on_the_onnx_path(trained, tmp_path):
+    # Follow the line bin/predict prints for an altered model.onnx, on the machine without MXNet.
+    from onnx import numpy_helper
+    run, images, _ = trained
+    predict = [os.path.join(ROOT, 'bin', 'predict'), '--input', os.path.join(images, 'img0.png'), '--no-progress']
+    # 1. A weight changed on purpose, in a whole export: ways on that work here; the last one followed.
+    changed = str(tmp_path / 'changed')
+    shutil.copytree(os.path.join(run, 'export'), changed)
+    model = onnx.load(os.path.join(changed, ONNX_FILE))
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(weight) * np.float32(1.01), weight.name))
+    onnx.save(model, os.path.join(changed, ONNX_FILE))
+    done = run_onnx(predict + ['--model', changed, '--output', str(tmp_path / 'a')])
+    assert done.returncode == 1 and done.stderr.startswith('error: %s is damaged' % os.path.join(changed, ONNX_FILE))
+    assert 'copy it again from the export it came from' in done.stderr and 'export it again' not in done.stderr
+    assert 'remove "digest" from model.json if you changed it on purpose' in done.stderr, done.stderr
+    assert done.stderr.count('\n') == 1, done.stderr
+    _edit_sidecar(changed, digest=None)
+    done = run_onnx(predict + ['--model', changed, '--output', str(tmp_path / 'a')])
+    assert done.returncode == 0 and os.path.isfile(str(tmp_path / 'a' / 'img0_labels.png')), done.stderr
+    # 2. model.onnx cut short by a bad copy: without the digest, onnxruntime's refusal says what is left.
+    cut = _onnx_only_copy(run, str(tmp_path / 'cut'))
+    path = os.path.join(cut, ONNX_FILE)
+    os.truncate(path, os.path.getsize(path) // 2)
+    done = run_onnx(predict + ['--model', cut, '--output', str(tmp_path / 'b')])
+    assert done.returncode == 1 and 'is damaged' in done.stderr and 'copy it again' in done.stderr, done.stderr
+    _edit_sidecar(cut, digest=None)
+    done = run_onnx(predict + ['--model', cut, '--output', str(tmp_path / 'b')])
+    assert done.returncode == 2 and done.stderr.count('\n') == 1 and not (tmp_path / 'b').exists(), done.stderr
+    assert done.stderr.startswith('error: %s: onnxruntime cannot load it' % path)
+    assert done.stderr.rstrip().endswith('copy it again from the export it came from, or write it again where '
+                                         'mxnet is installed (bin/export RUN --onnx)')
+    _edit_sidecar(changed, digest={'model-0000.params': 'crc32:0'})  # model.onnx's entry removed: the same
+    assert onnx_path(changed)[0] == os.path.join(changed, ONNX_FILE)

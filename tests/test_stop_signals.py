@@ -1,6 +1,6 @@
-"""SIGTERM and Ctrl-C at every stage of a run - during an epoch, during the
-post-processing search after the last epoch, during the export - and during bin/export
-(issue 45, observation 10 and the signal tests): the exit code says which signal, one
+"""SIGTERM and Ctrl-C at every stage of a run - during an epoch, as the last epoch's
+checkpoint is written, during the post-processing search after the last epoch, during
+the export - and during bin/export: the exit code says which signal, one
 line says what was saved and how to continue, nothing is half-written, and the advice
 works. Signals are sent to this process at the chosen moment (in-process runs)."""
 import json
@@ -85,6 +85,32 @@ def test_a_signal_during_an_epoch_saves_a_checkpoint_and_says_how_to_continue(tm
         monkeypatch.setattr(engine, 'validate', real)
         assert run_cli(train_main, TRAIN + ['--output', out, '--resume', 'auto']) == 0
         load_exported(out)
+
+
+@pytest.mark.parametrize('signum', SIGNALS, ids=lambda s: s.name)
+def test_a_signal_as_the_last_epochs_checkpoint_is_written_is_honoured(tmp_path, monkeypatch, capsys, signum):
+    # Between two phases: the epoch loop is over, the search has not begun. A stop asked
+    # for then is carried into the next phase, which does not run: never search, export
+    # and exit 0 as though no one had asked.
+    out = str(tmp_path / 'run')
+    real = recorder.RunRecorder.end_epoch
+
+    def end_epoch_then_signal(self, net, trainer, state, *args, **kwargs):
+        result = real(self, net, trainer, state, *args, **kwargs)
+        if state.epoch == 2:  # the last one: its checkpoint and curves are written
+            _send(signum)
+        return result
+    monkeypatch.setattr(recorder.RunRecorder, 'end_epoch', end_epoch_then_signal)
+    capsys.readouterr()
+    assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
+    err = _one_line(capsys)
+    assert err.startswith('%s as the last epoch (2) ended: training is complete' % signum.name), err
+    assert 'the export was not written' in err and '--resume auto' in err, err
+    assert not os.path.exists(os.path.join(out, 'export')) and not _temporary_files(out)
+    _checkpoints_load(out)
+    monkeypatch.setattr(recorder.RunRecorder, 'end_epoch', real)
+    assert run_cli(train_main, TRAIN + ['--output', out, '--resume', 'auto']) == 0  # the advice finishes it
+    load_exported(out)
 
 
 @pytest.mark.parametrize('signum', SIGNALS, ids=lambda s: s.name)

@@ -83,7 +83,7 @@ def test_the_cli_exits_at_once_when_the_engine_is_stuck():
     # What bin/train's entry point does with a DeviceFailure: print one line and leave,
     # without the interpreter's exit waiting for the stuck engine.
     script = SCRIPT.split("try:\n    step(")[0] % {'root': ROOT, 'mode': 'engine'} + r'''
-from gluon_unet.errors import reports_errors
+from gluon_unet.cli.common import reports_errors
 
 @reports_errors
 def main(argv=None):

@@ -147,7 +147,8 @@ def test_plain_export_keeps_the_post_processing_training_searched(run, tmp_path,
     with open(os.path.join(run, 'checkpoints', 'best.ckpt'), 'rb') as f:
         lone.write_bytes(f.read())
     capsys.readouterr()
-    assert run_cli(export_main, [str(lone), '--output', str(other)]) == 0
+    # The export there is another source's (the run's): replacing it is asked for.
+    assert run_cli(export_main, [str(lone), '--output', str(other), '--overwrite']) == 0
     assert 'searched for other weights' in capsys.readouterr().out
     with open(other / 'model.json') as f:
         assert 'postprocess' not in json.load(f)

@@ -69,7 +69,7 @@ def validation_set(run):
 
     from gluon_unet.checkpoint import model_from_checkpoint
     from gluon_unet.data.prepare import build_datasets
-    from gluon_unet.inference.export import resolve_run
+    from gluon_unet.inference.export_run import resolve_run
     from gluon_unet.inference.sidecar import geometry
     ckpt, export_dir = resolve_run(run, None)
     net, cfg, _ = model_from_checkpoint(ckpt, [mx.cpu()])

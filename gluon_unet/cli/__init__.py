@@ -12,6 +12,7 @@ devices its flags name, then imports the modules that need mxnet.
 import sys
 
 from .. import version_string
+from .common import default_signals
 from .doctor import doctor_main
 from .evaluate import evaluate_main
 from .export import export_main
@@ -76,6 +77,9 @@ def main(argv=None, prog='gluon-unet'):
         code = entry(rest)
     except SystemExit as exc:  # argparse: --help, --version, usage errors
         code = exc.code
+    finally:
+        if argv is None:  # this process's own command line: its exit comes next
+            default_signals()
     if code is None:
         return 0
     if not isinstance(code, int):

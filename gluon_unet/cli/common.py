@@ -11,10 +11,14 @@ with the code that uses it, and no command writes its flags by hand.
 """
 import argparse
 import dataclasses
+import functools
+import os
+import signal
 import sys
 import typing
 
 from .. import version_string
+from ..errors import DEBUG_VARIABLE, Stopped, UserError, unexpected_error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -40,10 +44,13 @@ def add_version_flag(parser):
 
 
 def command_parser(prog, description, epilog=None, usage=None):
-    """A command's parser: one-line usage errors, ``--version``, the description and
-    examples printed as written."""
+    """A command's parser: one-line usage errors, ``--version``, ``--debug``, the
+    description and examples printed as written."""
     parser = OneLineParser(prog=prog, usage=usage, description=description, epilog=epilog,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Read by the error boundary (reports_errors), not by the command.
+    parser.add_argument('--debug', action='store_true', default=argparse.SUPPRESS,
+                        help='on an unexpected error, print its traceback (also: GLUON_UNET_DEBUG=1)')
     return add_version_flag(parser)
 
 
@@ -74,14 +81,17 @@ def default_of(f):
 
 
 def field_help(f, default, demo=None):
-    """The help text of a config field: its description, its default once (unless the
-    description already says what the default means), and the demo's value where
-    ``demo`` (field name -> value) sets another one."""
+    """The help of a config field: its description, its default once (unless the
+    description already says what the default means), its range when it has one, and the
+    demo's value where ``demo`` (field name -> value) sets another one."""
     text = f.metadata.get('help', '')
+    rng = f.metadata.get('within')
+    limits = rng.words(arg_type(f.type) is int) if rng is not None else ''
     if 'default' in text or default is None or default == []:
-        return text
+        return '%s (%s)' % (text, limits) if limits else text
     shown = ('on' if default else 'off') if isinstance(default, bool) else repr(default) \
         if default == '' else str(default)
+    shown += '; ' + limits if limits else ''
     value = (demo or {}).get(f.name)
     if value is not None and value != default:
         return '%s (default: %s; demo without --data: %s)' % (text, shown, value)
@@ -155,3 +165,70 @@ def parse_configs(parser, argv, *classes):
         config = cls(**given(namespace, cls))
         configs.append(config.validate() if hasattr(config, 'validate') else config)
     return configs
+
+
+def reports_errors(main):
+    """Decorator for CLI entry points: the one error boundary of a command.
+
+    A :class:`UserError` becomes ``error: <message>`` on stderr and its exit code;
+    Ctrl-C exit 130 (a :class:`Terminated` SIGTERM 143); mxnet missing from this Python
+    one line saying what to install; a library libmxnet.so cannot load one line naming
+    it. Anything else - a bug - is one line too, exit 1, naming what failed: its traceback
+    goes to the run's ``train.log`` when one is open, and to stderr with ``--debug`` or
+    ``GLUON_UNET_DEBUG=1``. Never a traceback by default."""
+    command = main.__name__[:-len('_main')] if main.__name__.endswith('_main') else main.__name__
+
+    @functools.wraps(main)
+    def wrapper(argv=None, **kwargs):
+        try:
+            return main(argv, **kwargs)
+        finally:
+            if argv is None:  # the process's own command line: its exit comes next
+                default_signals()
+    return _boundary(wrapper, command)
+
+
+def default_signals():
+    """From now until the process ends, SIGINT and SIGTERM take their default action: the
+    process ends with that signal's status, and no Python handler runs in an interpreter
+    that is shutting down (one that did, as ``bin/export --int8`` finished, aborted it:
+    SIGABRT, "PyThreadState_Get ... finalizing"). For a command whose work is done or given
+    up; a signal now still ends the process at once, as a scheduler expects."""
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _boundary(main, command):
+    """The error boundary around an entry point (see :func:`reports_errors`)."""
+    @functools.wraps(main)
+    def wrapper(argv=None, **kwargs):
+        try:
+            return main(argv, **kwargs)
+        except UserError as exc:
+            print('error: %s' % exc, file=sys.stderr)
+            if getattr(exc, 'process_unusable', False):
+                # MXNet's engine is stuck (a device failed while the others wait at
+                # SyncBatchNorm's barrier): a normal exit would wait for it forever.
+                sys.stderr.flush()
+                os._exit(exc.exit_code)
+            return exc.exit_code
+        except Stopped as exc:
+            print(exc.line, file=sys.stderr)
+            return exc.exit_code
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, 'signum', signal.SIGINT)
+            print('interrupted' if signum == signal.SIGINT else 'interrupted by %s' % signal.Signals(signum).name,
+                  file=sys.stderr)
+            return 128 + signum
+        except Exception as exc:  # noqa: BLE001 - the boundary: whatever it is, one line
+            print('error: %s' % unexpected_error(command, exc, _debugging(argv)), file=sys.stderr)
+            return 1
+    return wrapper
+
+
+def _debugging(argv):
+    args = sys.argv[1:] if argv is None else list(argv)
+    return '--debug' in args[:args.index('--') if '--' in args else len(args)] or \
+        os.environ.get(DEBUG_VARIABLE, '') not in ('', '0')

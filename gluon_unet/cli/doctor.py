@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import __version__, mxnet_distribution
-from ..config import GPU_IDS, option
-from ..errors import UserError, mxnet_message, reports_errors
+from ..config import GPU_IDS, check_fields, option, within
+from ..errors import UserError, mxnet_message
 from ..machine.cpu import cpu_bfloat16_support, cpu_description, cpu_int8_support
-from ..machine.devices import cpu_context_count, make_contexts
+from ..machine.devices import cpu_context_count, make_contexts, parse_gpu_list
 from ..machine.gpus import gpu_status
 from ..machine.runtime import amx_state, prepare_training_process, recommended_settings, runtime_settings
-from .common import config_parser, parse_configs
+from .common import config_parser, parse_configs, reports_errors
 
 # The build features a multi-GPU U-Net run depends on (mx.runtime.Features names;
 # MXNet 2 calls oneDNN ONEDNN, 1.x MKLDNN).
@@ -43,13 +43,14 @@ class CheckFailed(Exception):
 class DoctorConfig:
     """Which devices ``gluon-unet doctor`` checks; one field per flag (:func:`doctor_parser`)."""
     gpus: str = option('', 'GPUs to check, as for train: %s (default: none)' % GPU_IDS, metavar='IDS')
-    cpus: Optional[int] = option(None, 'check N CPU contexts instead of GPUs (default: no device check)')
+    cpus: Optional[int] = option(None, 'check N CPU contexts instead of GPUs (default: no device check)',
+                                 within=within(1, 1024))
     kvstore: str = option('device', 'kvstore of the reduce check', choices=('device', 'local', 'nccl'))
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of a bad value."""
-        if self.cpus is not None and self.cpus < 1:
-            raise UserError('--cpus must be a positive integer (got %d)' % self.cpus)
+        check_fields(self)
+        parse_gpu_list(self.gpus)  # its syntax, as a usage error; the GPUs themselves are the check
         return self
 
     def contexts(self):
@@ -161,6 +162,20 @@ def table_rows(contexts=1):
     return rows
 
 
+def without_mxnet_rows():
+    """The table's rows where mxnet is not installed: what runs here without it."""
+    try:
+        import onnxruntime
+        predict = "bin/predict runs an export's model.onnx on onnxruntime %s" % onnxruntime.__version__
+    except ImportError:
+        predict = 'bin/predict needs MXNet or onnxruntime (pip install -r requirements-onnx.txt, for model.onnx)'
+    return [('gluon_unet', '%s (%s)' % (__version__, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))),
+            ('mxnet', 'not installed: bin/train and bin/export need it (pip install -r requirements.txt)'),
+            ('Python', '%s (%s)' % (platform.python_version(), sys.executable)),
+            ('CPU', cpu_description()),
+            ('predict', predict)]
+
+
 def format_table(rows):
     width = max(len(name) for name, _ in rows)
     return '\n'.join('%-*s  %s' % (width, name, value) for name, value in rows)
@@ -262,7 +277,17 @@ def requested_contexts(gpus, cpus):
 def run_doctor(config):
     """The table, then the device checks of ``config`` (a :class:`DoctorConfig`); returns
     the exit code (1 and a one-line ``doctor: ...`` on stderr when a check fails)."""
-    print(format_table(table_rows(config.contexts())))
+    try:
+        rows = table_rows(config.contexts())
+    except ModuleNotFoundError as exc:
+        if (exc.name or '').split('.')[0] != 'mxnet':
+            raise
+        # The command a user runs exactly when something is missing: say what is there.
+        print(format_table(without_mxnet_rows()))
+        print('doctor: mxnet is not installed in this Python: bin/train and bin/export need it (pip install -r '
+              'requirements.txt, or requirements-cu117.txt for GPUs)', file=sys.stderr)
+        return 1
+    print(format_table(rows))
     sys.stdout.flush()
     try:
         ctxs = requested_contexts(config.gpus, config.cpus)

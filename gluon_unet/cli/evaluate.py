@@ -1,8 +1,8 @@
 """``gluon-unet evaluate`` / ``bin/evaluate``: flags generated from
 :class:`~gluon_unet.inference.evaluate.EvaluateConfig`, then the scores as a table (and a CSV)."""
-from ..errors import reports_errors, signals_raise
+from ..errors import signals_raise
 from ..machine.runtime import apply_runtime_defaults
-from .common import asks_version, config_parser, parse_configs
+from .common import asks_version, config_parser, parse_configs, reports_errors
 
 EXAMPLES = """examples:
   # predictions of bin/predict against a Data Science Bowl folder, scores to a CSV
@@ -25,18 +25,10 @@ def evaluate_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..inference.evaluate import COLUMNS, EvaluateConfig, check_csv, evaluate, format_table, mean_row, write_csv
-    from ..paths import check_apart, check_replaceable
+    from ..inference.evaluate import EvaluateConfig, format_table, run_evaluate
     with signals_raise():
         config, = parse_configs(evaluate_parser(), argv, EvaluateConfig)
-        check_apart([('--csv', config.csv)], [('--pred', config.pred), ('--truth', config.truth)], 'evaluate')
-        check_replaceable(config.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
-        if config.csv:
-            check_csv(config.csv)  # before the scoring, not after it
-        rows, extra = evaluate(config.pred, config.truth, config.threshold)
-        mean = mean_row(rows)
-        if config.csv:
-            write_csv(config.csv, rows)
+        rows, mean, extra = run_evaluate(config)
     print(format_table(rows, mean))
     missing = [r['image_id'] for r in rows if r['status'] == 'missing']
     if missing:
@@ -48,4 +40,3 @@ def evaluate_main(argv=None):
     if config.csv:
         print('scores written to %s' % config.csv)
     return 0
-

@@ -1,10 +1,10 @@
 """``gluon-unet export`` / ``bin/export``: flags generated from
-:class:`~gluon_unet.inference.export.ExportConfig`, then :func:`~gluon_unet.inference.export.run_export`."""
+:class:`~gluon_unet.inference.export_run.ExportConfig`, then :func:`~gluon_unet.inference.export_run.run_export`."""
 import os
 
-from ..errors import reports_errors, signals_raise
+from ..errors import signals_raise
 from ..machine.runtime import apply_runtime_defaults
-from .common import asks_version, config_parser, parse_configs
+from .common import asks_version, config_parser, parse_configs, reports_errors
 
 EXAMPLES = """examples:
   # the run's best checkpoint (else its latest) to runs/a/export/
@@ -15,7 +15,7 @@ EXAMPLES = """examples:
 
 def export_parser():
     """The ``bin/export`` parser: one flag per :class:`ExportConfig` field."""
-    from ..inference.export import ExportConfig
+    from ..inference.export_run import ExportConfig
     return config_parser('export', ExportConfig, epilog=EXAMPLES,
                          description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
                                      '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
@@ -27,7 +27,7 @@ def export_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..inference.export import ExportConfig, run_export
+    from ..inference.export_run import ExportConfig, run_export
     from ..inference.batched_onnx import ONNX_FILE
     from ..inference.postprocess import settings_text
     from ..inference.sidecar import INT8_PARAMS, INT8_SYMBOL

@@ -1,8 +1,7 @@
 """``gluon-unet launch`` / ``bin/launch``: flags generated from
 :class:`~gluon_unet.training.launcher.LaunchConfig`, then :func:`~gluon_unet.training.launcher.run_launch`. It sets
 no process-wide knob: each process of the job chooses its own."""
-from ..errors import reports_errors
-from .common import config_parser, parse_configs
+from .common import config_parser, parse_configs, reports_errors
 
 EXAMPLES = """examples:
   # two workers and one server on this machine (loopback)

@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass
 
 from ..config import option
-from ..errors import reports_errors, signals_raise
+from ..errors import signals_raise
 from ..machine.runtime import prepare_training_process
-from .common import add_fields, asks_version, command_parser, parse_configs
+from .common import add_fields, asks_version, command_parser, parse_configs, reports_errors
 
 
 @dataclass
@@ -21,10 +21,10 @@ class PredictCommand:
     """What ``bin/predict`` takes besides :class:`~gluon_unet.inference.predict.PredictConfig`: the
     files, and whether failed images fail the command."""
     model: str = option(None, 'run folder (uses its export/), export folder or export prefix', required=True,
-                        metavar='RUN_DIR|PREFIX')
+                        metavar='RUN_DIR|PREFIX', path='in')
     input: str = option(None, 'an image, a folder of images, or a DSB root (<id>/images/<id>.png)', required=True,
-                        metavar='DIR|FILE')
-    output: str = option(None, 'folder for the outputs', required=True, metavar='DIR')
+                        metavar='DIR|FILE', path='in')
+    output: str = option(None, 'folder for the outputs', required=True, metavar='DIR', path='out')
     allow_failures: bool = option(False, 'exit 0 even if some images could not be read or written (they are '
                                          'listed on stderr either way; the others are always written). If every '
                                          'image fails the exit code is 2 regardless')

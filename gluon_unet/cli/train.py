@@ -19,11 +19,11 @@ import warnings
 
 from .. import recipes
 from ..config import _CHOICES, ModelConfig, TrainConfig, check_types
-from ..errors import UserError, reports_errors
+from ..errors import UserError
 from ..machine.runtime import apply_runtime_defaults, prepare_training_process, process_gpus
 from ..reporting import get_logger
 from ..utils import read_json
-from .common import command_parser, config_flag
+from .common import command_parser, config_flag, reports_errors
 
 # The built-in demo (no --data) must finish in a few minutes on a laptop CPU, so it
 # trains a small network on small images unless the user says otherwise.
@@ -185,14 +185,10 @@ def train_main(argv=None):
     from ..data.cache import CacheWarning
     from ..training.loop import fit
     from ..training.step import Diverged
-    from ..training.stops import Interrupted
     # The log says it in one line; Python's warning would repeat it with a source line.
     warnings.simplefilter('ignore', CacheWarning)
     try:
-        history = fit(cfg)
-    except Interrupted as exc:
-        print(str(exc), file=sys.stderr)
-        return exc.exit_code
+        history = fit(cfg)  # a stop (training.stops.Interrupted) is the error boundary's one line
     except Diverged as exc:
         print('error: %s' % exc, file=sys.stderr)
         return Diverged.exit_code

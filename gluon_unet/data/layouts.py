@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 _EXPECTED = ("expected one of: a folder of images with --masks MASK_FOLDER (name.png <-> name%s.png "
              "or same names), a folder with images/ and masks/ subfolders, the DSB layout "
              "ROOT/<id>/images/<id>.png + ROOT/<id>/masks/*.png, or a CSV with image,mask columns")
+#: The same for --val-data, which has no mask folder flag of its own.
+_EXPECTED_VAL = ("expected one of: a folder of images and their masks (name.png + name%s.png), a folder with "
+                 "images/ and masks/ subfolders, the DSB layout ROOT/<id>/images/<id>.png + ROOT/<id>/masks/*.png, "
+                 "or a CSV with image,mask columns")
+
+
+def _expected(flag, mask_suffix):
+    return (_EXPECTED if flag == '--data' else _EXPECTED_VAL) % mask_suffix
 
 
 @dataclass
@@ -103,7 +111,7 @@ def dsb_image(sample_dir):
     return os.path.join(img_dir, (preferred or imgs)[0]) if imgs else None
 
 
-def detect_layout(path, masks=None, mask_suffix='_mask'):
+def detect_layout(path, masks=None, mask_suffix='_mask', flag='--data'):
     """Name the layout of ``path``: 'paired', 'dsb' or 'csv'.
 
     Raises
@@ -113,16 +121,16 @@ def detect_layout(path, masks=None, mask_suffix='_mask'):
     """
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise UserError('--data %s: no such file or folder' % path)
+        raise UserError('%s %s: no such file or folder' % (flag, path))
     if os.path.isfile(path):
         if path.lower().endswith('.csv'):
             return 'csv'
-        raise UserError('--data %s: a file but not a .csv; %s' % (path, _EXPECTED % mask_suffix))
+        raise UserError('%s %s: a file but not a .csv; %s' % (flag, path, _expected(flag, mask_suffix)))
     if masks is not None:
         return 'paired'
     entries = [n for n in _listdir(path) if not n.startswith('.')]
     if not entries:
-        raise UserError('--data %s: folder is empty' % path)
+        raise UserError('%s %s: folder is empty' % (flag, path))
     if os.path.isdir(os.path.join(path, 'images')) and os.path.isdir(os.path.join(path, 'masks')):
         return 'paired'
     if is_dsb(path):
@@ -131,12 +139,13 @@ def detect_layout(path, masks=None, mask_suffix='_mask'):
     if mask_suffix and any(os.path.splitext(n)[0].endswith(mask_suffix) for n in images):
         return 'paired'
     if images:
-        raise UserError('--data %s: images but no masks (no *%s files, no --masks folder); %s'
-                        % (path, mask_suffix, _EXPECTED % mask_suffix))
-    raise UserError('--data %s: matches no layout; %s' % (path, _EXPECTED % mask_suffix))
+        raise UserError('%s %s: images but no masks (no *%s files%s); %s'
+                        % (flag, path, mask_suffix, ', no --masks folder' if flag == '--data' else '',
+                           _expected(flag, mask_suffix)))
+    raise UserError('%s %s: matches no layout; %s' % (flag, path, _expected(flag, mask_suffix)))
 
 
-def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=False):
+def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=False, flag='--data'):
     """Pairs from an image folder and a mask folder (may be the same folder).
 
     Returns
@@ -160,10 +169,10 @@ def find_paired(images_dir, masks_dir=None, mask_suffix='_mask', skip_unpaired=F
         by_stem.setdefault(os.path.splitext(n)[0], n)
     if same:  # one folder: name.png + name_mask.png; the masks are not images
         if not mask_suffix:
-            raise UserError('--data %s: images and masks in one folder need a --mask-suffix' % images_dir)
+            raise UserError('%s %s: images and masks in one folder need a --mask-suffix' % (flag, images_dir))
         image_files = [n for n in image_files if not os.path.splitext(n)[0].endswith(mask_suffix)]
     if not image_files:
-        raise UserError('--data %s: no images (%s) in the folder' % (images_dir, IMAGE_TYPES))
+        raise UserError('%s %s: no images (%s) in the folder' % (flag, images_dir, IMAGE_TYPES))
     samples, missing = [], []
     for n in image_files:
         stem = os.path.splitext(n)[0]
@@ -247,7 +256,7 @@ def find_csv(csv_path, skip_unpaired=False):
     return samples
 
 
-def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired=False):
+def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired=False, flag='--data'):
     """Find the samples of a dataset.
 
     Parameters
@@ -261,6 +270,8 @@ def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired
         Paired layout: ``name.ext`` <-> ``name<mask_suffix>.ext``.
     skip_unpaired : bool
         Warn about images without a mask instead of raising.
+    flag : str
+        The flag that named ``path``, for the messages (``'--val-data'``).
 
     Returns
     -------
@@ -277,22 +288,22 @@ def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired
         raise UserError('--layout must be one of %s (got %r)' % (', '.join(LAYOUTS), layout))
     path = os.fspath(path)
     if layout == 'auto':
-        layout = detect_layout(path, masks, mask_suffix)
+        layout = detect_layout(path, masks, mask_suffix, flag)
     elif not os.path.exists(path):
-        raise UserError('--data %s: no such file or folder' % path)
+        raise UserError('%s %s: no such file or folder' % (flag, path))
     if layout == 'csv':
         if not os.path.isfile(path):
-            raise UserError('--data %s: --layout csv needs a CSV file' % path)
+            raise UserError('%s %s: --layout csv needs a CSV file' % (flag, path))
         samples = find_csv(path, skip_unpaired)
     elif os.path.isfile(path):
-        raise UserError('--data %s: --layout %s needs a folder' % (path, layout))
+        raise UserError('%s %s: --layout %s needs a folder' % (flag, path, layout))
     elif layout == 'dsb':
         if not is_dsb(path):
-            raise UserError('--data %s: not the DSB layout (expected ROOT/<id>/images/<id>.png '
-                            'and ROOT/<id>/masks/*.png)' % path)
+            raise UserError('%s %s: not the DSB layout (expected ROOT/<id>/images/<id>.png '
+                            'and ROOT/<id>/masks/*.png)' % (flag, path))
         samples = find_dsb(path, skip_unpaired)
     else:
-        samples = find_paired(path, masks, mask_suffix, skip_unpaired)
+        samples = find_paired(path, masks, mask_suffix, skip_unpaired, flag)
     if not samples:
-        raise UserError('--data %s: no image has a mask' % path)
+        raise UserError('%s %s: no image has a mask' % (flag, path))
     return layout, samples

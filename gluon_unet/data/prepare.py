@@ -38,7 +38,7 @@ def build_datasets(cfg):
                                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
                                    denoise=cfg.denoise, keep_colour=cfg.stain_jitter > 0)
         full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
-        val = readers.load_dataset(cfg.val_data, options=opts) if cfg.val_data else None
+        val = readers.load_dataset(cfg.val_data, options=opts, flag='--val-data') if cfg.val_data else None
     if val is None and cfg.val_split > 0:
         train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
         return full.subset(train_idx), full.subset(val_idx)

@@ -252,7 +252,7 @@ class LoadOptions:
         return self
 
 
-def load_dataset(path, masks=None, options=None, **overrides):
+def load_dataset(path, masks=None, options=None, flag='--data', **overrides):
     """Read a user's dataset (folders, DSB layout or CSV) into a SegmentationDataset.
 
     Parameters
@@ -263,6 +263,8 @@ def load_dataset(path, masks=None, options=None, **overrides):
         ``--masks``: mask folder of the paired layout.
     options : LoadOptions, optional
         How to read it; default ``LoadOptions()``.
+    flag : str
+        The flag that named ``path``, for one-line errors (``'--val-data'``).
     **overrides
         Fields of :class:`LoadOptions` to change, e.g. ``size=256, workers=0``.
 
@@ -283,7 +285,7 @@ def load_dataset(path, masks=None, options=None, **overrides):
         :mod:`~gluon_unet.data.io`.
     """
     opts = dataclasses.replace(options or LoadOptions(), **overrides).validate()
-    layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired)
+    layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired, flag)
     cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
         ds = _load_cached(path, samples, layout, opts, cache_dir)

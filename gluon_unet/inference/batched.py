@@ -22,7 +22,8 @@ import numpy as np
 from ..errors import UserError, mxnet_message
 from ..machine.runtime import settle_amx
 from .postprocess import DEFAULT_MARKER
-from .sidecar import INT8_PARAMS, INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar, verify_export
+from .sidecar import (INT8_PARAMS, INT8_SYMBOL, ONNX, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar,
+                      verify_export)
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -340,11 +341,14 @@ def load_exported(prefix_or_dir, ctx=None, precision='float32'):
     Parameters
     ----------
     prefix_or_dir : str
-        The export folder, a run folder (uses ``<run>/export``) or the ``.../model`` prefix.
+        The export folder, a run folder (uses ``<run>/export``), the ``.../model`` prefix or
+        one of the export's files (its folder: :func:`~gluon_unet.inference.sidecar.find_export`).
     ctx : mx.Context or list, optional
     precision : {'float32', 'int8'}
         Which network of the export: the float32 model, or its int8 variant
         (:mod:`gluon_unet.inference.export_int8`, written by ``bin/export --int8``; CPU only).
+        Loaded whatever its sidecar's ``int8.check`` says;
+        :func:`~gluon_unet.inference.export_int8.int8_warning` words what that check cannot vouch for.
 
     Returns
     -------
@@ -358,9 +362,11 @@ def load_exported(prefix_or_dir, ctx=None, precision='float32'):
         raise UserError("--precision must be 'float32' or 'int8' (got %r)" % precision)
     names = (INT8_SYMBOL, INT8_PARAMS) if precision == 'int8' else (SYMBOL, PARAMS)
     symbol, params = (os.path.join(folder, name) for name in names)
-    for path in (prefix + '-symbol.json', prefix + '-0000.params'):
-        if not os.path.isfile(path):
-            raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(path)))
+    missing = [p for p in (prefix + '-symbol.json', prefix + '-0000.params') if not os.path.isfile(p)]
+    if len(missing) == 2 and os.path.isfile(os.path.join(folder, ONNX)):
+        raise UserError(_onnx_only(folder))
+    if missing:
+        raise UserError('export %s is incomplete: %s is missing' % (folder, os.path.basename(missing[0])))
     sidecar_path = os.path.join(folder, SIDECAR)
     meta = read_sidecar(sidecar_path) if os.path.isfile(sidecar_path) else {}
     if precision == 'int8':
@@ -389,6 +395,20 @@ def load_exported(prefix_or_dir, ctx=None, precision='float32'):
                         % (folder, names[1], names[0], mxnet_message(exc))) from None
     settle_amx()  # mxnet is loaded: AMX (if on) is fixed for this process, out of the environment
     return net, meta
+
+
+def _onnx_only(folder):
+    """The one line for an export copied with ``model.onnx`` but without MXNet's files
+    (for a machine without MXNet), met on MXNet: both ways to predict with it from here."""
+    import importlib.util
+    if importlib.util.find_spec('onnxruntime') is not None:
+        onnx = 'add --providers cpu to predict with it on onnxruntime'
+    else:
+        # onnxruntime needs numpy >= 1.24, which MXNet 1.9.1 cannot import: not beside it.
+        onnx = ('predict with it where onnxruntime is installed (pip install -r requirements-onnx.txt, in an '
+                'environment without mxnet)')
+    return ('export %s has %s but not MXNet\'s %s and %s: copy those beside it to predict with MXNet, or %s'
+            % (folder or os.curdir, ONNX, SYMBOL, PARAMS, onnx))
 
 
 def _load_export_file(path, load, what):

@@ -10,8 +10,10 @@ tiling, TTA, scale normalization, the watershed, RLE and overlays run unchanged 
 This module needs only numpy and, once a model is loaded, onnxruntime (any version with
 opset 17, i.e. >= 1.13): it imports neither mxnet nor onnx, and neither do the modules
 ``bin/predict`` goes through to reach it. :func:`predict_runtime` says which of the two
-runtimes ``bin/predict`` uses: onnxruntime when providers are asked for or mxnet cannot be
-imported, else MXNet.
+runtimes ``bin/predict`` uses: onnxruntime when providers are asked for, the export has
+no MXNet files or mxnet cannot be imported, else MXNet. The export's ``model.onnx`` and
+``model.json`` are all it reads (:func:`onnx_path`): a folder of only those two is an
+export to ``--model``, and so is either file.
 
 Execution providers (``providers``, comma-separated): ``cpu``, ``cuda``, ``tensorrt`` or
 onnxruntime's own names (``CUDAExecutionProvider``...), tried in the order given, with
@@ -26,9 +28,11 @@ import numpy as np
 
 from ..errors import UserError
 from .batched import Scheduler
+from .sidecar import ONNX, ONNX_AGAIN, PARAMS, SIDECAR, SYMBOL
 
-#: The ONNX file of an export, beside ``model-symbol.json`` (:mod:`gluon_unet.inference.export_onnx`).
-ONNX_FILE = 'model.onnx'
+#: The ONNX file of an export, beside its ``model.json`` (:mod:`gluon_unet.inference.export_onnx`);
+#: the two are all this module reads, so a folder of only those two predicts here.
+ONNX_FILE = ONNX
 #: Names of the graph's input and output.
 INPUT, OUTPUT = 'data', 'logits'
 #: Short provider names -> onnxruntime's.
@@ -54,13 +58,14 @@ def _python():
     return sys.executable or 'python'
 
 
-def predict_runtime(providers=None):
+def predict_runtime(providers=None, model=None):
     """``('mxnet', '')`` or ``('onnx', why)``: which runtime ``bin/predict`` uses.
 
-    onnxruntime when ``providers`` are given or mxnet cannot be imported (``why`` says
-    which, for the one line bin/predict prints), else MXNet. Importing mxnet here is what
-    the MXNet path does next anyway; a broken install (e.g. mxnet beside numpy >= 1.24,
-    which it cannot import) counts as none.
+    onnxruntime when ``providers`` are given, when the export of ``model`` (``--model``,
+    if given) has ``model.onnx`` but not MXNet's files, or when mxnet cannot be imported
+    (``why`` says which, for the one line bin/predict prints), else MXNet. Importing mxnet
+    here is what the MXNet path does next anyway; a broken install (e.g. mxnet beside
+    numpy >= 1.24, which it cannot import) counts as none.
     """
     if providers:
         return 'onnx', ''
@@ -71,7 +76,28 @@ def predict_runtime(providers=None):
             'mxnet cannot be imported (%s)' % _one_line(exc)
     except Exception as exc:  # e.g. AttributeError: numpy has no 'bool' (mxnet 1.9.1 on numpy >= 1.24)
         return 'onnx', 'mxnet cannot be imported (%s: %s)' % (type(exc).__name__, _one_line(exc))
-    return 'mxnet', ''
+    # MXNet is here, but the export may be a copy made for a machine without it.
+    missing = model and mxnet_files_missing(model)
+    return ('onnx', missing) if missing else ('mxnet', '')
+
+
+def mxnet_files_missing(model):
+    """Why ``model`` (``--model``) cannot run on MXNet when its export is ``model.onnx``
+    without MXNet's files (a copy for a machine without MXNet), else ''.
+
+    The reason also says how to run it on MXNet, so that the one line of a missing
+    onnxruntime (:func:`import_onnxruntime`) gives both ways on.
+    """
+    from .sidecar import find_export
+    try:
+        folder = os.path.dirname(os.path.abspath(find_export(model)))
+    except UserError:
+        return ''  # bin/predict names a bad --model itself
+    mxnet_files = [os.path.join(folder, n) for n in (SYMBOL, PARAMS)]
+    if any(os.path.isfile(p) for p in mxnet_files) or not os.path.isfile(os.path.join(folder, ONNX_FILE)):
+        return ''
+    return ('the export %s has %s but not MXNet\'s %s and %s (copy those beside it to predict with MXNet)'
+            % (folder, ONNX_FILE, SYMBOL, PARAMS))
 
 
 def _one_line(exc, limit=120):
@@ -180,7 +206,9 @@ class OnnxNetwork:
             try:
                 session = ort.InferenceSession(path, options, providers=providers)
             except Exception as exc:  # onnxruntime's own exception types differ between versions
-                raise UserError('%s: onnxruntime cannot load it: %s' % (path, _one_line(exc, 200))) from None
+                # A model.onnx changed on purpose (its digest removed) can be one onnxruntime refuses.
+                raise UserError('%s: onnxruntime cannot load it: %s; %s'
+                                % (path, _one_line(exc, 200), ONNX_AGAIN)) from None
             used = session.get_providers()
             wanted = providers[0][0]
             if wanted not in used:
@@ -236,26 +264,32 @@ class OnnxScheduler(Scheduler):
 
 
 def onnx_path(model):
-    """The checked ``model.onnx`` of an export (run folder, export folder or prefix), and
-    its sidecar: ``(path, meta)``.
+    """The checked ``model.onnx`` of an export (run folder, export folder, prefix or one of
+    its files), and its sidecar: ``(path, meta)``.
 
-    The file must be recorded in the export's ``model.json`` (its ``onnx`` entry, written
-    with it) and match the CRC-32 stored there: a later export of other weights into the
-    same folder leaves an older ``model.onnx`` behind, which must not be run.
+    ``model.json`` must be beside it (the input size, normalization and post-processing
+    are there) and record the file (its ``onnx`` entry, written with it): a later export
+    of other weights into the same folder drops that entry, and a ``model.onnx`` put back
+    by hand must not run with the new settings. The file must match the CRC-32 stored in
+    ``digest``, unless the user removed that (a file changed on purpose), as the MXNet
+    files are checked (:func:`~gluon_unet.inference.sidecar.verify_export`).
     """
-    from .sidecar import SIDECAR, find_export, read_sidecar, verify_export
+    from .sidecar import find_export, read_sidecar, verify_export
     prefix = find_export(model)
     folder = os.path.dirname(os.path.abspath(prefix))
     path = os.path.join(folder, ONNX_FILE)
     sidecar = os.path.join(folder, SIDECAR)
-    meta = read_sidecar(sidecar) if os.path.isfile(sidecar) else {}
     if not os.path.isfile(path):
         raise UserError('--model %s: the export has no %s; write it where mxnet is installed (bin/export RUN --onnx)'
                         % (model, ONNX_FILE))
-    if not isinstance(meta.get('onnx'), dict) or ONNX_FILE not in (meta.get('digest') or {}):
+    if not os.path.isfile(sidecar):
+        raise UserError('%s has no %s beside it: copy the export\'s %s with it (the input size, normalization '
+                        'and post-processing the model needs)' % (path, SIDECAR, SIDECAR))
+    meta = read_sidecar(sidecar)
+    if not isinstance(meta.get('onnx'), dict):
         raise UserError('%s is not recorded in %s, so it may come from other weights (an export replaced since); '
                         'write it again where mxnet is installed (bin/export RUN --onnx)' % (path, sidecar))
-    verify_export(meta, {ONNX_FILE: path}, sidecar)
+    verify_export(meta, {ONNX_FILE: path}, sidecar, again=ONNX_AGAIN)
     return path, meta
 
 
@@ -265,7 +299,8 @@ def load_onnx_model(model, gpus='', cpus=1, providers=None, threads=None, why=''
     Parameters
     ----------
     model : str
-        Run folder, export folder or export prefix.
+        Run folder, export folder, export prefix or one of the export's files
+        (:func:`~gluon_unet.inference.sidecar.find_export`).
     gpus : str
         ``--gpus``: the CUDA/TensorRT device ids (one session each); '' for the CPU.
     cpus : int

@@ -7,6 +7,7 @@ Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a 
 mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
 code as the validation metrics in training.
 """
+import contextlib
 import csv
 import os
 from dataclasses import dataclass
@@ -14,11 +15,12 @@ from typing import Optional
 
 import numpy as np
 
-from ..config import option
+from ..config import check_fields, option, within
 from ..data.io import merge_object_masks, read_labels
 from ..data.layouts import is_dsb, is_dsb_sample, list_images
 from ..errors import UserError
 from ..metrics import dsb_image_score, pixel_scores
+from ..outputs import check_apart, check_replaceable, lock_file
 from ..utils import atomic_open, check_writable
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
@@ -164,14 +166,35 @@ def format_table(rows, mean):
 class EvaluateConfig:
     """What ``bin/evaluate`` scores, and how; one field per flag (:mod:`gluon_unet.cli.evaluate`)."""
     pred: str = option(None, 'predictions: label images, binary masks or float probability maps named <id>.png '
-                             '(suffixes _labels, _mask, ... allowed)', required=True, metavar='DIR')
+                             '(suffixes _labels, _mask, ... allowed)', required=True, metavar='DIR', path='in')
     truth: str = option(None, 'ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images',
-                        required=True, metavar='DIR')
-    csv: Optional[str] = option(None, 'write the per-image scores to this CSV', metavar='FILE')
-    threshold: float = option(0.5, 'foreground cut for float probability-map predictions')
+                        required=True, metavar='DIR', path='in')
+    csv: Optional[str] = option(None, 'write the per-image scores to this CSV', metavar='FILE', path='out')
+    threshold: float = option(0.5, 'foreground cut for float probability-map predictions', within=within(0, 1, 'both'))
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of a bad value."""
-        if not 0 < self.threshold < 1:
-            raise UserError('--threshold must be in (0, 1) (got %r)' % self.threshold)
+        check_fields(self)
         return self
+
+
+def run_evaluate(config):
+    """``bin/evaluate``: score ``config.pred`` against ``config.truth`` (an
+    :class:`EvaluateConfig`), writing ``config.csv`` if given. The CSV is checked before
+    the scoring (not after it): apart from the inputs, one gluon_unet wrote if it exists,
+    writable, and locked until written.
+
+    Returns
+    -------
+    (list of dict, dict, list of str)
+        The per-image rows, their mean and the ids of predictions without truth.
+    """
+    check_apart([('--csv', config.csv)], [('--pred', config.pred), ('--truth', config.truth)], 'evaluate')
+    check_replaceable(config.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
+    if config.csv:
+        check_csv(config.csv)
+    with lock_file(config.csv, '--csv') if config.csv else contextlib.nullcontext():
+        rows, extra = evaluate(config.pred, config.truth, config.threshold)
+        if config.csv:
+            write_csv(config.csv, rows)
+    return rows, mean_row(rows), extra

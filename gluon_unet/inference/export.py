@@ -12,25 +12,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
-from typing import Optional
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet (bin/predict on an ONNX export runs without it).
-from ..config import option
-from ..errors import DamagedFile, UserError, WriteError
+from ..errors import UserError, WriteError
 from ..machine.runtime import apply_runtime_defaults, user_environ
-from ..paths import EXPORT_FILES, check_apart, export_files, holds_run, remove_files, remove_if_empty
+from ..paths import EXPORT_FILES, export_files, holds_run, remove_files, remove_if_empty
 from ..reporting import get_logger
-from ..utils import DIGEST, check_writable, dir_mode, file_crc32, write_errors, write_point
+from ..utils import DIGEST, dir_mode, file_crc32, write_errors, write_point
 from .batched_onnx import ONNX_FILE
-from .export_int8 import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, run_calibration
 from .export_onnx import onnx_available, write_onnx
-from .postprocess import settings_text
-from .postprocess_search import retune
-from .sidecar import (INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card, read_sidecar,
-                      update_sidecar, weights_digest)
-from .tiling import MODES
+from .sidecar import INT8_SYMBOL, PARAMS, SIDECAR, SYMBOL, card_follows, final_folder, geometry, model_card
 
 
 def export_checkpoint(checkpoint, out_dir, sidecar_extra=None, onnx='auto'):
@@ -47,7 +39,19 @@ def export_checkpoint(checkpoint, out_dir, sidecar_extra=None, onnx='auto'):
     """
     from ..checkpoint import model_from_checkpoint
     net, cfg, meta = model_from_checkpoint(checkpoint)
-    return export_block(net, cfg, out_dir, meta, sidecar_extra, onnx)
+    return export_block(net, cfg, out_dir, meta, dict({'source': export_source(checkpoint)}, **(sidecar_extra or {})),
+                        onnx)
+
+
+def export_source(checkpoint):
+    """``{'run': run folder or None, 'checkpoint': path}`` (absolute): what an export was
+    made from, recorded in its ``model.json`` so that another run's export is never
+    replaced unasked (:func:`check_export_owner`)."""
+    checkpoint = os.path.realpath(checkpoint)
+    folder = os.path.dirname(checkpoint)
+    run = os.path.dirname(folder) if os.path.basename(folder) == 'checkpoints' and \
+        holds_run(os.path.dirname(folder)) else None
+    return {'run': run, 'checkpoint': checkpoint}
 
 
 def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None, onnx='auto'):
@@ -89,7 +93,7 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', i
         install), else ''.
 
     ``int8``: also write the int8 variant (:mod:`gluon_unet.inference.export_int8`) calibrated as
-    this :class:`~gluon_unet.inference.export_int8.Int8Calibration` says (None: none).
+    this :class:`~gluon_unet.inference.export_int8.Int8Calibration` says (None: none); ``finish_int8`` checks it.
     """
     meta = meta or {}
     ctx = next(iter(net.collect_params().values())).list_ctx()[0]
@@ -132,10 +136,9 @@ def write_export(net, cfg, folder, meta=None, sidecar_extra=None, onnx='auto', i
     sidecar['digest'] = {name: '%s:%08x' % (DIGEST, file_crc32(os.path.join(folder, name)))
                          for name in (SYMBOL, PARAMS) + ((ONNX_FILE,) if record is not None else ())}
     if int8 is not None:
-        from .batched import second_map
         from .export_int8 import int8_digests, write_int8
         with write_errors(os.path.join(final, INT8_SYMBOL), folder):  # every int8 file as its symbol
-            sidecar['int8'] = write_int8(net, folder, int8, cfg.threshold, second_map(sidecar))
+            sidecar['int8'] = write_int8(net, folder, int8, sidecar)
         sidecar['digest'].update(int8_digests(folder))
     with write_errors(os.path.join(final, SIDECAR), folder):
         with open(os.path.join(folder, SIDECAR), 'w') as f:
@@ -308,192 +311,3 @@ def _last_error_line(stderr):
         return 'no error output'
     line = lines[-1]
     return line[len('error: '):] if line.startswith('error: ') else line
-
-
-@dataclass
-class ExportConfig:
-    """What ``bin/export`` exports, where, and whether it searches the post-processing
-    again; one field per flag (:mod:`gluon_unet.cli.export`)."""
-    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file',
-                      positional=True, metavar='RUN_DIR|CHECKPOINT')
-    output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR')
-    tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
-                                           "run's own validation split (its data must still be where it trained) "
-                                           "and store them in the export, as training does at its end")
-    mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
-                                       'bin/predict --mode (default auto), the one you will predict with',
-                                 choices=MODES)
-    tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
-                              "run with bin/predict --tta (8x the search's prediction time)")
-    onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
-                                        'is not installed (default: when the onnx package is installed: pip install '
-                                        '-r requirements-onnx-export.txt)')
-    int8: bool = option(False, "also write an int8 variant (model-int8-*) for bin/predict --precision int8 on the "
-                               "CPU, quantized with MXNet's oneDNN and calibrated on the run's own validation images "
-                               "(its data must still be where it trained); float32 stays the default")
-    int8_inputs: Optional[int] = option(None, 'with --int8: how many network inputs (windows of the first validation '
-                                              'images, as bin/predict --mode auto cuts them) to calibrate on '
-                                              '(default %d)' % DEFAULT_CALIB_INPUTS, metavar='N')
-    int8_calibration: Optional[str] = option(None, "with --int8: each layer's int8 range is its min..max on the "
-                                                   "inputs (naive) or the cut that loses the least information "
-                                                   "(entropy; slower) (default naive)", choices=CALIB_MODES)
-
-    def validate(self):
-        """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
-        int8 option without ``--int8`` or out of range (:func:`~gluon_unet.inference.export_int8.check_options`)."""
-        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
-            if given and not self.tune_postprocess:
-                raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
-                                'images)' % flag)
-        check_options(self.int8, self.int8_inputs, self.int8_calibration)
-        return self
-
-
-def run_export(config):
-    """``bin/export``: export the best (or given) checkpoint of ``config.run`` (an
-    :class:`ExportConfig`), searching the post-processing again with
-    ``--tune-postprocess`` (:func:`gluon_unet.inference.postprocess_search.retune`).
-
-    Returns
-    -------
-    (str, list of str, dict or None)
-        The export prefix, notes for the user and the searched settings.
-    """
-    onnx = 'auto' if config.onnx is None else config.onnx
-    if onnx is True:  # asked for: before any work, not after the search
-        available, why = onnx_available()
-        if not available:
-            raise UserError('--onnx: %s' % why)
-    if config.int8:
-        check_support('--int8')
-    ckpt, out = resolve_run(config.run, config.output)
-    if config.output:
-        check_export_output(config.output, ckpt)
-    check_export_folder(out)
-    check_writable(out, '--output')
-    from ..checkpoint import earlier_good_checkpoint, model_from_checkpoint
-    try:
-        net, cfg, meta = model_from_checkpoint(ckpt)
-    except DamagedFile as exc:
-        earlier = earlier_good_checkpoint(ckpt)
-        if earlier is not None:
-            exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
-                        % (exc.args[0], earlier, earlier),)
-        raise
-    if config.tune_postprocess or config.int8:
-        check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
-                                          ("the run's --val-data", cfg.val_data)],
-                    'export --tune-postprocess' if config.tune_postprocess else 'export --int8')
-    int8 = run_calibration(cfg, config.int8_inputs or DEFAULT_CALIB_INPUTS,
-                           config.int8_calibration or 'naive') if config.int8 else None
-    tuned, notes = None, []
-    # The new export is built aside and only its last step replaces the old one: stopped
-    # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
-    installed = []
-    with _stops_on_sigterm('export %s' % config.run, out, installed):
-        with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
-            notes.append(write_export(net, cfg, stage, meta, onnx=onnx, int8=int8))
-            if config.tune_postprocess:
-                tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
-            else:
-                notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
-    return os.path.join(os.path.abspath(out), 'model'), [n for n in notes if n], tuned
-
-
-def check_export_output(output, checkpoint):
-    """Refuse, in one line, an ``export --output`` that is the working folder, a run
-    folder or a folder of checkpoints (an export belongs in a folder of its own), or the
-    checkpoint itself."""
-    from ..paths import checkpoint_files
-    if os.path.realpath(output) == os.path.realpath(os.getcwd()):
-        raise UserError('export --output %s is the working folder; give the export a folder of its own (default: '
-                        '<run>/export)' % output)
-    if os.path.isdir(output):
-        run = holds_run(output)
-        if run:
-            raise UserError('export --output %s is a run folder (it holds %s); its export goes to %s, the default'
-                            % (output, ', '.join(run), os.path.join(output, 'export')))
-        if checkpoint_files(output):
-            raise UserError('export --output %s holds checkpoints (%s); give the export a folder of its own'
-                            % (output, ', '.join(checkpoint_files(output)[:3])))
-    check_apart([('--output', output)], [('RUN|CHECKPOINT', checkpoint)], 'export')
-
-
-def keep_searched(stage, folders, run):
-    """Carry the searched post-processing of an earlier export of the same weights (the
-    first of ``folders`` whose ``model.json`` has a ``postprocess``) into the staged
-    export ``stage``: a plain ``bin/export RUN`` must not drop what training chose.
-
-    Returns
-    -------
-    str
-        A line for the user: what was kept, or why nothing was ('' when no earlier export
-        had searched settings).
-    """
-    import mxnet as mx
-    new, note, seen = None, '', set()
-    for folder in folders:
-        path = os.path.join(folder, SIDECAR)
-        if os.path.realpath(path) in seen or not os.path.isfile(path):
-            continue
-        seen.add(os.path.realpath(path))
-        try:
-            tuned = read_sidecar(path).get('postprocess')
-            if not isinstance(tuned, dict):
-                continue
-            new = new or weights_digest(os.path.join(stage, 'model'))
-            same = weights_digest(os.path.join(folder, 'model')) == new
-        except (UserError, mx.MXNetError, OSError):
-            continue  # a damaged earlier export has nothing to keep
-        if same:
-            update_sidecar(stage, {'postprocess': tuned})
-            return 'kept the post-processing searched for these weights (from %s): %s' % (path, settings_text(tuned))
-        note = note or ('note: the post-processing in %s was searched for other weights, so this export has the '
-                        'training defaults; `bin/export %s --tune-postprocess` searches for these' % (path, run))
-    return note
-
-
-@contextlib.contextmanager
-def _stops_on_sigterm(what, out, installed):
-    """SIGTERM as a one-line error (exit 143) instead of an abrupt end, so the staging
-    folder is cleaned up and the user learns which export ``out`` holds (the new one
-    once ``installed`` is non-empty, else the one it had)."""
-    import threading
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        if installed:
-            raise UserError('%s stopped by SIGTERM as it finished; %s holds the new export' % (what, out),
-                            exit_code=128 + signum)
-        raise UserError('%s stopped by SIGTERM before it finished; %s keeps the export it had'
-                        % (what, out), exit_code=128 + signum)
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def resolve_run(run, output):
-    """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
-    from ..checkpoint import list_checkpoints
-    if os.path.isdir(run):
-        folder = os.path.join(run, 'checkpoints')
-        ckpt = os.path.join(folder, 'best.ckpt')
-        if not os.path.isfile(ckpt):
-            found = list_checkpoints(folder) or list_checkpoints(run)
-            if not found:
-                raise UserError('export %s: no checkpoint there (expected checkpoints/best.ckpt '
-                                'or epoch*.ckpt; is it a run folder?)' % run)
-            ckpt = found[-1]
-        return ckpt, output or os.path.join(run, 'export')
-    if not os.path.isfile(run):
-        raise UserError('export %s: no such run folder or checkpoint file' % run)
-    # <run>/checkpoints/x.ckpt -> <run>/export; a checkpoint elsewhere -> export/ beside it
-    folder = os.path.dirname(os.path.abspath(run))
-    if os.path.basename(folder) == 'checkpoints':
-        folder = os.path.dirname(folder)
-    return run, output or os.path.join(folder, 'export')
-

@@ -188,22 +188,51 @@ class Manifest:
             remove_files(self.folder, manifest_names(self.old))
         self.inputs = dict((self.old or {}).get('inputs') or {}) if self.kept else {}
         self.inputs.update({image_id: os.path.abspath(path) for image_id, path in files})
+        self.ids = [image_id for image_id, _ in files]
         self._write(sorted(set(self.kept) | set(self.planned)), complete=False)
 
-    def finish(self):
-        """After the run: the record of the files that are there (none written: nothing)."""
+    def finish(self, stopped=None):
+        """After the run: the record of the files that are there (none written: nothing),
+        ``complete`` only when every planned file is, and what ``stopped`` the run
+        (``'SIGTERM'``, recorded as ``'SIGTERM after 4 of 10 images'``, counting the images
+        whose files are there) when something did."""
         if not self.started:
             return
         names = [n for n in sorted(set(self.kept) | set(self.planned)) if os.path.isfile(os.path.join(self.folder, n))]
-        self._write(names, complete=True)
+        if stopped:
+            done = sum(1 for image_id in self.ids if '%s_mask.png' % image_id in names)
+            stopped = '%s after %d of %d images' % (stopped, done, len(self.ids))
+        self._write(names, complete=stopped is None and set(self.planned) <= set(names), stopped=stopped)
 
-    def _write(self, names, complete):
+    def _write(self, names, complete, stopped=None):
         os.makedirs(self.folder, exist_ok=True)
         record = {'format': MANIFEST_FORMAT, 'model': self.model, 'settings': self.settings, 'files': names,
                   'inputs': self.inputs, 'complete': complete,
                   'written': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}
+        if stopped:
+            record['stopped'] = stopped
+        missing = sorted(set(self.planned) - set(names))
+        if missing and not stopped:
+            record['missing'] = missing  # the images that failed: their files were never written
         with atomic_open(os.path.join(self.folder, MANIFEST)) as f:
             json.dump(record, f, indent=1)
+
+
+def writes_there(name):
+    """Whether ``name`` (relative to a prediction folder) is a file bin/predict writes
+    there: an image's mask, labels or overlay, or the manifest."""
+    return os.sep not in name and (name == MANIFEST or any(name.endswith(s + '.png') for s in OUTPUT_SUFFIXES))
+
+
+def stop_words(exc):
+    """``'SIGTERM'`` / ``'SIGINT'`` / ``'an error (WriteError)'``: what stopped a run."""
+    signum = getattr(exc, 'signum', None)
+    if signum is not None:
+        import signal
+        return signal.Signals(signum).name
+    if isinstance(exc, KeyboardInterrupt):
+        return 'SIGINT'
+    return 'an error (%s)' % type(exc).__name__
 
 
 def summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None):

@@ -17,16 +17,23 @@ import time
 import numpy as np
 
 from .. import __version__
+from ..config import shown
 from ..data.io import NORMALIZE_MODES
+from ..data.sizes import diameter_choice_error
 from ..data.targets import OUTPUTS
 from ..errors import DamagedFile, UserError
 from ..paths import SIDECAR_MAX_BYTES
 from ..utils import DIGEST, atomic_open, file_crc32, read_json
 from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
-from ..data.sizes import diameter_choice_error
 from .tiling import MODES
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
+#: The export's ONNX network (:mod:`gluon_unet.inference.export_onnx`): with ``model.json``,
+#: all that ``bin/predict`` on onnxruntime reads (:func:`find_export` takes a folder of the two).
+ONNX = 'model.onnx'
+#: How to get a damaged ``model.onnx`` back where MXNet may not be installed (:func:`verify_export`).
+ONNX_AGAIN = 'copy it again from the export it came from, or write it again where mxnet is installed ' \
+             '(bin/export RUN --onnx)'
 #: The int8 variant's files (:mod:`gluon_unet.inference.export_int8`), beside the float32 ones.
 INT8_SYMBOL, INT8_PARAMS = 'model-int8-symbol.json', 'model-int8-0000.params'
 
@@ -75,13 +82,13 @@ def _check_geometry(meta):
     for key in ('in_channels', 'classes', 'depth', 'multiple', 'train_size'):
         value = meta.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise _Bad('%r must be a positive integer (got %s)' % (key, json.dumps(value)))
+            raise _Bad('%r must be a positive integer (got %s)' % (key, _echo(value)))
     threshold = meta.get('threshold')
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or not 0 < threshold < 1):
-        raise _Bad("'threshold' must be a number in (0, 1) (got %s)" % json.dumps(threshold))
+        raise _Bad("'threshold' must be a number in (0, 1) (got %s)" % _echo(threshold))
     if meta.get('resize_mode') not in (None, 'crop', 'resize'):
-        raise _Bad("'resize_mode' must be \"crop\" or \"resize\" (got %s)" % json.dumps(meta['resize_mode']))
+        raise _Bad("'resize_mode' must be \"crop\" or \"resize\" (got %s)" % _echo(meta['resize_mode']))
     config = meta.get('config')
     if config is not None and not isinstance(config, dict):
         raise _Bad("'config' must be an object (the training config), not %s" % _json_kind(config))
@@ -94,7 +101,7 @@ def _check_postprocess(meta):
     tuned = meta.get('postprocess')
     if tuned is not None and (not isinstance(tuned, dict) or tuned.get('markers') not in (None,) + MARKERS):
         raise _Bad("'postprocess' must be an object whose 'markers' is one of %s (got %s)"
-                   % (', '.join(json.dumps(m) for m in MARKERS), json.dumps(tuned)))
+                   % (', '.join(_echo(m) for m in MARKERS), _echo(tuned)))
     tuned = tuned or {}
     for key, ok, rule in (('min_score', lambda v: 0 <= v < 1, 'a number in [0, 1)'),
                           ('threshold', lambda v: 0 < v < 1, 'a number in (0, 1)'),
@@ -103,11 +110,11 @@ def _check_postprocess(meta):
                           ('min_size', lambda v: v >= 0 and float(v).is_integer(), 'a whole number >= 0')):
         value = tuned.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value)):
-            raise _Bad("'postprocess' '%s' must be %s (got %s)" % (key, rule, json.dumps(value)))
+            raise _Bad("'postprocess' '%s' must be %s (got %s)" % (key, rule, _echo(value)))
     if 'tta' in tuned and not isinstance(tuned['tta'], bool):
-        raise _Bad("'postprocess' 'tta' must be true or false (got %s)" % json.dumps(tuned['tta']))
+        raise _Bad("'postprocess' 'tta' must be true or false (got %s)" % _echo(tuned['tta']))
     if tuned.get('mode', 'auto') not in MODES:
-        raise _Bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), json.dumps(tuned['mode'])))
+        raise _Bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), _echo(tuned['mode'])))
 
 
 def _check_sizes(meta):
@@ -115,13 +122,13 @@ def _check_sizes(meta):
     diameter = meta.get('diameter')
     if diameter is not None and (isinstance(diameter, bool) or not isinstance(diameter, (int, float))
                                  or not (math.isfinite(diameter) and diameter > 0)):
-        raise _Bad("'diameter' must be a finite positive number of pixels or null (got %s)" % json.dumps(diameter))
+        raise _Bad("'diameter' must be a finite positive number of pixels or null (got %s)" % _echo(diameter))
     ranges = meta.get('diameter_ranges')
     if ranges is not None and not (isinstance(ranges, dict) and 'all' in ranges and all(
             isinstance(r, list) and len(r) == 2 and all(_positive_number(v) for v in r) and r[0] <= r[1]
             for r in ranges.values())):
         raise _Bad("'diameter_ranges' must map 'all' and image kinds to [low, high] pixels or be null (got %s)"
-                   % json.dumps(ranges)[:200])
+                   % _echo(ranges))
     default = meta.get('predict_diameter')
     if default is not None and diameter_choice_error(default) is not None:
         raise _Bad("'predict_diameter' %s" % diameter_choice_error(default))
@@ -132,17 +139,17 @@ def _check_outputs(meta):
     outputs = meta.get('outputs')
     if outputs is not None and outputs not in [list(o) for o in OUTPUTS.values()]:
         raise _Bad("'outputs' must be one of %s (got %s)" % (
-            ', '.join(json.dumps(list(o)) for o in OUTPUTS.values()), json.dumps(outputs)))
+            ', '.join(_echo(list(o)) for o in OUTPUTS.values()), _echo(outputs)))
     model = (meta.get('config') or {}).get('model')
     target = model.get('target') if isinstance(model, dict) else None
     if target is not None and target not in OUTPUTS:
-        raise _Bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), json.dumps(target)))
+        raise _Bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), _echo(target)))
     markers = (meta.get('postprocess') or {}).get('markers')
     if markers in SECOND_MAPS:
         second = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))[1:]
         if second != [markers]:
             raise _Bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
-                json.dumps(markers), json.dumps(['foreground'] + second)))
+                _echo(markers), _echo(['foreground'] + second)))
 
 
 def _check_inputs(meta):
@@ -150,14 +157,19 @@ def _check_inputs(meta):
     digest = meta.get('digest')
     if digest is not None and not (isinstance(digest, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in digest.items())):
-        raise _Bad("'digest' must be an object of file name -> \"crc32:<hex>\" (got %s)" % json.dumps(digest))
+        raise _Bad("'digest' must be an object of file name -> \"crc32:<hex>\" (got %s)" % _echo(digest))
     denoise = meta.get('normalize_denoise')
     if denoise is not None and (isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or denoise < 0):
-        raise _Bad("'normalize_denoise' must be a number >= 0 (got %s)" % json.dumps(denoise))
+        raise _Bad("'normalize_denoise' must be a number >= 0 (got %s)" % _echo(denoise))
     for where, holder in (('normalize', meta), ('config.normalize', meta.get('config') or {})):
         value = holder.get('normalize')
         if value is not None and value not in NORMALIZE_MODES:
-            raise _Bad('%r must be one of %s (got %s)' % (where, ', '.join(NORMALIZE_MODES), json.dumps(value)))
+            raise _Bad('%r must be one of %s (got %s)' % (where, ', '.join(NORMALIZE_MODES), _echo(value)))
+
+
+def _echo(value):
+    """A value of the sidecar in a message, as JSON, cut short (a hand-edited file may hold anything)."""
+    return shown(value, limit=120, as_json=True)
 
 
 def _json_kind(value):
@@ -169,10 +181,16 @@ def _json_kind(value):
     return {list: 'a list', str: 'a string', dict: 'an object'}.get(type(value), 'a number')
 
 
-def verify_export(meta, files, sidecar_path):
+def verify_export(meta, files, sidecar_path, again='export it again'):
     """Raise :class:`~.errors.DamagedFile` naming the first of ``files`` (name -> path)
     whose CRC-32 differs from the sidecar's ``digest``. Exports written before digests
-    (no ``digest`` in model.json) and hand-made ones are read as they are, unchecked."""
+    (no ``digest`` in model.json) and hand-made ones are read as they are, unchecked.
+
+    ``again`` says how to get the file back on the path the caller is on: the MXNet files
+    are exported again; ``model.onnx`` on a machine without MXNet is copied again
+    (:data:`ONNX_AGAIN`). The other way out, removing ``digest`` from model.json, works on
+    both paths (the ONNX path then runs a ``model.onnx`` its ``onnx`` record vouches for).
+    """
     digests = meta.get('digest') or {}
     for name, path in files.items():
         stored = digests.get(name)
@@ -187,23 +205,66 @@ def verify_export(meta, files, sidecar_path):
             raise UserError('%s: cannot read it (%s)' % (path, exc.strerror)) from None
         if actual != value:
             raise DamagedFile('%s is damaged: its content does not match the digest in %s (changed on disk since '
-                              'it was exported; export it again, or remove "digest" from %s if you changed it '
-                              'on purpose)' % (path, sidecar_path, SIDECAR), path)
+                              'it was exported); %s, or remove "digest" from %s if you changed it on purpose'
+                              % (path, sidecar_path, again, SIDECAR), path)
 
 
 def find_export(path):
-    """Resolve a run folder, export folder or prefix to the export prefix."""
+    """Resolve ``--model`` to the export prefix, ``FOLDER/model``.
+
+    Parameters
+    ----------
+    path : str
+        A run folder (its ``export/``), an export folder, an export prefix (``.../model``)
+        or one of an export's files (``model.onnx``, ``model.json``, ``model-0000.params``,
+        ``...-symbol.json``): a file names the export in its folder, and which of the
+        folder's files run is the runtime's choice, as for the folder. A folder is an export
+        when it holds MXNet's files or ``model.onnx``: ``model.onnx`` and ``model.json``
+        are all that onnxruntime needs, so a copy of only those two is one.
+
+    Returns
+    -------
+    str
+        The prefix (``FOLDER/model``; an MXNet file's own prefix for ``X-symbol.json``).
+
+    Raises
+    ------
+    UserError
+        One line naming ``--model`` and what an export holds.
+    """
     if os.path.isdir(path):
         for cand in (os.path.join(path, 'export', 'model'), os.path.join(path, 'model')):
-            if os.path.isfile(cand + '-symbol.json') or os.path.isfile(cand + '-0000.params'):
+            if _export_at(cand):
                 return cand
-        raise UserError('--model %s: no exported model there (expected export/%s or %s)'
-                        % (path, SYMBOL, SYMBOL))
+        raise UserError('--model %s: no exported model there (expected %s + %s, or %s + %s, in it or in its '
+                        'export/)' % (path, SYMBOL, PARAMS, ONNX, SIDECAR))
     if path.endswith('-symbol.json'):
         return path[:-len('-symbol.json')]
-    if os.path.isfile(path + '-symbol.json') or os.path.isfile(path + '-0000.params'):
+    name = os.path.basename(path)
+    if name in (ONNX, SIDECAR, PARAMS):
+        if not os.path.isfile(path):
+            raise UserError('--model %s: no such file' % path)
+        prefix = os.path.join(os.path.dirname(path), 'model')
+        if _export_at(prefix):
+            return prefix
+        raise UserError('--model %s: no exported model beside it (expected %s + %s, or %s + %s)'
+                        % (path, SYMBOL, PARAMS, ONNX, SIDECAR))
+    if _export_at(path):
         return path
-    raise UserError('--model %s: not a run folder, export folder or export prefix' % path)
+    if name.endswith('.onnx'):
+        # The sidecar vouches for model.onnx by name (its 'onnx' record and digest); a
+        # renamed file could be any network, fed with another's settings.
+        raise UserError('--model %s: bin/predict runs an export\'s %s, beside its %s; give that file or its folder'
+                        % (path, ONNX, SIDECAR))
+    raise UserError('--model %s: not a run folder, export folder, export prefix or export file' % path)
+
+
+def _export_at(prefix):
+    """Whether ``prefix`` (``FOLDER/model``...) names an export: MXNet's files, or a
+    ``model.onnx`` in its folder."""
+    if os.path.isfile(prefix + '-symbol.json') or os.path.isfile(prefix + '-0000.params'):
+        return True
+    return os.path.basename(prefix) == 'model' and os.path.isfile(os.path.join(os.path.dirname(prefix), ONNX))
 
 
 def update_sidecar(out_dir, extra):
@@ -291,8 +352,16 @@ def weights_digest(prefix):
     ``unet1_conv0_weight`` there), so the digest covers the arrays' bytes only. Where the
     names section begins follows from the symbol's variable names (verified against the
     file's tail); a file where it does not is digested array by array (slower: a full load).
+
+    An export copied without MXNet's files (``model.onnx`` + ``model.json``, all the ONNX
+    path needs) gives ``'onnx:'`` + the SHA-256 of its ``model.onnx``: the file that runs.
+    Its initializers carry MXNet's block names, so that is the file's identity, never
+    equal to a weights digest.
     """
     params = prefix + '-0000.params'
+    onnx = os.path.join(os.path.dirname(prefix), ONNX)
+    if not os.path.isfile(params) and os.path.isfile(onnx):
+        return 'onnx:' + _file_sha256(onnx)
     size = os.path.getsize(params)
     names = _variable_names(prefix + '-symbol.json')
     tail = 8 + sum(8 + len(('arg:' + n).encode()) for n in names)
@@ -317,6 +386,15 @@ def weights_digest(prefix):
         digest.update(('%s %s %s;' % (name.split(':', 1)[0], a.dtype.str, a.shape)).encode())
         digest.update(np.ascontiguousarray(a).tobytes())
     return 'arrays:' + digest.hexdigest()
+
+
+def _file_sha256(path):
+    """SHA-256 of a file's bytes, hex."""
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 22), b''):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _variable_names(symbol_file):

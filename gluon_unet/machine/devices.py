@@ -20,6 +20,10 @@ from .gpus import gpu_renumbering, no_gpu_reason, num_gpus, physical_gpu, probe_
 _NO_GPU_SPECS = ('', 'none', 'cpu')
 
 
+#: No machine has more GPUs than this (a range up to 10**12 would be built before a driver is asked).
+MAX_GPU_ID = 1023
+
+
 def parse_gpu_list(spec):
     """The GPU indices a ``--gpus`` value names, without asking any driver.
 
@@ -44,11 +48,13 @@ def parse_gpu_list(spec):
         try:
             if '-' in part:
                 lo, hi = (int(p) for p in part.split('-', 1))
-                if lo > hi:
+                if lo > hi or hi > MAX_GPU_ID:
                     raise ValueError
                 ids.update(range(lo, hi + 1))
             else:
                 ids.add(int(part))
+                if ids and max(ids) > MAX_GPU_ID:
+                    raise ValueError
         except ValueError:
             raise UserError("--gpus %r: %r is not a GPU index or range like '0-7', '0,2,5', 'all'"
                             % (spec, part)) from None

@@ -95,7 +95,7 @@ class JobFailed(UserError):
     """Another process of the job failed: this one cannot go on and stops at once.
 
     ``process_unusable``: the command-line entry point exits without waiting for
-    MXNet's engine (:func:`gluon_unet.errors.reports_errors`), which may still hold
+    MXNet's engine (:func:`gluon_unet.cli.common.reports_errors`), which may still hold
     operations that waited for the lost process.
     """
 
@@ -208,9 +208,18 @@ def import_horovod():
         # Not installed, or built without MXNet (check_extension's ImportError says so).
         raise UserError('--kvstore horovod: Horovod for MXNet is not installed (%s); install it with '
                         '"pip install -r %s" (it builds against the installed mxnet: see that file)'
-                        % (str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__,
-                           HOROVOD_INSTALL)) from None
+                        % (_first_line(exc), HOROVOD_INSTALL)) from None
+    except OSError as exc:
+        # Installed, but its library does not load: built against another mxnet or
+        # compiler ("undefined symbol"), or a library it links is gone.
+        raise UserError('--kvstore horovod: Horovod is installed but its library does not load (%s); rebuild it '
+                        'against this mxnet: "pip install --force-reinstall --no-cache-dir -r %s" (see that file)'
+                        % (_first_line(exc), HOROVOD_INSTALL)) from None
     return hvd
+
+
+def _first_line(exc):
+    return str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
 
 
 class HorovodKVStore(mx.kv.KVStoreBase):

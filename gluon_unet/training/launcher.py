@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import option
+from ..config import check_fields, option, within
 from ..errors import UserError, errno_words
 from ..machine.runtime import LOCAL_WORKERS, user_environ
 
@@ -251,16 +251,20 @@ class Job:
 class LaunchConfig:
     """A ``bin/launch`` job: its processes, where they run and the command they run; one
     field per flag (:mod:`gluon_unet.cli.launch`)."""
-    num_workers: int = option(None, 'worker processes', short='-n', required=True, metavar='N')
+    num_workers: int = option(None, 'worker processes', short='-n', required=True, metavar='N',
+                              within=within(1, 1024))
     num_servers: Optional[int] = option(None, 'parameter servers (default: as many as workers)', short='-s',
-                                        metavar='N')
+                                        metavar='N',
+                                        within=within(1, 1024))
     launcher: str = option('local', 'local: every process on 127.0.0.1; ssh: on the hosts of -H',
                            choices=('local', 'ssh'))
-    hostfile: Optional[str] = option(None, 'ssh: file with one host name per line', short='-H', metavar='HOSTFILE')
-    port: int = option(0, 'scheduler port (default: a free one)', metavar='PORT')
+    hostfile: Optional[str] = option(None, 'ssh: file with one host name per line', short='-H', metavar='HOSTFILE', path='in')
+    port: int = option(0, 'scheduler port (default: a free one)', metavar='PORT',
+                       within=within(0, 65535, note='(0 = a free one)'))
     interface: Optional[str] = option(None, 'network interface ps-lite binds to (e.g. eth0, ib0)',
                                       metavar='INTERFACE')
-    grace: float = option(10.0, 'seconds between SIGTERM and SIGKILL when stopping the job', metavar='SECONDS')
+    grace: float = option(10.0, 'seconds between SIGTERM and SIGKILL when stopping the job', metavar='SECONDS',
+                          within=within(0, 3600, note='(seconds)'))
     command: list = option([], '-- COMMAND ...', positional=True, rest=True, metavar='command')
 
     def validate(self):
@@ -269,18 +273,27 @@ class LaunchConfig:
         command = self.command[1:] if self.command[:1] == ['--'] else self.command
         if not command:
             raise UserError('launch: no command given; put it after --, e.g. -- bin/train --kvstore dist_sync')
-        if self.num_workers < 1:
-            raise UserError('-n %d: need at least one worker' % self.num_workers)
+        check_fields(self)
         if self.num_servers is None:
             self.num_servers = self.num_workers
-        if self.num_servers < 1:
-            raise UserError('-s %d: need at least one server' % self.num_servers)
         if self.launcher == 'ssh' and not self.hostfile:
             raise UserError('--launcher ssh needs -H HOSTFILE')
-        if not 0 <= self.port < 65536:
-            raise UserError('--port %d: not a TCP port' % self.port)
         self.command = command
         return self
+
+
+def check_program(program):
+    """Refuse, in one line, a local job's command that cannot start: no such file, not
+    executable, or not on PATH (it would fail in every process of the job at once)."""
+    import shutil
+    if os.sep in program:
+        if not os.path.isfile(program):
+            raise UserError('launch: the command %s does not exist' % program)
+        if not os.access(program, os.X_OK):
+            raise UserError('launch: the command %s is not executable (chmod +x, or run it through its '
+                            'interpreter: -- python %s ...)' % (program, program))
+    elif shutil.which(program) is None:
+        raise UserError('launch: the command %s is not on PATH' % program)
 
 
 def run_launch(config):
@@ -293,6 +306,7 @@ def run_launch(config):
     if config.interface:
         extra['DMLC_INTERFACE'] = config.interface
     if config.launcher == 'local':
+        check_program(config.command[0])
         # Bind ps-lite to loopback explicitly: left alone it picks the first
         # non-loopback interface, which may not exist (containers) or be firewalled.
         extra.update(DMLC_NODE_HOST='127.0.0.1')

@@ -20,6 +20,7 @@ import mxnet as mx
 from . import distributed
 from ..checkpoint import load_checkpoint
 from ..config import TrainConfig
+from ..data.cache import default_cache_dir
 from ..data.loader import default_workers, make_loader, set_loader_epoch
 from ..data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
 from ..errors import UserError
@@ -28,7 +29,7 @@ from ..inference.postprocess_search import search_seconds, tune_on_dataset
 from ..inference.sidecar import geometry
 from ..machine.devices import context_names, make_contexts
 from ..machine.runtime import process_gpus
-from ..paths import check_apart
+from ..outputs import check_apart
 from ..reporting import setup_logging
 from .budget import epoch_estimate, planned_epochs
 from .ema import applied, make_average
@@ -85,9 +86,12 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
         require_tensorboardx()
     strategy = distributed.make_strategy(cfg.kvstore)
     default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
-    # The run folder is an output: never the data, nor inside it (the next run would read it).
+    # The run folder is an output: never the data, nor inside it (the next run would read
+    # it), nor the cache of decoded arrays (only a data-caching run writes there).
+    cache = cfg.cache_dir or (default_cache_dir() if cfg.data else None)
     check_apart([('--output', cfg.output or default_base)],
-                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data)], 'train')
+                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data), ('--cache-dir', cache)],
+                'train')
     # Claimed (and locked) before any data is decoded: a clash costs seconds, not the
     # minutes of a decode; released - and removed if still empty - on any error.
     with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:
@@ -159,15 +163,21 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
              'worker(s)%s', len(ctxs), context_names(ctxs),
              ' (worker %d of %d)' % (strategy.rank, strategy.num_workers) if strategy.num_workers > 1 else '',
              len(train_ds), 0 if val_ds is None else len(val_ds), run.steps_per_epoch, cfg.workers, workers_note)
+    # One flag from the first step to the export: a signal that lands between two phases
+    # (as the last epoch's checkpoint is written) is carried into the next, never dropped.
+    stop = StopFlag().install()
     try:
-        with on_write_error(cfg, complete=False):
-            _train_epochs(run, state, strategy, ckpt_trainer, callbacks)
+        try:
+            with on_write_error(cfg, complete=False):
+                _train_epochs(run, state, strategy, ckpt_trainer, callbacks, stop)
+        finally:
+            # The loader's workers end here, not at some later garbage collection or at exit:
+            # the search and the export need none, and their memory is freed for them.
+            run.loader.close()
+            recorder.close()
+        _search_and_export(run, state, amp_dtype, stop)
     finally:
-        # The loader's workers end here, not at some later garbage collection or at exit:
-        # the search and the export need none, and their memory is freed for them.
-        run.loader.close()
-        recorder.close()
-    _search_and_export(run, state, amp_dtype)
+        stop.restore()
     return state.history
 
 
@@ -232,10 +242,11 @@ def _assemble(cfg, ctxs, net, train_ds, val_ds, recorder, strategy, amp_dtype, s
     return run, strategy.checkpoint_trainer(step.trainer, update_on_kv)
 
 
-def _search_and_export(run, state, amp_dtype):
-    """After the epochs: the post-processing search on the best checkpoint, then the export."""
+def _search_and_export(run, state, amp_dtype, stop):
+    """After the epochs: the post-processing search on the best checkpoint, then the export;
+    a stop asked for before (``stop``, still pending) stops them before they begin."""
     cfg, recorder, tuned = run.cfg, run.recorder, None
-    with AfterTraining(cfg, recorder, state) as after, on_write_error(cfg, complete=True):
+    with AfterTraining(cfg, recorder, state, pending=stop.signum) as after, on_write_error(cfg, complete=True):
         if _will_tune(cfg, run.val_ds) and state.history:
             load_checkpoint(recorder.best_checkpoint(), net=run.net)  # tune what will be exported
             tuned = tune_on_dataset(run.net, run.ctxs, run.val_ds, geometry(cfg), cfg.batch_size,
@@ -247,47 +258,43 @@ def _search_and_export(run, state, amp_dtype):
         recorder.finish(state, amp_dtype, tuned)
 
 
-def _train_epochs(run, state, strategy, ckpt_trainer, callbacks):
+def _train_epochs(run, state, strategy, ckpt_trainer, callbacks, stop):
     """Epochs until ``--epochs`` (or what fits in ``--time-budget``), early stopping, a
-    callback or a signal."""
+    callback or a signal (``stop``, a :class:`StopFlag` the caller installed)."""
     cfg, log = run.cfg, run.recorder.log
     # A resumed run plans from the epochs it has measured (the budget may have changed).
     clock = _clock()  # one running clock: checkpointing counts in the next epoch
     state.train_seconds += clock - run.started  # this process's data loading and setup
     total = _plan_epochs(run, state, strategy)
-    stop = StopFlag().install()
-    try:
-        epoch = state.epoch
-        while epoch < total:
-            epoch += 1
-            row, samples = _run_epoch(run, epoch, state, stop, total)
-            now = _clock()
-            state.train_seconds += now - clock
-            if row is None:  # interrupted mid-epoch
-                path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
-                saved = 'saved %s: ' % path if path else ''  # (rank 0 saves for a multi-machine job)
-                raise Interrupted('%s: stopped in epoch %d after %d steps; %scontinue with --resume auto'
-                                  % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch, saved),
-                                  128 + stop.signum)
-            # Spent either way, but a one-off: the probe must not make every epoch look longer.
-            state.epoch_seconds.append(now - clock - run.probe_seconds)
-            clock, run.probe_seconds = now, 0.0
-            run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples, run.average)
-            # Rank 0 alone knows the validation numbers: its decisions hold for every
-            # worker (one stopping alone would leave the others waiting for its gradients).
-            by_callback, early = strategy.broadcast([run_callbacks(callbacks, row, run, state),
-                                                     run.recorder.should_stop_early()])
-            if by_callback:
-                log.info('stopped by a callback after epoch %d', epoch)
-                break
-            if early:
-                saver = run.recorder.saver
-                log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
-                         saver.monitor, cfg.patience, saver.best, saver.best_epoch)
-                break
-            total = _plan_epochs(run, state, strategy, total)
-    finally:
-        stop.restore()
+    epoch = state.epoch
+    while epoch < total:
+        epoch += 1
+        row, samples = _run_epoch(run, epoch, state, stop, total)
+        now = _clock()
+        state.train_seconds += now - clock
+        if row is None:  # interrupted mid-epoch
+            path = run.recorder.interrupted(run.net, ckpt_trainer, state, run.average)
+            saved = 'saved %s: ' % path if path else ''  # (rank 0 saves for a multi-machine job)
+            raise Interrupted('%s: stopped in epoch %d after %d steps; %scontinue with --resume auto'
+                              % (signal.Signals(stop.signum).name, epoch, state.step_in_epoch, saved),
+                              128 + stop.signum)
+        # Spent either way, but a one-off: the probe must not make every epoch look longer.
+        state.epoch_seconds.append(now - clock - run.probe_seconds)
+        clock, run.probe_seconds = now, 0.0
+        run.recorder.end_epoch(run.net, ckpt_trainer, state, row, len(run.ctxs), samples, run.average)
+        # Rank 0 alone knows the validation numbers: its decisions hold for every
+        # worker (one stopping alone would leave the others waiting for its gradients).
+        by_callback, early = strategy.broadcast([run_callbacks(callbacks, row, run, state),
+                                                 run.recorder.should_stop_early()])
+        if by_callback:
+            log.info('stopped by a callback after epoch %d', epoch)
+            break
+        if early:
+            saver = run.recorder.saver
+            log.info('early stopping: %s did not improve for %d epochs (best %.4f at epoch %d)',
+                     saver.monitor, cfg.patience, saver.best, saver.best_epoch)
+            break
+        total = _plan_epochs(run, state, strategy, total)
 
 
 _clock = time.monotonic  # --time-budget's clock (tests give it a fake one)

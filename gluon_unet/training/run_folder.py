@@ -15,17 +15,11 @@ The policy (docs/reference/run-folder.md):
   same folder stops with one line naming the holder. The OS drops the lock when the
   process dies, even on ``kill -9``, so a crashed run never blocks its own resume.
 """
-import errno
-import fcntl
 import os
-import socket
-import time
 
-from ..errors import UserError, WriteError, errno_words
+from ..errors import UserError
+from ..outputs import OutputInUse, lock_folder
 from ..paths import RUN_DIRS, holds_run, remove_files, remove_if_empty, run_files
-from ..utils import write_errors, write_point
-
-LOCK_NAME = '.lock'
 
 
 def check_output_path(path, flag='--output'):
@@ -58,34 +52,16 @@ def _candidates(base):
 
 
 class RunFolder:
-    """The folder a run writes to, locked until :meth:`release`.
+    """The folder a run writes to, locked until :meth:`release` (its ``.lock`` stays, naming
+    the last holder). Use :func:`claim_run_folder` to get one."""
 
-    Use :func:`claim_run_folder` to get one.
-    """
-
-    def __init__(self, path, fd, created):
-        self.path, self._fd, self._created = path, fd, created
+    def __init__(self, lock):
+        self.path, self._lock = lock.path, lock
 
     def release(self, discard_if_empty=False):
         """Unlock; with ``discard_if_empty``, remove the folder if this run made it and
         wrote nothing there (bad input found after claiming it leaves no trace)."""
-        if self._fd is None:
-            return
-        os.close(self._fd)
-        self._fd = None
-        if discard_if_empty and self._created:
-            try:
-                if set(os.listdir(self.path)) <= {LOCK_NAME}:
-                    os.remove(os.path.join(self.path, LOCK_NAME))
-                    # and the parents made for it (runs/ of a first run), while empty
-                    folder = os.path.abspath(self.path)
-                    while True:
-                        os.rmdir(folder)
-                        if folder == self._created:
-                            break
-                        folder = os.path.dirname(folder)
-            except OSError:
-                pass
+        self._lock.release(discard_if_empty=discard_if_empty)
 
     def __enter__(self):
         return self
@@ -95,66 +71,8 @@ class RunFolder:
 
 
 def _lock(path):
-    """Create ``path`` if needed and lock it; None when another process holds it. The
-    third value is the outermost folder this call created (None if it existed)."""
-    created = None
-    top = os.path.abspath(path)
-    while not os.path.isdir(top):
-        created, top = top, os.path.dirname(top)
-    lock = os.path.join(path, LOCK_NAME)
-    try:
-        os.makedirs(path, exist_ok=True)
-        new_lock = not os.path.lexists(lock)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as exc:
-        _undo_lock(None, False, path, created)
-        raise UserError('--output %s: cannot create the run folder (%s)' % (path, errno_words(exc.errno))) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = ''
-        try:
-            holder = os.pread(fd, 200, 0).decode(errors='replace').strip()
-        except OSError:
-            pass
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return None, holder, created
-        raise UserError('--output %s: cannot lock the run folder (%s)' % (path, exc.strerror)) from None
-    # Who holds it, for the other process's error message. A disk full (or read-only)
-    # already here stops the run before anything else: nothing of it is left behind.
-    try:
-        with write_errors(lock):
-            write_point(lock)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, ('pid %d on %s since %s\n' % (os.getpid(), socket.gethostname(),
-                                                        time.strftime('%Y-%m-%d %H:%M:%S'))).encode(), 0)
-    except WriteError as exc:
-        _undo_lock(fd, new_lock, path, created)
-        raise exc.add('the run did not start (--output %s)' % path) from None
-    return fd, None, created
-
-
-def _undo_lock(fd, remove_lock, path, created):
-    """Take back what a failed :func:`_lock` made: the lock file (when it made it) and
-    the folders it created, if empty."""
-    if fd is not None:
-        os.close(fd)
-    if remove_lock:
-        try:
-            os.remove(os.path.join(path, LOCK_NAME))
-        except OSError:
-            pass
-    if created:
-        folder = os.path.abspath(path)
-        try:
-            while True:
-                os.rmdir(folder)
-                if folder == created:
-                    break
-                folder = os.path.dirname(folder)
-        except OSError:
-            pass
+    """The run folder ``path`` locked (created if needed), its ``.lock`` kept."""
+    return lock_folder(path, '--output', 'run folder', keep_lock=True, holder='another run')
 
 
 def claim_run_folder(output, default_base, resume=None, overwrite=False):
@@ -192,25 +110,24 @@ def claim_run_folder(output, default_base, resume=None, overwrite=False):
         if resume and resume != 'auto' and found and not _inside(resume, output):
             raise UserError('--resume %s: that checkpoint is not from the run in --output %s, which holds '
                             'another run; choose an empty --output' % (resume, output))
-        fd, holder, created = _lock(output)
-        if fd is None:
-            raise UserError('--output %s is in use by another run (%s); wait for it or choose another '
-                            '--output' % (output, holder or 'unknown process'))
+        lock = _lock(output)
         if overwrite:
             _remove_run_files(output)
-        return RunFolder(output, fd, created)
+        return RunFolder(lock)
     # A new numbered folder: the first free one we can lock (two runs started at the
     # same moment both see runs/unet free; the loser of the lock takes the next).
     for candidate in _candidates(default_base):
         check_output_path(candidate)
         if holds_run(candidate):
             continue
-        fd, _, created = _lock(candidate)
-        if fd is not None:
-            if holds_run(candidate):  # filled between our look and our lock
-                os.close(fd)
-                continue
-            return RunFolder(candidate, fd, created)
+        try:
+            lock = _lock(candidate)
+        except OutputInUse:
+            continue
+        if holds_run(candidate):  # filled between our look and our lock
+            lock.release()
+            continue
+        return RunFolder(lock)
 
 
 def default_output(base, resume):

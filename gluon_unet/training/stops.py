@@ -10,16 +10,12 @@ import signal
 import threading
 
 from ..checkpoint import list_checkpoints
-from ..errors import WriteError
+from ..errors import Stopped, WriteError
 from ..inference.export import ExportError
 
 
-class Interrupted(Exception):
-    """Ctrl-C / SIGTERM: a resumable checkpoint was saved; ``exit_code`` is 130 or 143."""
-
-    def __init__(self, message, exit_code):
-        super().__init__(message)
-        self.exit_code = exit_code
+class Interrupted(Stopped):
+    """Ctrl-C / SIGTERM: training stopped, saying what it keeps; ``exit_code`` is 130 or 143."""
 
 
 class StopFlag:
@@ -53,11 +49,16 @@ class AfterTraining:
     Either way the run ends with :class:`Interrupted` saying that training is complete
     and which command finishes the job - never silently, never with a traceback."""
 
-    def __init__(self, cfg, recorder, state):
+    def __init__(self, cfg, recorder, state, pending=None):
         self.cfg, self.recorder, self.state = cfg, recorder, state
         self.stage, self.signum, self._old, self._pid = 'search', None, {}, os.getpid()
+        self.pending = pending  # a signal that came as the epochs ended: honoured first
 
     def __enter__(self):
+        if self.pending is not None:
+            raise Interrupted('%s as the last epoch (%d) ended: %s'
+                              % (signal.Signals(self.pending).name, self.state.epoch,
+                                 kept_note(self.cfg, complete=True, unexported=True)), 128 + self.pending)
         if threading.current_thread() is threading.main_thread() and self.recorder.enabled:
             self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         return self

@@ -1,0 +1,252 @@
+"""``bin/export``: which checkpoint of a run, into which folder, and whose export is there.
+
+:func:`run_export` resolves ``RUN|CHECKPOINT`` (:func:`resolve_run`), refuses an output
+that is the working folder, a run folder or a checkpoints folder
+(:func:`check_export_output`), locks the export folder for the whole command, refuses to
+replace another run's export without ``--overwrite`` (:func:`check_export_owner`, from
+the ``source`` each export records), then writes the export staged
+(:func:`gluon_unet.inference.export.staged_export`): stopped at any point before its
+last step, the folder keeps the export it had.
+"""
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+# mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
+# them: importing this module loads no mxnet.
+from ..config import check_fields, option, within
+from ..errors import DamagedFile, Stopped, UserError
+from ..outputs import check_apart, check_owner, lock_folder
+from ..paths import holds_run, is_export_sidecar
+from ..utils import check_writable
+from .export import check_export_folder, export_source, staged_export, write_export
+from .export_int8 import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, finish_int8, run_calibration
+from .export_onnx import onnx_available
+from .postprocess import settings_text
+from .postprocess_search import retune
+from .sidecar import SIDECAR, read_sidecar, update_sidecar, weights_digest
+from .tiling import MODES
+
+
+@dataclass
+class ExportConfig:
+    """What ``bin/export`` exports, where, and whether it searches the post-processing
+    again; one field per flag (:mod:`gluon_unet.cli.export`)."""
+    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file',
+                      positional=True, metavar='RUN_DIR|CHECKPOINT', path='in')
+    output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR', path='out')
+    tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
+                                           "run's own validation split (its data must still be where it trained) "
+                                           "and store them in the export, as training does at its end")
+    mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
+                                       'bin/predict --mode (default auto), the one you will predict with',
+                                 choices=MODES)
+    tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
+                              "run with bin/predict --tta (8x the search's prediction time)")
+    onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
+                                        'is not installed (default: when the onnx package is installed: pip install '
+                                        '-r requirements-onnx-export.txt)')
+    int8: bool = option(False, "also write an int8 variant (model-int8-*) for bin/predict --precision int8 on the "
+                               "CPU, quantized with MXNet's oneDNN and calibrated on the run's own validation images "
+                               "(its data must still be where it trained); float32 stays the default")
+    int8_inputs: Optional[int] = option(None, 'with --int8: how many network inputs (windows of the first validation '
+                                              'images, as bin/predict --mode auto cuts them) to calibrate on '
+                                              '(default %d)' % DEFAULT_CALIB_INPUTS, metavar='N',
+                                        within=within(1, 100000))
+    overwrite: bool = option(False, 'replace an export in --output that another run (or checkpoint) wrote; an '
+                                    "export of the same run is replaced without it")
+    int8_calibration: Optional[str] = option(None, "with --int8: each layer's int8 range is its min..max on the "
+                                                   "inputs (naive) or the cut that loses the least information "
+                                                   "(entropy; slower) (default naive)", choices=CALIB_MODES)
+
+    def validate(self):
+        """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
+        int8 option without ``--int8`` or out of range (:func:`~gluon_unet.inference.export_int8.check_options`)."""
+        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
+            if given and not self.tune_postprocess:
+                raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
+                                'images)' % flag)
+        check_fields(self)
+        check_options(self.int8, self.int8_inputs, self.int8_calibration)
+        return self
+
+
+def run_export(config):
+    """``bin/export``: export the best (or given) checkpoint of ``config.run`` (an
+    :class:`ExportConfig`), searching the post-processing again with
+    ``--tune-postprocess`` (:func:`gluon_unet.inference.postprocess_search.retune`).
+
+    Returns
+    -------
+    (str, list of str, dict or None)
+        The export prefix, notes for the user and the searched settings.
+    """
+    onnx = 'auto' if config.onnx is None else config.onnx
+    if onnx is True:  # asked for: before any work, not after the search
+        available, why = onnx_available()
+        if not available:
+            raise UserError('--onnx: %s' % why)
+    if config.int8:
+        check_support('--int8')
+    ckpt, out = resolve_run(config.run, config.output)
+    if config.output:
+        check_export_output(config.output, ckpt)
+    check_export_folder(out)
+    check_writable(out, '--output')
+    source = export_source(ckpt)
+    # Held for the whole command: two exports into one folder never interleave.
+    with lock_folder(out, '--output', 'export folder'):
+        check_export_owner(out, source, resolve_run(config.run, None)[1], config.overwrite)
+        return _export(config, ckpt, out, source, onnx)
+
+
+def _export(config, ckpt, out, source, onnx):
+    """:func:`run_export` once its checkpoint and ``out`` (locked) are known."""
+    from ..checkpoint import earlier_good_checkpoint, model_from_checkpoint
+    try:
+        net, cfg, meta = model_from_checkpoint(ckpt)
+    except DamagedFile as exc:
+        earlier = earlier_good_checkpoint(ckpt)
+        if earlier is not None:
+            exc.args = ('%s; the newest intact checkpoint of the run is %s: export it with bin/export %s'
+                        % (exc.args[0], earlier, earlier),)
+        raise
+    if config.tune_postprocess or config.int8:
+        check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
+                                          ("the run's --val-data", cfg.val_data)],
+                    'export --tune-postprocess' if config.tune_postprocess else 'export --int8')
+    int8 = run_calibration(cfg, config.int8_inputs, config.int8_calibration) if config.int8 else None
+    tuned, notes = None, []
+    # The new export is built aside and only its last step replaces the old one: stopped
+    # at any point before (Ctrl-C, SIGTERM during the search), the old export is intact.
+    installed = []
+    with _stops_on_sigterm('export %s' % config.run, out, installed):
+        with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
+            notes.append(write_export(net, cfg, stage, meta, sidecar_extra={'source': source}, onnx=onnx, int8=int8))
+            if config.tune_postprocess:
+                tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
+            else:
+                notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
+            notes.append(finish_int8(stage, int8))  # int8 against float32 at bin/predict's final threshold
+    return os.path.join(os.path.abspath(out), 'model'), [n for n in notes if n], tuned
+
+
+def check_export_owner(out, source, default_out, overwrite):
+    """Refuse, in one line, to replace an export in ``out`` that another run (or, outside
+    a run, another checkpoint) wrote, unless ``overwrite``. An export that does not record
+    its source (gluon_unet 0.2's) is replaced without asking only at the default place of
+    this run's export (``default_out``)."""
+    path = os.path.join(out, SIDECAR)
+    if not is_export_sidecar(path):
+        return
+    try:
+        theirs = read_sidecar(path).get('source')
+    except UserError:
+        theirs = None  # a damaged record says nothing about its owner
+    def owner(record):
+        return (record or {}).get('run') or (record or {}).get('checkpoint')
+    ours = owner(source)
+    if theirs is None and os.path.realpath(out) == os.path.realpath(default_out):
+        return
+    check_owner('--output', out, owner(theirs), ours, 'export', overwrite)
+
+
+def check_export_output(output, checkpoint):
+    """Refuse, in one line, an ``export --output`` that is the working folder, a run
+    folder or a folder of checkpoints (an export belongs in a folder of its own), or the
+    checkpoint itself."""
+    from ..paths import checkpoint_files
+    if os.path.realpath(output) == os.path.realpath(os.getcwd()):
+        raise UserError('export --output %s is the working folder; give the export a folder of its own (default: '
+                        '<run>/export)' % output)
+    if os.path.isdir(output):
+        run = holds_run(output)
+        if run:
+            raise UserError('export --output %s is a run folder (it holds %s); its export goes to %s, the default'
+                            % (output, ', '.join(run), os.path.join(output, 'export')))
+        if checkpoint_files(output):
+            raise UserError('export --output %s holds checkpoints (%s); give the export a folder of its own'
+                            % (output, ', '.join(checkpoint_files(output)[:3])))
+    check_apart([('--output', output)], [('RUN|CHECKPOINT', checkpoint)], 'export')
+
+
+def keep_searched(stage, folders, run):
+    """Carry the searched post-processing of an earlier export of the same weights (the
+    first of ``folders`` whose ``model.json`` has a ``postprocess``) into the staged
+    export ``stage``: a plain ``bin/export RUN`` must not drop what training chose.
+
+    Returns
+    -------
+    str
+        A line for the user: what was kept, or why nothing was ('' when no earlier export
+        had searched settings).
+    """
+    import mxnet as mx
+    new, note, seen = None, '', set()
+    for folder in folders:
+        path = os.path.join(folder, SIDECAR)
+        if os.path.realpath(path) in seen or not os.path.isfile(path):
+            continue
+        seen.add(os.path.realpath(path))
+        try:
+            tuned = read_sidecar(path).get('postprocess')
+            if not isinstance(tuned, dict):
+                continue
+            new = new or weights_digest(os.path.join(stage, 'model'))
+            same = weights_digest(os.path.join(folder, 'model')) == new
+        except (UserError, mx.MXNetError, OSError):
+            continue  # a damaged earlier export has nothing to keep
+        if same:
+            update_sidecar(stage, {'postprocess': tuned})
+            return 'kept the post-processing searched for these weights (from %s): %s' % (path, settings_text(tuned))
+        note = note or ('note: the post-processing in %s was searched for other weights, so this export has the '
+                        'training defaults; `bin/export %s --tune-postprocess` searches for these' % (path, run))
+    return note
+
+
+@contextlib.contextmanager
+def _stops_on_sigterm(what, out, installed):
+    """SIGTERM as a one-line error (exit 143) instead of an abrupt end, so the staging
+    folder is cleaned up and the user learns which export ``out`` holds (the new one
+    once ``installed`` is non-empty, else the one it had)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        if installed:
+            raise Stopped('error: %s stopped by SIGTERM as it finished; %s holds the new export' % (what, out),
+                          128 + signum)
+        raise Stopped('error: %s stopped by SIGTERM before it finished; %s keeps the export it had'
+                      % (what, out), 128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def resolve_run(run, output):
+    """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
+    from ..checkpoint import list_checkpoints
+    if os.path.isdir(run):
+        folder = os.path.join(run, 'checkpoints')
+        ckpt = os.path.join(folder, 'best.ckpt')
+        if not os.path.isfile(ckpt):
+            found = list_checkpoints(folder) or list_checkpoints(run)
+            if not found:
+                raise UserError('export %s: no checkpoint there (expected checkpoints/best.ckpt '
+                                'or epoch*.ckpt; is it a run folder?)' % run)
+            ckpt = found[-1]
+        return ckpt, output or os.path.join(run, 'export')
+    if not os.path.isfile(run):
+        raise UserError('export %s: no such run folder or checkpoint file' % run)
+    # <run>/checkpoints/x.ckpt -> <run>/export; a checkpoint elsewhere -> export/ beside it
+    folder = os.path.dirname(os.path.abspath(run))
+    if os.path.basename(folder) == 'checkpoints':
+        folder = os.path.dirname(folder)
+    return run, output or os.path.join(folder, 'export')
+
