@@ -150,7 +150,7 @@ def test_every_module_imports_in_a_fresh_interpreter():
 LAYERS = ('cli', 'training', 'inference', 'shared', 'machine', 'base')
 #: A folder is one layer.
 FOLDERS = {'cli': 'cli', 'training': 'training', 'inference': 'inference', 'data': 'shared', 'recipes': 'shared',
-           'machine': 'machine'}
+           'machine': 'machine', 'napari': 'cli'}  # the napari plugin: an entry point, like the command line
 #: The few modules at the top level, each with its layer ('' is the package itself: its
 #: public names are imported on first use, so it imports nothing of the package).
 TOP_LEVEL = {'__main__': 'cli', 'config': 'shared', 'model': 'shared', 'checkpoint': 'shared', 'metrics': 'shared',

@@ -22,11 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import export_brightness_model, nuclei_png
-from gluon_unet.cli import doctor_main, evaluate_main, export_main, launch_main, predict_main, train_main
+from gluon_unet.cli import doctor_main, evaluate_main, export_main, launch_main, package_main, predict_main, train_main
 from gluon_unet.cli.doctor import DoctorConfig
 from gluon_unet.cli.predict import PredictCommand
 from gluon_unet.config import _CHOICES, ModelConfig, TrainConfig, flag_name
 from gluon_unet.errors import UserError
+from gluon_unet.inference.bioimageio import PackageConfig
 from gluon_unet.inference.evaluate import EvaluateConfig
 from gluon_unet.inference.export_run import ExportConfig
 from gluon_unet.inference.predict import PredictConfig
@@ -35,7 +36,8 @@ from gluon_unet.training.launcher import LaunchConfig
 #: command -> (entry point, its config dataclasses)
 COMMANDS = {'train': (train_main, (TrainConfig, ModelConfig)), 'predict': (predict_main, (PredictCommand, PredictConfig)),
             'export': (export_main, (ExportConfig,)), 'evaluate': (evaluate_main, (EvaluateConfig,)),
-            'doctor': (doctor_main, (DoctorConfig,)), 'launch': (launch_main, (LaunchConfig,))}
+            'doctor': (doctor_main, (DoctorConfig,)), 'launch': (launch_main, (LaunchConfig,)),
+            'package': (package_main, (PackageConfig,))}
 
 #: Text fields with a format of their own, and a value that breaks it (with what else it
 #: needs). Every text field is a path, a choice, one of these, or in FREE_TEXT.
@@ -46,10 +48,13 @@ BAD_TEXT = {('train', 'scale_aug'): ['--scale-aug=2,1'], ('train', 'lr_steps'): 
             ('doctor', 'gpus'): ['--gpus=0-x'], ('train', 'resume'): ['--resume=/no/such/run']}
 #: Text any value of which is valid: a file-name suffix, ONNX provider names (checked
 #: when onnxruntime loads them), a network interface, launch's command.
-FREE_TEXT = {('train', 'mask_suffix'), ('predict', 'providers'), ('launch', 'interface'), ('launch', 'command')}
+FREE_TEXT = {('train', 'mask_suffix'), ('predict', 'providers'), ('launch', 'interface'), ('launch', 'command'),
+             ('package', 'authors'), ('package', 'license'), ('package', 'name'), ('package', 'training_data')}
 
 
 def _flag(cls, f):
+    if f.metadata.get('positional'):
+        return f.name  # as the inputs below name it
     return flag_name(f.name) if cls is ModelConfig else '--' + f.metadata.get('flag', f.name).replace('_', '-')
 
 
@@ -123,7 +128,8 @@ def _argv(command, world, out):
             'predict': ['--model', world['export'], '--input', world['images'], '--output', out, '--no-progress'],
             'export': [world['run'], '--output', out],
             'evaluate': ['--pred', str(world['root'] / 'pred'), '--truth', str(world['root'] / 'truth'), '--csv', out],
-            'doctor': [], 'launch': ['-n', '1', '--', 'true']}[command]
+            'doctor': [], 'launch': ['-n', '1', '--', 'true'],
+            'package': [world['export'], '--output', out + '.zip', '--authors', 'A. Tester']}[command]
 
 
 def _run(main, argv):
@@ -188,19 +194,20 @@ def test_no_output_is_or_lies_inside_an_input(world, tmp_path, command, out_flag
               '--val-data': str(world['root'] / 'data'), '--cache-dir': str(world['root'] / 'data'),
               '--model': os.path.dirname(world['export']) if os.path.isfile(world['export']) else world['export'],
               '--input': world['images'], 'run': world['run'], '--pred': str(world['root'] / 'pred'),
-              '--truth': str(world['root'] / 'truth'), '--hostfile': None}
-    if inputs.get(in_flag) is None:
-        pytest.skip('%s reads %s but writes nothing' % (command, in_flag))
-    target = inputs[in_flag] if where == 'same' else os.path.join(inputs[in_flag], 'x.csv' if 'csv' in out_flag
-                                                                  or 'rle' in out_flag else 'x')
+              '--truth': str(world['root'] / 'truth'), 'export': world['export'],
+              '--image': world['images']}
+    assert in_flag in inputs, 'an input of %s with no path to give it here: %s' % (command, in_flag)
+    name = 'x.zip' if command == 'package' else 'x.csv' if out_flag in ('--csv', '--rle') else 'x'
+    # Where a command reads only part of an input folder: export reads RUN's checkpoints
+    # (its export goes into RUN/export, beside them).
+    read = os.path.join(inputs[in_flag], 'checkpoints') if (command, in_flag) == ('export', 'run') else inputs[in_flag]
+    target = inputs[in_flag] if where == 'same' else os.path.join(read, name)
     before = sorted(os.listdir(inputs[in_flag]))
     main, _ = COMMANDS[command]
     argv = _argv(command, world, str(tmp_path / 'out'))
     if command == 'train':
         argv += ['--data', str(world['root'] / 'data')] if in_flag != '--data' else []
-    if positional:
-        argv = [target if a == world['run'] else a for a in argv]
-    else:
+    if not positional:  # a positional input is in the command's words already
         argv += [in_flag, inputs[in_flag]] if in_flag not in argv else []
     argv += [out_flag, target]
     code, err = _run(main, argv)

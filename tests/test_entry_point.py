@@ -64,7 +64,7 @@ def test_dispatcher_usage_errors_are_one_line_exit_2(capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and 'train' in err
     code, out, err = _main(['fly'], capsys)
     assert code == 2 and err.strip().splitlines() == [
-        "gluon-unet: error: unknown command 'fly' (choose from train, predict, evaluate, export, launch, doctor)"]
+        "gluon-unet: error: unknown command 'fly' (choose from train, predict, evaluate, export, launch, doctor, package)"]
     code, out, err = _main(['--help'], capsys)
     assert code == 0 and all(c in out for c in cli.COMMANDS) and 'examples:' in out
 
@@ -115,9 +115,10 @@ def test_bin_shims_still_work():
 
 def _command_parsers():
     """command -> (its parser, the config dataclasses its flags come from, extra dests)."""
-    from gluon_unet.cli import doctor, evaluate, export, launch, predict, train
+    from gluon_unet.cli import doctor, evaluate, export, launch, package, predict, train
     from gluon_unet.cli.doctor import DoctorConfig
     from gluon_unet.inference.evaluate import EvaluateConfig
+    from gluon_unet.inference.bioimageio import PackageConfig
     from gluon_unet.inference.export_run import ExportConfig
     from gluon_unet.training.launcher import LaunchConfig
     from gluon_unet.inference.predict import PredictConfig
@@ -126,7 +127,8 @@ def _command_parsers():
             'evaluate': (evaluate.evaluate_parser(), (EvaluateConfig,), set()),
             'export': (export.export_parser(), (ExportConfig,), set()),
             'doctor': (doctor.doctor_parser(), (DoctorConfig,), set()),
-            'launch': (launch.launch_parser(), (LaunchConfig,), set())}
+            'launch': (launch.launch_parser(), (LaunchConfig,), set()),
+            'package': (package.package_parser(), (PackageConfig,), set())}
 
 
 def test_every_commands_flags_are_its_config_fields_and_each_default_lives_there():

@@ -444,7 +444,7 @@ def test_on_mxnet_model_onnx_names_its_export_and_alone_says_both_ways_on(traine
     ort_here = subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True).returncode == 0
     (tmp_path / 'other.onnx').write_bytes(open(os.path.join(export, ONNX_FILE), 'rb').read())
     copy = _onnx_only_copy(run, str(tmp_path / 'copy'))
-    for given, words in ((str(tmp_path / 'other.onnx'), ["runs an export's model.onnx, beside its model.json"]),
+    for given, words in ((str(tmp_path / 'other.onnx'), ["an export's model.onnx is read beside its model.json"]),
                          (str(tmp_path / 'gone' / ONNX_FILE), ['no such file']),
                          (copy, [] if ort_here else [copy, 'copy those beside it', 'requirements-onnx.txt'])):
         assert predict_main(['--model', given, '--input', image, '--output', str(tmp_path / 'no')]) == 2

@@ -30,18 +30,35 @@ def _requirements(name):
                 if line.split('#')[0].strip() and not line.startswith('-')]
 
 
+def _names(requirements):
+    return {re.split(r'[<>=!~\[ ;]', r, maxsplit=1)[0].lower() for r in requirements}
+
+
 def test_pyproject_states_pythons_dependencies_extras_and_scripts():
     project = _pyproject()['project']
-    assert project['requires-python'] == '>=3.9,<3.12'
-    assert sorted(project['dependencies']) == sorted(_requirements('requirements-base.txt'))
+    # The core is the inference side (onnxruntime's environment: any Python >= 3.9, numpy 1
+    # or 2); each MXNet extra adds what MXNet 1.9.1 needs (numpy < 1.24) and training's curves.
+    assert project['requires-python'] == '>=3.9'
+    assert sorted(project['dependencies']) == sorted(r for r in _requirements('requirements-onnx.txt')
+                                                     if not r.startswith('onnxruntime'))
     extras = project['optional-dependencies']
-    assert extras['cpu'] == ['mxnet==1.9.1'] and extras['cu117'] == ['mxnet-cu117==1.9.1']
-    assert {'cu112', 'cu110', 'test', 'tensorboard'} <= set(extras)
+    assert extras['cpu'] == ['mxnet==1.9.1', 'numpy<1.24', 'matplotlib>=3.5']
+    assert extras['cu117'] == ['mxnet-cu117==1.9.1', 'numpy<1.24', 'matplotlib>=3.5']
+    assert {'cu112', 'cu110', 'test', 'tensorboard', 'onnx', 'napari', 'bioimageio'} <= set(extras)
     assert extras['onnx-export'] == _requirements('requirements-onnx-export.txt')
-    assert all(re.fullmatch(r'mxnet-cu\d+==1\.9\.1', extras[k][0]) for k in extras if k.startswith('cu'))
+    assert all(re.fullmatch(r'mxnet-cu\d+==1\.9\.1', extras[k][0]) and extras[k][1:] == extras['cpu'][1:]
+               for k in extras if k.startswith('cu'))
+    # The MXNet environment of the README (requirements.txt + requirements-base.txt) is the core
+    # and the [cpu] extra: the same packages, numpy pinned below 1.24.
+    assert _names(project['dependencies'] + extras['cpu']) == _names(_requirements('requirements-base.txt')
+                                                                    + _requirements('requirements.txt'))
+    assert 'numpy>=1.21,<1.24' in _requirements('requirements-base.txt')
+    assert all(_names(extras[k]) >= {'onnxruntime'} for k in ('onnx', 'napari', 'bioimageio'))
+    assert 'napari' in _names(extras['napari']) and 'bioimageio.core' in _names(extras['bioimageio'])
+    assert project['entry-points']['napari.manifest'] == {'gluon_unet': 'gluon_unet.napari:napari.yaml'}
     scripts = project['scripts']
     assert scripts['gluon-unet'] == 'gluon_unet.cli:main'
-    for command in ('train', 'predict', 'evaluate', 'export', 'launch', 'doctor'):
+    for command in ('train', 'predict', 'evaluate', 'export', 'launch', 'doctor', 'package'):
         module, _, function = scripts['gluon-unet-' + command].partition(':')
         assert module == 'gluon_unet.cli' and callable(getattr(gluon_unet.cli, function))
     assert _requirements('requirements.txt') == ['mxnet==1.9.1']
@@ -86,7 +103,7 @@ def _package_modules():
     for folder, dirs, files in os.walk(os.path.join(ROOT, 'gluon_unet')):
         dirs[:] = [d for d in dirs if d != '__pycache__']
         found += [os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, '/') for f in files
-                  if f.endswith(('.py', '.json'))]
+                  if f.endswith(('.py', '.json', '.yaml'))]
     return sorted(found)
 
 
@@ -109,11 +126,11 @@ def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
                    'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini',
                    # the recipes (package data), what the docs tests read and the scripts tests import
                    'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'gluon_unet/cli/reference.py',
-                   'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py'):
+                   'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py', 'gluon_unet/napari/napari.yaml'):
         assert needed in names, needed
     assert not any('__pycache__' in n or n.endswith('.pyc') for n in names)
-    assert 'Requires-Python: <3.12,>=3.9' in pkg_info
-    assert '\n[cu117]\nmxnet-cu117==1.9.1\n' in requires and 'numpy<1.24,>=1.21' in requires
+    assert 'Requires-Python: >=3.9' in pkg_info
+    assert '\n[cu117]\nmxnet-cu117==1.9.1\nnumpy<1.24\n' in requires and requires.startswith('numpy>=1.21\n')
     # The wheel: every module and recipe of the package, nothing else, and the commands.
     wheel = tmp_path / ('gluon_unet-%s-py3-none-any.whl' % gluon_unet.__version__)
     with zipfile.ZipFile(wheel) as z:
@@ -122,8 +139,14 @@ def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
         entry_points = z.read(info + 'entry_points.txt').decode()
     assert sorted(f for f in files if not f.startswith(info)) == _package_modules()
     scripts = _pyproject()['project']['scripts']
-    assert sorted(line.split(' = ') for line in entry_points.splitlines() if ' = ' in line) == \
-        sorted([name, target] for name, target in scripts.items())
+    groups, group = {}, None
+    for line in entry_points.splitlines():
+        if line.startswith('['):
+            group = line.strip('[]')
+        elif ' = ' in line:
+            groups.setdefault(group, []).append(line.split(' = '))
+    assert sorted(groups['console_scripts']) == sorted([name, target] for name, target in scripts.items())
+    assert groups['napari.manifest'] == [['gluon_unet', 'gluon_unet.napari:napari.yaml']]  # the plugin's manifest
 
 
 def test_pip_install_dot_installs_the_package_and_its_commands(tmp_path):

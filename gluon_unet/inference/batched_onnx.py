@@ -263,7 +263,7 @@ class OnnxScheduler(Scheduler):
                 pool.shutdown(wait=True)
 
 
-def onnx_path(model):
+def onnx_path(model, flag='--model'):
     """The checked ``model.onnx`` of an export (run folder, export folder, prefix or one of
     its files), and its sidecar: ``(path, meta)``.
 
@@ -275,13 +275,13 @@ def onnx_path(model):
     files are checked (:func:`~gluon_unet.inference.sidecar.verify_export`).
     """
     from .sidecar import find_export, read_sidecar, verify_export
-    prefix = find_export(model)
+    prefix = find_export(model, flag)
     folder = os.path.dirname(os.path.abspath(prefix))
     path = os.path.join(folder, ONNX_FILE)
     sidecar = os.path.join(folder, SIDECAR)
     if not os.path.isfile(path):
-        raise UserError('--model %s: the export has no %s; write it where mxnet is installed (bin/export RUN --onnx)'
-                        % (model, ONNX_FILE))
+        raise UserError('%s %s: the export has no %s; write it where mxnet is installed (bin/export RUN --onnx)'
+                        % (flag, model, ONNX_FILE))
     if not os.path.isfile(sidecar):
         raise UserError('%s has no %s beside it: copy the export\'s %s with it (the input size, normalization '
                         'and post-processing the model needs)' % (path, SIDECAR, SIDECAR))

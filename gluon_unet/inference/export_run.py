@@ -169,7 +169,12 @@ def check_export_output(output, checkpoint):
         if checkpoint_files(output):
             raise UserError('export --output %s holds checkpoints (%s); give the export a folder of its own'
                             % (output, ', '.join(checkpoint_files(output)[:3])))
-    check_apart([('--output', output)], [('RUN|CHECKPOINT', checkpoint)], 'export')
+    # What export reads: the checkpoint, and a run's checkpoints folder (it picks the best or
+    # the latest there); the run's own export/ beside it is where exports go.
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    read = [('RUN|CHECKPOINT', checkpoint)] + ([("the run's checkpoints", folder)]
+                                               if os.path.basename(folder) == 'checkpoints' else [])
+    check_apart([('--output', output)], read, 'export')
 
 
 def keep_searched(stage, folders, run):

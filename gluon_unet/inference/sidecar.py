@@ -209,7 +209,7 @@ def verify_export(meta, files, sidecar_path, again='export it again'):
                               % (path, sidecar_path, again, SIDECAR), path)
 
 
-def find_export(path):
+def find_export(path, flag='--model'):
     """Resolve ``--model`` to the export prefix, ``FOLDER/model``.
 
     Parameters
@@ -230,33 +230,33 @@ def find_export(path):
     Raises
     ------
     UserError
-        One line naming ``--model`` and what an export holds.
+        One line naming ``flag`` (``--model``) and what an export holds.
     """
     if os.path.isdir(path):
         for cand in (os.path.join(path, 'export', 'model'), os.path.join(path, 'model')):
             if _export_at(cand):
                 return cand
-        raise UserError('--model %s: no exported model there (expected %s + %s, or %s + %s, in it or in its '
-                        'export/)' % (path, SYMBOL, PARAMS, ONNX, SIDECAR))
+        raise UserError('%s %s: no exported model there (expected %s + %s, or %s + %s, in it or in its '
+                        'export/)' % (flag, path, SYMBOL, PARAMS, ONNX, SIDECAR))
     if path.endswith('-symbol.json'):
         return path[:-len('-symbol.json')]
     name = os.path.basename(path)
     if name in (ONNX, SIDECAR, PARAMS):
         if not os.path.isfile(path):
-            raise UserError('--model %s: no such file' % path)
+            raise UserError('%s %s: no such file' % (flag, path))
         prefix = os.path.join(os.path.dirname(path), 'model')
         if _export_at(prefix):
             return prefix
-        raise UserError('--model %s: no exported model beside it (expected %s + %s, or %s + %s)'
-                        % (path, SYMBOL, PARAMS, ONNX, SIDECAR))
+        raise UserError('%s %s: no exported model beside it (expected %s + %s, or %s + %s)'
+                        % (flag, path, SYMBOL, PARAMS, ONNX, SIDECAR))
     if _export_at(path):
         return path
     if name.endswith('.onnx'):
         # The sidecar vouches for model.onnx by name (its 'onnx' record and digest); a
         # renamed file could be any network, fed with another's settings.
-        raise UserError('--model %s: bin/predict runs an export\'s %s, beside its %s; give that file or its folder'
-                        % (path, ONNX, SIDECAR))
-    raise UserError('--model %s: not a run folder, export folder, export prefix or export file' % path)
+        raise UserError('%s %s: an export\'s %s is read beside its %s; give that file or its folder'
+                        % (flag, path, ONNX, SIDECAR))
+    raise UserError('%s %s: not a run folder, export folder, export prefix or export file' % (flag, path))
 
 
 def _export_at(prefix):

@@ -1,0 +1,247 @@
+"""The napari dock widget: an export, an image layer, the post-processing, and a button.
+
+:class:`SegmentWidget` is what the plugin's manifest (``napari.yaml``) names. The
+widget (:class:`SegmentPanel`, magicgui widgets in a container) loads the chosen export on
+onnxruntime (:class:`~gluon_unet.napari.segmenter.Segmenter`) and fills in its own
+post-processing settings; *Segment* runs the selected image layer through it in a napari
+worker thread (the viewer stays responsive; progress per batch of network inputs; *Cancel*
+stops it between batches) and adds a Labels layer with the nuclei, and on request the
+probability as an Image layer. A second *Segment* on the same image with only the threshold,
+h or minimum size changed re-runs only the watershed. A bad export, a layer the model cannot
+take, a missing ``model.onnx`` are a one-line napari notification, never a traceback.
+
+napari, magicgui and Qt are imported inside the functions that use them: the package (and
+this module) import in an environment without napari, such as the MXNet one.
+"""
+import os
+
+from ..errors import DEBUG_VARIABLE, UserError, unexpected_error
+from .segmenter import Segmenter, Settings, layer_image
+
+#: What the widget calls itself in messages.
+WHO = 'gluon_unet napari widget'
+#: The metadata key marking the layers the widget made (only those are updated in place).
+MARK = 'gluon_unet'
+
+
+class Failure:
+    """What a worker returns instead of raising: one line for the viewer."""
+
+    def __init__(self, message):
+        self.message = message
+
+
+def _failure(exc):
+    """A :class:`Failure` for ``exc``: a UserError's own line; anything else is a bug, said
+    in one line (its traceback on stderr with ``GLUON_UNET_DEBUG=1``)."""
+    if isinstance(exc, UserError):
+        return Failure(str(exc))
+    return Failure(unexpected_error(WHO, exc, os.environ.get(DEBUG_VARIABLE, '') not in ('', '0')))
+
+
+def load_work(path):
+    """Worker: the :class:`Segmenter` of ``path``, or a :class:`Failure`."""
+    try:
+        return Segmenter(path)
+    except Exception as exc:  # noqa: BLE001 - the worker's boundary: one line, never a traceback
+        return _failure(exc)
+
+
+def segment_work(segmenter, path, data, rgb, name, settings, tta):
+    """Worker (a generator): loads ``path`` unless ``segmenter`` is its model, then
+    segments the layer's ``data``; yields ``(done, total)``, returns ``(segmenter,
+    Result)`` or a :class:`Failure`."""
+    try:
+        if segmenter is None or segmenter.path != path:
+            segmenter = Segmenter(path)
+        image = layer_image(data, rgb, name)
+        result = yield from segmenter.segment(image, settings, tta=tta)
+        return segmenter, result
+    except Exception as exc:  # noqa: BLE001 - as load_work (GeneratorExit, a cancel, is not caught)
+        return _failure(exc)
+
+
+class SegmentWidget:
+    """The manifest's widget (``gluon_unet.segment``): ``SegmentWidget(viewer)`` is the
+    docked container of a :class:`SegmentPanel` for that viewer."""
+
+    def __new__(cls, napari_viewer):
+        return SegmentPanel(napari_viewer).container
+
+    def __init__(self, napari_viewer):
+        # Never runs (__new__ returns the container): napari passes the viewer to a widget
+        # whose __init__ names a ``napari_viewer`` parameter, and reads only that signature.
+        pass
+
+
+class SegmentPanel:
+    """The widget's parts and what they do; :attr:`container` is what napari docks.
+
+    Parameters
+    ----------
+    viewer : napari.Viewer
+    """
+
+    def __init__(self, viewer):
+        from magicgui import widgets
+        from qtpy.QtCore import QTimer
+        self.viewer, self.segmenter, self.worker, self.result = viewer, None, None, None
+        self._settings_of = None  # the model whose settings the fields hold
+        w = widgets
+        self.model = w.FileEdit(mode='d', label='model', tooltip='run folder, export folder, or a folder with an '
+                                'export\'s model.onnx and model.json')
+        self.layer = w.ComboBox(label='image', choices=self._image_layers, tooltip='a 2-D grey or colour image layer')
+        self.threshold = w.FloatSpinBox(label='threshold', min=0.01, max=0.99, step=0.01, value=0.5,
+                                        tooltip='foreground probability cut (bin/predict --threshold)')
+        self.h = w.FloatSpinBox(label='watershed h', min=0.01, max=1000.0, step=0.1, value=0.5,
+                                tooltip='how much deeper than its surroundings, in pixels of distance, a nucleus '
+                                        'centre must be to seed its own object (bin/predict --h)')
+        self.min_size = w.SpinBox(label='min size', min=0, max=10 ** 9, value=0,
+                                  tooltip='drop objects under this many pixels (bin/predict --min-size)')
+        self.diameter = w.LineEdit(label='diameter', value='none',
+                                   tooltip='range | auto | PIXELS | none: rescale the image so its nuclei reach the '
+                                           'network at its training size (bin/predict --diameter)')
+        self.tta = w.CheckBox(text='TTA: average 8 flips and turns (8x the time)', value=False)
+        self.probability = w.CheckBox(text='add the probability as an image layer', value=False)
+        self.run_button = w.PushButton(text='Segment')
+        self.cancel_button = w.PushButton(text='Cancel', enabled=False)
+        self.progress = w.ProgressBar(min=0, max=1, value=0, label='progress')
+        self.status = w.Label(value='choose an export folder')
+        self.container = w.Container(widgets=[self.model, self.layer, self.threshold, self.h, self.min_size,
+                                              self.diameter, self.tta, self.probability, self.run_button,
+                                              self.cancel_button, self.progress, self.status])
+        self.container.native._gluon_unet_panel = self  # napari holds the widget, the widget holds this
+        # Typing a path fires on every key: load once it stops changing. The timer is the
+        # widget's child, so it goes with the widget (a closed viewer loads nothing).
+        self._load_timer = QTimer(self.container.native)
+        self._load_timer.setSingleShot(True)
+        self._load_timer.setInterval(400)
+        self._load_timer.timeout.connect(self.load)
+        self.model.changed.connect(lambda *_: self._load_timer.start())
+        self.run_button.changed.connect(lambda *_: self.run())
+        self.cancel_button.changed.connect(lambda *_: self.cancel())
+        for event in (viewer.layers.events.inserted, viewer.layers.events.removed, viewer.layers.events.reordered):
+            event.connect(lambda *_: self.layer.reset_choices())
+
+    # -- choices and messages ------------------------------------------------------------------
+
+    def _image_layers(self, *_):
+        from napari.layers import Image
+        return [(layer.name, layer) for layer in self.viewer.layers
+                if isinstance(layer, Image) and not layer.metadata.get(MARK)]
+
+    def notify(self, message, error=True):
+        """A napari notification (and the status line)."""
+        from napari.utils.notifications import show_error, show_info
+        self.status.value = message if len(message) < 120 else message[:117] + '...'
+        (show_error if error else show_info)(message)
+
+    def _path(self):
+        value = self.model.value
+        return '' if value is None or str(value) in ('', '.') else str(value)
+
+    def _busy(self, busy):
+        self.run_button.enabled = not busy
+        self.cancel_button.enabled = busy
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def load(self):
+        """Load the chosen export in a worker, then show its settings."""
+        from napari.qt.threading import create_worker
+        self._load_timer.stop()
+        path = self._path()
+        if not path or self.worker is not None or (self.segmenter and self.segmenter.path == path):
+            return
+        self.status.value = 'loading %s ...' % path
+        self._start(create_worker(load_work, path, _start_thread=False, _ignore_errors=True), self._loaded)
+
+    def _loaded(self, segmenter):
+        if isinstance(segmenter, Failure):
+            self.notify(segmenter.message)
+            return
+        self._use(segmenter)
+        self.status.value = segmenter.summary()
+
+    def _use(self, segmenter):
+        """Make ``segmenter`` the widget's model; its own settings fill the fields."""
+        self.segmenter = segmenter
+        if self._settings_of == segmenter.path:
+            return
+        d = segmenter.defaults()
+        self.threshold.value, self.h.value, self.min_size.value = d.threshold, d.h, d.min_size
+        self.diameter.value = d.diameter
+        self._settings_of = segmenter.path
+
+    # -- segmenting -----------------------------------------------------------------------------
+
+    def settings(self):
+        """The fields' :class:`Settings`; None (the model's own) until a model filled them."""
+        if self._settings_of is None or self._settings_of != self._path():
+            return Settings()
+        return Settings(self.threshold.value, self.h.value, int(self.min_size.value), self.diameter.value)
+
+    def run(self):
+        """Segment the chosen layer (the button's action)."""
+        from napari.qt.threading import create_worker
+        if self.worker is not None:
+            return
+        path, layer = self._path(), self.layer.value
+        if not path:
+            return self.notify('choose a model: a run folder or an export folder')
+        if layer is None:
+            return self.notify('open an image first: there is no image layer to segment')
+        worker = create_worker(segment_work, self.segmenter, path, layer.data, layer.rgb, layer.name,
+                               self.settings(), self.tta.value, _start_thread=False, _ignore_errors=True)
+        worker.yielded.connect(self._progress)
+        worker.aborted.connect(lambda: self.notify('cancelled: nothing was added', error=False))
+        self.status.value = 'segmenting %s ...' % layer.name
+        self._start(worker, lambda out: self._show(out, layer))
+
+    def cancel(self):
+        """Stop the running segmentation between two batches."""
+        if self.worker is not None and hasattr(self.worker, 'quit'):
+            self.status.value = 'cancelling ...'
+            self.worker.quit()
+
+    def _start(self, worker, on_return):
+        self.worker = worker
+        worker.returned.connect(on_return)
+        worker.finished.connect(self._finished)
+        self._busy(True)
+        worker.start()
+
+    def _finished(self):
+        self.worker = None
+        self._busy(False)
+
+    def _progress(self, step):
+        done, total = step
+        self.progress.max = max(1, total)
+        self.progress.value = done
+
+    def _show(self, out, layer):
+        if isinstance(out, Failure):
+            self.notify(out.message)
+            return
+        segmenter, result = out
+        self._use(segmenter)
+        self.result = result
+        count = int(result.labels.max())
+        self._put('labels', '%s nuclei' % layer.name, result.labels, layer)
+        if self.probability.value:
+            self._put('image', '%s probability' % layer.name, result.maps[0], layer)
+        rescaled = ', rescaled x%.2f' % result.scale if result.scale != 1.0 else ''
+        self.status.value = ('%d nuclei in %.2f s%s%s' % (count, result.seconds, rescaled, '' if result.predicted
+                                                          else ' (post-processing only)'))
+
+    def _put(self, kind, name, data, source):
+        """Update the widget's own layer ``name`` (never one the user made), else add it
+        aligned with ``source``."""
+        for existing in self.viewer.layers:
+            if existing.name == name and existing.metadata.get(MARK) == kind:
+                existing.data = data
+                return existing
+        add = self.viewer.add_labels if kind == 'labels' else self.viewer.add_image
+        extra = {} if kind == 'labels' else {'colormap': 'magma', 'contrast_limits': (0, 1), 'blending': 'additive'}
+        return add(data, name=name, scale=source.scale, translate=source.translate, metadata={MARK: kind}, **extra)
