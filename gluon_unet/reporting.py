@@ -2,6 +2,7 @@
 
 What else a run leaves for people, ``metrics.csv`` and ``curves.png``, is
 :mod:`gluon_unet.training.recorder`'s."""
+import contextlib
 import logging
 import os
 import sys
@@ -69,6 +70,23 @@ class _RunLogHandler(logging.FileHandler):
             print('warning: cannot write %s: %s; its lines are not saved until it can be written again'
                   % (self.baseFilename, errno_words(exc.errno) if exc.errno else exc), file=sys.stderr)
         return None
+
+
+@contextlib.contextmanager
+def root_logger_untouched():
+    """Run a library call that logs with the module-level ``logging.info`` (MXNet's
+    ``amp.init``, its ONNX converter) without it configuring the root logger: Python's
+    ``logging.info`` calls ``basicConfig`` when the root has no handler, after which every
+    gluon_unet line was printed twice. A handler on the root for the call, and the root's
+    level as it was."""
+    root, quiet = logging.getLogger(), logging.NullHandler()
+    level = root.level
+    root.addHandler(quiet)
+    try:
+        yield
+    finally:
+        root.removeHandler(quiet)
+        root.setLevel(level)
 
 
 def get_logger():

@@ -31,6 +31,7 @@ import warnings
 import numpy as np
 
 from ..errors import UserError
+from ..reporting import root_logger_untouched
 from ..utils import DIGEST, atomic_open, file_crc32, write_errors
 from .batched_onnx import INPUT, ONNX_FILE, OUTPUT
 
@@ -149,16 +150,13 @@ def convert(symbol_file, params_file, in_channels, multiple):
     """The ONNX ``ModelProto`` of an MXNet export: converted by ``mx.onnx.export_model``,
     then weights taken out of the inputs, axes named, output renamed, opset and IR set,
     and ``onnx.checker`` passed (see the module docstring)."""
-    import logging
-
     import mxnet as mx
     onnx = import_onnx()
     side = multiple * -(-32 // multiple)
     with tempfile.TemporaryDirectory(prefix='gluon_unet-onnx-') as tmp:
         out = os.path.join(tmp, ONNX_FILE)
-        level = logging.getLogger().level
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), root_logger_untouched():  # the converter logs with logging.info
                 warnings.simplefilter('ignore')
                 mx.onnx.export_model(symbol_file, params_file, in_shapes=[(1, in_channels, side, side)],
                                      in_types=[np.float32], onnx_file_path=out, dynamic=True,
@@ -170,8 +168,6 @@ def convert(symbol_file, params_file, in_channels, multiple):
             from ..errors import mxnet_message
             raise UserError('%s: cannot convert to ONNX: %s: %s' % (symbol_file, type(exc).__name__,
                                                                    mxnet_message(exc, limit=160))) from None
-        finally:
-            logging.getLogger().setLevel(level)
     # The converter leaves every output axis unknown; the channels are not.
     _, shapes, _ = mx.sym.load(symbol_file).infer_shape_partial(data=(1, in_channels, side, side))
     return _for_serving(model, onnx, in_channels, int(shapes[0][1]))

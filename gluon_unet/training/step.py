@@ -5,7 +5,6 @@
 doctor`` build the same step, so they measure and check what training runs.
 """
 import collections
-import logging
 import math
 import time
 
@@ -19,6 +18,7 @@ from ..machine.devices import has_gpu
 from ..machine.onednn import OneDNNLayers
 from ..machine.runtime import amx_state, configure_runtime
 from ..model import Layers, build_model
+from ..reporting import root_logger_untouched
 from .losses import SegmentationLoss
 from .optim import make_trainer
 from .parallel import DataParallelStep, MirroredStep
@@ -104,15 +104,8 @@ def init_amp(cfg, ctxs):
     if dtype == 'bfloat16' and has_gpu(ctxs):
         raise UserError('--amp-dtype bfloat16 is for CPU training in MXNet 1.9; use float16 on GPUs')
     from mxnet.contrib import amp
-    # amp.init logs with the module-level logging.info, which configures the root logger
-    # when the application has not (logging.basicConfig): every gluon_unet line after it
-    # was printed twice. A handler on the root logger for the call keeps it unconfigured.
-    root, quiet = logging.getLogger(), logging.NullHandler()
-    root.addHandler(quiet)
-    try:
+    with root_logger_untouched():  # amp.init logs with logging.info
         amp.init(target_dtype=dtype)
-    finally:
-        root.removeHandler(quiet)
     return dtype
 
 
