@@ -28,7 +28,7 @@ _CHOICES = {
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
-    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'),
+    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'),
     'memory': ('speed', 'balanced', 'low'),
     'weight_on': ('all', 'second'),
     'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
@@ -145,7 +145,9 @@ class ModelConfig:
                                'its largest, a second channel: instances grow from its hill tops and meet in the '
                                'valleys between touching nuclei); or mask+contact (foreground and the lines where '
                                'nuclei touch, a second channel: instances grow from the foreground less the '
-                               'contacts; with --loss wbce_dice the contacts weigh most)')
+                               'contacts; with --loss wbce_dice the contacts weigh most); or mask+touching (the '
+                               'same, the band where nuclei meet drawn wider for larger nuclei, as the 2018 DSB '
+                               'winners drew it)')
 
     @property
     def outputs(self):
@@ -201,6 +203,10 @@ class TrainConfig:
                                     'hematoxylin, eosin and DAB densities scaled by 1 +- SIGMA and shifted by '
                                     '+- SIGMA at random, before --normalize; grey images are left alone. 0.05 '
                                     'light, 0.2 strong; 0 = off', within=within(0, 1, 'high', '(e.g. 0.05; 0 = off)'))
+    paste_rate: float = option(0.0, 'share of training crops (with --augment) that get 1-5 copies of their own nuclei '
+                                    'pasted against other nuclei, touching or overlapping them, so that crowded '
+                                    'clumps are seen more often than the data has them; 0.05 is what the 2018 DSB '
+                                    'winners used; 0 = off', within=within(0, 1))
     synthetic_count: int = option(192, 'number of generated demo images when --data is absent',
                                   within=within(1, 1000000))
 
@@ -357,6 +363,9 @@ class TrainConfig:
         if not 0 < lo <= hi < math.inf:  # nan fails too
             raise UserError('--scale-aug must be MIN,MAX zoom factors with 0 < MIN <= MAX, e.g. 0.5,2.0 (got %s)'
                             % shown(self.scale_aug))
+        if self.paste_rate and not self.augment:
+            raise UserError('--paste-rate %g pastes nuclei as part of --augment; drop --no-augment or --paste-rate'
+                            % self.paste_rate)
         if self.lr_schedule == 'step':
             try:
                 steps = self.step_fractions()
@@ -420,7 +429,7 @@ class TrainConfig:
         if self.weight_on == 'second' and (self.loss not in ('wbce', 'wbce_dice')
                                            or not m.target.startswith('mask+')):
             raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '
-                            '(mask+border, mask+centre, mask+contact) (got --loss %s, --target %s)'
+                            '(mask+border, mask+centre, mask+contact, mask+touching) (got --loss %s, --target %s)'
                             % (self.loss, m.target))
         if (m.classes > 1) != (self.loss == 'ce'):
             raise UserError("--loss ce goes with --classes > 1, and --classes > 1 needs --loss ce "

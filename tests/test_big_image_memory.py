@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import ndimage as ndi
 
-from gluon_unet.inference import postprocess
+from gluon_unet.inference import postprocess, watershed
 from gluon_unet.data.synthetic import synthetic_nuclei
 
 
@@ -67,10 +67,10 @@ def test_a_group_as_large_as_the_image_is_solved_in_strips_with_the_same_labels(
     """Dense images chain every nucleus into one group; it is cut into strips of rows."""
     prob = _prob(seed, reps=(6, 5))  # 768 x 640, ~60 % foreground in touching clusters
     used = []
-    real = postprocess._Solver.strips
-    monkeypatch.setattr(postprocess._Solver, 'strips', lambda self, *a: used.append(1) or real(self, *a))
-    monkeypatch.setattr(postprocess, 'MAX_GROUP_PIXELS', 64 * 64)
-    monkeypatch.setattr(postprocess, 'STRIP_ROWS', 96)
+    real = watershed._Solver.strips
+    monkeypatch.setattr(watershed._Solver, 'strips', lambda self, *a: used.append(1) or real(self, *a))
+    monkeypatch.setattr(watershed, 'MAX_GROUP_PIXELS', 64 * 64)
+    monkeypatch.setattr(watershed, 'STRIP_ROWS', 96)
     new = postprocess.instances_from_prob(prob, **kw)
     assert used  # the strips did run
     assert np.array_equal(new, _whole_image(prob, **kw))
@@ -87,8 +87,8 @@ def test_predicting_a_dense_image_holds_a_few_image_sized_arrays_at_most(tmp_pat
     from conftest import export_brightness_model
     from gluon_unet.inference.predict import predict_paths
 
-    monkeypatch.setattr(postprocess, 'MAX_GROUP_PIXELS', 64 * 64)
-    monkeypatch.setattr(postprocess, 'STRIP_ROWS', 32)
+    monkeypatch.setattr(watershed, 'MAX_GROUP_PIXELS', 64 * 64)
+    monkeypatch.setattr(watershed, 'STRIP_ROWS', 32)
     model = export_brightness_model(str(tmp_path / 'model'))
     mask = synthetic_nuclei(1, size=128, channels=1, seed=3)[1][0] > 0
     base = cv2.GaussianBlur(np.where(mask, 210, 40).astype(np.uint8), (0, 0), 1.5)

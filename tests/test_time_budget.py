@@ -140,19 +140,22 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     net = build_network(cfg, [mx.cpu()])
     sizes = [labels.size for _, labels in search_images(val_ds)]
     assert len(sizes) == len(val_ds) == 10
-    readings = iter([10.0, 13.0, 14.0])  # predicting took 3 s, labelling all once 1 s
+    # predicting took 3 s, labelling all once 1 s with the watershed, 5 s with the random walker
+    readings = iter([10.0, 13.0, 14.0, 19.0])
     seconds, probed, images = search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, probe_fraction=0.25,
                                              clock=lambda: next(readings))
     assert (probed, images) == (3, 10)  # equal sizes: 3 images reach a quarter of the pixels
-    assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + search_labelings(None) * 1.0)
+    assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + (search_labelings(None) - 1) * 1.0 + 5.0)
     with pytest.raises(StopIteration):
-        next(readings)  # three readings: before, between and after
+        next(readings)  # four readings: before, between, after the watershed and the random walker
     # A two-map model: each kind of markers is timed on its own and scaled by its own count.
     from gluon_unet.inference.postprocess_search import search_arms
-    assert search_arms('border') == [('border', 28), ('distance', 27)] and search_labelings('border') == 55
-    readings = iter([0.0, 1.0, 2.0, 4.0])  # border markers 1 s for all images, the distance 2 s
+    assert search_arms('border') == [('border', 28), ('distance', 27), ('randomwalker', 1)]
+    assert search_labelings('border') == 56
+    # border markers 1 s for all images, the distance 2 s, the random walker 3 s
+    readings = iter([0.0, 1.0, 2.0, 4.0, 7.0])
     assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second='border',
-                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + 28 * 1.0 + 27 * 2.0)
+                          clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + 28 * 1.0 + 27 * 2.0 + 3.0)
     with pytest.raises(StopIteration):
         next(readings)
 

@@ -10,6 +10,8 @@ from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
 from gluon_unet.inference.batched import load_model
 from gluon_unet.inference.postprocess_search import TUNE_GRID, tune_on_maps
+from gluon_unet.paths import MANIFEST
+from conftest import nuclei_png
 
 import mxnet as mx
 
@@ -221,9 +223,23 @@ def test_the_search_predicts_with_the_mode_and_tta_predict_will_use_and_says_so(
     note = predict_mod.tuning_note(meta, 'auto', False)
     assert 'chosen on validation maps predicted with --mode tile --tta, these predictions use --mode auto' in note
     assert note.endswith('(`bin/export RUN --tune-postprocess --mode auto` searches on maps like these)')
-    # Searched again the default way: nothing recorded, and tile/TTA predictions get the note.
+    # bin/predict without --mode / --tta predicts the way the post-processing was chosen.
+    images = os.path.join(history.output, 'demo_in')
+    os.makedirs(images)
+    with open(os.path.join(images, 'a.png'), 'wb') as f:
+        f.write(nuclei_png(0))
+    out = os.path.join(history.output, 'pred')
+    predict_mod.predict_paths(history.output, images, out, progress=False)
+    settings = json.load(open(os.path.join(out, MANIFEST)))['settings']
+    assert (settings['mode'], settings['tta']) == ('tile', True) and not capsys.readouterr().err
+    # Searched again without --mode / --tta: the way the run searched (its --tune-mode/--tune-tta).
     calls.clear()
     assert export_main([history.output, '--tune-postprocess']) == 0
+    tuned = json.load(open(sidecar))['postprocess']
+    assert (tuned['mode'], tuned['tta']) == ('tile', True) and calls == [('tile', True)] * tuned['images']
+    # The default way, asked for: nothing recorded, and tile/TTA predictions get the note.
+    calls.clear()
+    assert export_main([history.output, '--tune-postprocess', '--mode', 'auto', '--no-tta']) == 0
     tuned = json.load(open(sidecar))['postprocess']
     assert 'tta' not in tuned and 'mode' not in tuned and calls == [('auto', False)] * tuned['images']
     assert predict_mod.tuning_note(json.load(open(sidecar)), 'auto', False) == ''

@@ -37,7 +37,7 @@ DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size'
 # exactly one (tests/test_entry_point.py checks it, so a new field must pick its group).
 FLAG_GROUPS = {
     'data': ('data', 'masks', 'val_data', 'layout', 'mask_suffix', 'size', 'crop', 'val_split', 'channels',
-             'normalize', 'denoise', 'balance', 'augment', 'elastic', 'scale_aug', 'stain_jitter', 'skip_unpaired', 'workers', 'cache_dir',
+             'normalize', 'denoise', 'balance', 'augment', 'elastic', 'scale_aug', 'stain_jitter', 'paste_rate', 'skip_unpaired', 'workers', 'cache_dir',
              'synthetic_count'),
     'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
     'optimization': ('epochs', 'time_budget', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov',
@@ -50,7 +50,7 @@ FLAG_GROUPS = {
 # Placeholders in the help: what the value is, not the field's name.
 _METAVARS = {'data': 'PATH', 'masks': 'DIR', 'val_data': 'PATH', 'cache_dir': 'DIR', 'output': 'DIR',
              'resume': 'PATH|auto', 'gpus': 'IDS', 'size': 'SIZE', 'crop': 'SIZE', 'mask_suffix': 'SUFFIX', 'lr_steps': 'FRACTIONS',
-             'ema': 'DECAY', 'time_budget': 'MINUTES', 'scale_aug': 'MIN,MAX', 'stain_jitter': 'SIGMA'}
+             'ema': 'DECAY', 'time_budget': 'MINUTES', 'scale_aug': 'MIN,MAX', 'stain_jitter': 'SIGMA', 'paste_rate': 'RATE'}
 GROUP_TITLES = {'data': 'data', 'model': 'model (the U-Net)', 'optimization': 'optimization',
                 'devices': 'devices', 'run': 'run (folder, checkpoints, early stopping)'}
 

@@ -27,6 +27,8 @@ from typing import Callable, Optional, Tuple
 import cv2
 import numpy as np
 
+from .paste import paste_nuclei
+
 
 def _resize(arr, size, interpolation):
     """cv2.resize that keeps a trailing channel axis of 1."""
@@ -95,6 +97,10 @@ class Augment:
     elastic : bool
         Elastic deformation: a random displacement field smoothed by a Gaussian of
         ``elastic_sigma`` pixels, scaled to ``elastic_alpha`` pixels.
+    paste : float
+        Probability that the crop gets 1-5 copies of its own nuclei pasted against others
+        (:func:`gluon_unet.data.paste.paste_nuclei`), after the geometry and before the
+        intensity changes; 0 = never.
 
     Call as ``transform(image, mask, instances, rng) -> (image, mask, instances)`` with an
     (H, W, C) uint8 or float32 image, (H, W) uint8 mask, (H, W) int32 instances and a
@@ -114,6 +120,7 @@ class Augment:
     elastic: bool = False
     elastic_alpha: float = 8.0
     elastic_sigma: float = 6.0
+    paste: float = 0.0
 
     def __post_init__(self):
         if self.crop < 0:
@@ -121,8 +128,8 @@ class Augment:
         self.crop = int(self.crop)
 
     def __repr__(self):
-        return ('Augment(crop=%d, flip=%s, rot90=%s, scale=%s, intensity=%s, elastic=%s)'
-                % (self.crop, self.flip, self.rot90, self.scale, self.intensity, self.elastic))
+        return ('Augment(crop=%d, flip=%s, rot90=%s, scale=%s, intensity=%s, elastic=%s, paste=%g)'
+                % (self.crop, self.flip, self.rot90, self.scale, self.intensity, self.elastic, self.paste))
 
     # -- geometry -----------------------------------------------------------------------
     def _crop_scale(self, image, mask, inst, rng):
@@ -208,6 +215,10 @@ class Augment:
         image, mask, inst = self._flip_rotate(image, mask, inst, rng)
         if self.elastic:
             image, mask, inst = self._elastic(image, mask, inst, rng)
+        # Drawn only when on: runs without it keep the augmentation their seeds gave before.
+        if self.paste and rng.random() < self.paste:
+            image, inst = paste_nuclei(image, inst, rng)
+            mask = (inst > 0).astype(mask.dtype)
         if self.intensity:
             image = self._intensity(image, rng)
         return np.ascontiguousarray(image), np.ascontiguousarray(mask), np.ascontiguousarray(inst)
@@ -284,7 +295,7 @@ class StainJitter:
 
 
 def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, scale=(0.8, 1.25),
-                   intensity=True):
+                   intensity=True, paste=0.0):
     """The transform for :class:`~gluon_unet.data.SegmentationDataset`.
 
     Parameters
@@ -300,6 +311,8 @@ def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, s
         Zoom factor range (``--scale-aug``), see :class:`Augment`.
     flip, rot90, intensity
         Switch single augmentations off (see :class:`Augment`).
+    paste : float
+        ``--paste-rate``: the share of crops with nuclei pasted against others.
 
     Returns
     -------
@@ -310,4 +323,5 @@ def make_transform(augment=True, elastic=False, crop=0, flip=True, rot90=True, s
         if not crop and not elastic:
             return None
         return Augment(crop=crop, flip=False, rot90=False, scale=None, intensity=False, elastic=elastic)
-    return Augment(crop=crop, flip=flip, rot90=rot90, scale=scale, intensity=intensity, elastic=elastic)
+    return Augment(crop=crop, flip=flip, rot90=rot90, scale=scale, intensity=intensity, elastic=elastic,
+                   paste=paste)

@@ -35,7 +35,7 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.
@@ -116,7 +116,7 @@ class SegmentationDataset(gluon.data.Dataset):
             # No all-ones weight map: it would be batched, copied to every device and
             # multiplied in for nothing.
             return image, target
-        if self.target in ('mask-gap', 'mask+contact'):
+        if self.target in ('mask-gap', 'mask+contact', 'mask+touching'):
             # The weight map's border term lives on background pixels between nuclei:
             # with the contacts cleared it lands on the gaps the target asks for (the
             # cut line of mask-gap, the contact line of mask+contact).

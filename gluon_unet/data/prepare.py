@@ -57,7 +57,8 @@ def attach_transforms(cfg, train_ds, val_ds):
         weight_fn = functools.partial(unet_weight_map, class_balance=cfg.loss == 'wbce')
     train_tf = val_tf = None
     if cfg.augment or cfg.crop or cfg.elastic:
-        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop, scale=cfg.scale_range())
+        train_tf = make_transform(augment=cfg.augment, elastic=cfg.elastic, crop=cfg.crop, scale=cfg.scale_range(),
+                                  paste=cfg.paste_rate)
         if cfg.crop:
             # validate() draws per-sample seeds from a fixed sampler seed, so these
             # crops are the same every epoch: comparable numbers across epochs.

@@ -26,9 +26,18 @@ import numpy as np
 from scipy import ndimage as ndi
 
 #: ``--target`` choices, and the output channel each one adds.
-TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact')
+TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching')
+#: The second map of ``mask+touching`` is a contact map (drawn wider for larger nuclei): the
+#: post-processing treats both alike.
 OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': ('foreground', 'border'),
-           'mask+centre': ('foreground', 'centre'), 'mask+contact': ('foreground', 'contact')}
+           'mask+centre': ('foreground', 'centre'), 'mask+contact': ('foreground', 'contact'),
+           'mask+touching': ('foreground', 'contact')}
+#: ``mask+touching``: how far (pixels) another nucleus may be for a pixel of a nucleus to be
+#: on their touching border, by the nucleus' area (px): below 300, below 2,000, above.
+TOUCHING_REACH = ((300, 1), (2000, 2), (None, 3))
+#: ... and for a background pixel between two nuclei: 3, or 6 where the image's largest
+#: nucleus exceeds 4,000 px.
+TOUCHING_GAP = ((4000, 3), (None, 6))
 
 _CROSS = ndi.generate_binary_structure(2, 1)
 
@@ -115,6 +124,39 @@ def contact_map(instances, gap=2):
     return contact
 
 
+def touching_map(instances):
+    """Where nuclei meet, in a band whose width follows their size: the touching border of
+    the 2018 Data Science Bowl winners (selimsef/dsb2018_topcoders, ``create_mask``).
+
+    A pixel of a nucleus is touching when another nucleus lies within its reach
+    (:data:`TOUCHING_REACH`: 1 px for nuclei under 300 px, 2 under 2,000, 3 above), a
+    background pixel when two nuclei lie within 3 px of it (6 where the image's largest
+    nucleus exceeds 4,000 px: :data:`TOUCHING_GAP`). A large nucleus so gets the wider band
+    a network needs to draw a cut across it; :func:`contact_map` draws 1 px in every nucleus.
+
+    Parameters
+    ----------
+    instances : (H, W) int
+        0 = background, other values = nucleus ids.
+
+    Returns
+    -------
+    (H, W) bool
+    """
+    labels = _labels(instances)
+    areas = np.bincount(labels.ravel())
+    reach = np.full(len(areas), TOUCHING_REACH[-1][1], np.int32)
+    for limit, r in reversed(TOUCHING_REACH[:-1]):
+        reach[areas < limit] = r
+    largest = areas[1:].max() if len(areas) > 1 else 0
+    reach[0] = next(r for limit, r in TOUCHING_GAP if limit is None or largest <= limit)
+    per_pixel = reach[labels]
+    touching = np.zeros(labels.shape, bool)
+    for r in np.unique(per_pixel):
+        touching |= (per_pixel == r) & _two_nuclei_within(labels, int(r))
+    return touching
+
+
 def separate_touching(instances):
     """Instance labels with the contact between touching nuclei cleared to background.
 
@@ -184,7 +226,7 @@ def make_target(mask, instances, target='mask'):
         Class per pixel (binary: 0/1).
     instances : (H, W) int
         Instance labels (used by every target but ``mask``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'}
 
     Returns
     -------
@@ -192,7 +234,8 @@ def make_target(mask, instances, target='mask'):
         ``mask``: the class mask (C = 1); ``mask-gap``: the foreground with the contacts
         between touching nuclei cleared (C = 1); ``mask+border``: foreground and border (C = 2);
         ``mask+centre``: foreground and :func:`centre_map` (C = 2); ``mask+contact``:
-        foreground and :func:`contact_map` (C = 2).
+        foreground and :func:`contact_map` (C = 2); ``mask+touching``: foreground and
+        :func:`touching_map` (C = 2).
     """
     if target == 'mask':
         return np.asarray(mask).astype(np.float32)[None]
@@ -201,5 +244,6 @@ def make_target(mask, instances, target='mask'):
     if target not in OUTPUTS or len(OUTPUTS[target]) != 2:
         raise ValueError('target must be one of %s (got %r)' % (', '.join(TARGETS), target))
     fg = np.asarray(mask) > 0
-    second = {'mask+border': border_map, 'mask+centre': centre_map, 'mask+contact': contact_map}[target](instances)
+    second = {'mask+border': border_map, 'mask+centre': centre_map, 'mask+contact': contact_map,
+              'mask+touching': touching_map}[target](instances)
     return np.stack([fg, second]).astype(np.float32)

@@ -265,7 +265,8 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
 
 def second_map(meta):
     """What an export's (its sidecar ``meta``) second output map is: 'border' for a
-    ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact``,
+    ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact`` and
+    ``mask+touching``,
     None for one map. From the
     sidecar's ``outputs``, else its training config; exports from before borders have one map."""
     from ..data.targets import OUTPUTS
@@ -325,6 +326,7 @@ class LoadedModel:
     min_score: float = 0.0  # objects with a lower mean probability are dropped (tuned; 0 before it existed)
     diameter_ranges: Optional[dict] = None  # {kind: [low, high]} nucleus diameters in training (--diameter range)
     predict_diameter: Optional[str] = None  # the --diameter bin/predict uses when none is given (training's choice)
+    split: str = 'watershed'  # the instance step the search chose ('randomwalker' or the watershed)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""
@@ -470,4 +472,5 @@ def loaded_model(net, meta, ctxs, channels):
                        float(meta.get('normalize_denoise') or 0.0), meta.get('diameter'),
                        tuned.get('markers') or second,  # untuned: the model's own second map seeds the watershed
                        float(tuned.get('min_score') or 0.0), meta.get('diameter_ranges'),
-                       None if meta.get('predict_diameter') is None else str(meta['predict_diameter']))
+                       None if meta.get('predict_diameter') is None else str(meta['predict_diameter']),
+                       tuned.get('split') or 'watershed')

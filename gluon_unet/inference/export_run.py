@@ -41,10 +41,12 @@ class ExportConfig:
                                            "run's own validation split (its data must still be where it trained) "
                                            "and store them in the export, as training does at its end")
     mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
-                                       'bin/predict --mode (default auto), the one you will predict with',
+                                       "bin/predict --mode (default: the run's --tune-mode), the one you will predict "
+                                       'with',
                                  choices=MODES)
-    tta: bool = option(False, "with --tune-postprocess: search on test-time-augmented maps, for a model you will "
-                              "run with bin/predict --tta (8x the search's prediction time)")
+    tta: Optional[bool] = option(None, "with --tune-postprocess: search on test-time-augmented maps, for a model "
+                                       "you will run with bin/predict --tta (8x the search's prediction time) "
+                                       "(default: the run's --tune-tta)")
     onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
                                         'is not installed (default: when the onnx package is installed: pip install '
                                         '-r requirements-onnx-export.txt)')
@@ -64,7 +66,7 @@ class ExportConfig:
     def validate(self):
         """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
         int8 option without ``--int8`` or out of range (:func:`~gluon_unet.inference.export_int8.check_options`)."""
-        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta)):
+        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta is not None)):
             if given and not self.tune_postprocess:
                 raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
                                 'images)' % flag)
@@ -126,7 +128,8 @@ def _export(config, ckpt, out, source, onnx):
         with staged_export(out, on_installed=lambda: installed.append(True)) as stage:
             notes.append(write_export(net, cfg, stage, meta, sidecar_extra={'source': source}, onnx=onnx, int8=int8))
             if config.tune_postprocess:
-                tuned = retune(ckpt, stage, mode=config.mode or 'auto', tta=config.tta)
+                # As training searched, unless asked otherwise: the way the recipe predicts.
+                tuned = retune(ckpt, stage, mode=config.mode or cfg.tune_mode, tta=cfg.tune_tta if config.tta is None else config.tta)
             else:
                 notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
             notes.append(finish_int8(stage, int8))  # int8 against float32 at bin/predict's final threshold

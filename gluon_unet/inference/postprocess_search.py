@@ -35,6 +35,10 @@ TUNE_GRID_CENTRE = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.05, 0.1, 0.2), 'm
 TUNE_MIN_SCORES = (0.0, 0.75, 0.8, 0.85, 0.9)
 
 
+#: The arm of :func:`search_arms` that labels with the random walker instead of the watershed.
+RANDOM_WALKER = 'randomwalker'
+
+
 def _searches(second, grid=None):
     """The (markers, grid) pairs :func:`tune_on_maps` searches in turn, for maps whose
     second map is ``second`` (one of :data:`SECOND_MAPS`; None = one map)."""
@@ -58,7 +62,8 @@ def search_arms(second, grid=None):
     arms = [[markers, int(np.prod([len(space[k]) for k in _search_keys(markers)]))]
             for markers, space in _searches(second, grid)]
     arms[0][1] += 1
-    return [tuple(arm) for arm in arms]
+    # The random walker from the winner's markers: one more labelling, slower than a flood.
+    return [tuple(arm) for arm in arms] + [(RANDOM_WALKER, 1)]
 
 
 def search_labelings(second, grid=None):
@@ -124,6 +129,11 @@ def tune_on_maps(pairs, grid=None, base=None, second=None):
             for min_score, value in zip(min_scores, scores(setting, min_scores)):
                 if dict(setting, min_score=min_score) != base and value > best_score + 1e-9:
                     best, best_score = dict(setting, min_score=min_score), float(value)
+    # The instance step is a choice too: the random walker from the winner's markers.
+    walker = dict({k: v for k, v in best.items() if k != 'min_score'}, split=RANDOM_WALKER)
+    value = float(scores(walker, [best['min_score']])[0])
+    if value > best_score + 1e-9:
+        best, best_score = dict(walker, min_score=best['min_score']), value
     return dict(best, score=best_score, base_score=base_score, images=len(pairs))
 
 
@@ -227,11 +237,14 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     t1 = clock()
     arms, seconds = search_arms(second), []
     for markers, _ in arms:  # what the search does for each setting: label, match, score
+        split = 'watershed'
+        if markers == RANDOM_WALKER:
+            split, markers = RANDOM_WALKER, arms[0][0]
         for _, labels in images:
             fg = (labels > 0).astype(np.float32)
             # A second map that seeds one marker per blob: a watershed's work, as the search does
             found = instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                                    markers=markers)
+                                        markers=markers, split=split)
             cut_scores(found, fg, labels, [0.5])
         seconds.append(clock())
     spent = np.diff([t1] + seconds)

@@ -45,9 +45,9 @@ from .batched import ImageDone, load_model, match_channels, predict_image
 from .export_int8 import PRECISIONS, check_support, int8_warning
 from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
 from .predict_outputs import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
-                              stop_words, summary_line, write_image_outputs, writes_there)
+                              stop_words, summary_line, tuning_note, write_image_outputs, writes_there)
 from .scale import estimate_diameter, range_factor, rescale_factor, resolve_diameter
-from .sidecar import card_summary, find_export
+from .sidecar import card_summary, find_export, tuned_prediction
 from .submission import submission_rows, write_submission
 from .tiling import MODES
 
@@ -66,9 +66,11 @@ class PredictConfig:
     gpus: str = option('', GPUS_HELP, metavar='IDS')
     cpus: int = option(1, CPUS_HELP,
                        within=within(1, 1024))
-    mode: str = option('auto', 'resize to the training size, tile at native resolution, whole image padded, or '
-                               'auto (tile if larger than the training size)', choices=MODES)
-    tta: bool = option(False, 'average the 8 flips / quarter turns')
+    mode: Optional[str] = option(None, 'resize to the training size, tile at native resolution, whole image padded, '
+                                       'or auto (tile if larger than the training size) (default: the mode the '
+                                       "model's post-processing was chosen with, else auto)", choices=MODES)
+    tta: Optional[bool] = option(None, "average the 8 flips / quarter turns (default: as the model's "
+                                       'post-processing was chosen, else off)')
     threshold: Optional[float] = option(None, "foreground probability cut (default: the model's, chosen on "
                                               "validation after training; else its training threshold)",
                                         within=within(0, 1, 'both'))
@@ -79,10 +81,12 @@ class PredictConfig:
                                               "debris and faint blobs (default: the model's, chosen on validation; "
                                               "else 0 = keep all)",
                                         within=within(0, 1, 'high'))
-    split: str = option('watershed', 'separate touching nuclei with a watershed (default: from the interiors of '
-                                     'a mask+border model or those a mask+contact model leaves, from the centres '
-                                     'of a mask+centre model, else on the distance transform) or keep plain '
-                                     'connected components (none)', choices=SPLITS)
+    split: Optional[str] = option(None, 'separate touching nuclei with a watershed (from the interiors of a '
+                                        'mask+border model or those a mask+contact model leaves, from the centres '
+                                        'of a mask+centre model, else on the distance transform), with a random '
+                                        'walker from the same markers (randomwalker), or keep plain connected '
+                                        "components (none) (default: the model's, chosen on validation; else "
+                                        'watershed)', choices=SPLITS)
     diameter: Optional[str] = option(None, "rescale each image so its nuclei reach the network at the size the "
                                            "model was trained on (Cellpose-style): PIXELS = the typical nucleus "
                                            "diameter in your images, auto = measured from a first prediction of "
@@ -137,9 +141,10 @@ class PredictConfig:
         # The ranges (each field's within: an infinite h would find no markers and every
         # image would come out empty without a word; nan fails every range).
         check_fields(self)
-        for flag, value, allowed in (('--mode', self.mode, MODES),
+        for flag, value, allowed in (('--mode', self.mode, (None,) + MODES),
                                      ('--markers', self.markers, (None,) + MARKERS),
-                                     ('--split', self.split, SPLITS), ('--precision', self.precision, PRECISIONS)):
+                                     ('--split', self.split, (None,) + SPLITS),
+                                     ('--precision', self.precision, PRECISIONS)):
             if value not in allowed:
                 raise UserError('%s must be one of %s (got %s)' % (flag, ', '.join(a for a in allowed if a),
                                                                    shown(value)))
@@ -219,6 +224,7 @@ class _PredictionRun:
         self.h = model.h if config.h is None else float(config.h)
         self.diameter = resolve_diameter(config.diameter, model)
         self.markers = model.markers if config.markers is None else config.markers
+        self.split = model.split if config.split is None else config.split
         if self.markers in SECOND_MAPS and model.second != self.markers:
             raise UserError('--markers %s needs a mask+%s model; this one predicts %s (use --markers %s or leave '
                             'it out)' % (self.markers, self.markers, 'the foreground only' if model.second is None
@@ -317,7 +323,7 @@ class _PredictionRun:
 
     def _instances(self, maps):
         """Instance labels of one image's probability maps, with this run's settings."""
-        return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.config.split,
+        return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.split,
                                    h=self.h, marker=self.marker, markers=self.markers, min_score=self.min_score)
 
     def settings(self):
@@ -325,7 +331,7 @@ class _PredictionRun:
         the maps are predicted (a manifest's ``settings``)."""
         cfg = self.config
         return {'threshold': self.threshold, 'min_size': self.min_size, 'min_score': self.min_score,
-                'marker': self.marker, 'h': self.h, 'markers': self.markers, 'split': cfg.split, 'mode': cfg.mode,
+                'marker': self.marker, 'h': self.h, 'markers': self.markers, 'split': self.split, 'mode': cfg.mode,
                 'tta': cfg.tta, 'overlap': cfg.overlap, 'buckets': cfg.buckets, 'diameter': self.diameter,
                 # Only when int8: float32 folders of before it existed keep matching their manifest.
                 **({'precision': cfg.precision} if cfg.precision != 'float32' else {})}
@@ -400,6 +406,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     prefix = find_export(model)
     _check_outputs(output_dir, config, inputs, prefix)
     loaded = _load(model, config, runtime, why, ctxs)
+    # Unless asked otherwise, predict the way the post-processing was chosen.
+    mode, tta = tuned_prediction(loaded.meta)
+    config = dataclasses.replace(config, mode=mode if config.mode is None else config.mode,
+                                 tta=tta if config.tta is None else config.tta)
     # Both outputs held for the whole run: two predictions into one folder never mix.
     with lock_folder(output_dir, '--output', 'prediction folder'), \
             (lock_file(config.rle, '--rle') if config.rle else contextlib.nullcontext()):
@@ -468,21 +478,6 @@ def _load(model, config, runtime, why, ctxs):
     if why:  # chosen on its own accord (no mxnet here), not by --providers: say so
         print(runtime_line(loaded, why), file=sys.stderr)
     return loaded
-
-
-def tuning_note(meta, mode, tta):
-    """A note when the export's post-processing was searched on maps predicted with
-    another ``--mode`` / ``--tta`` than these predictions use, else ''."""
-    tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
-    chosen, used = (tuned.get('mode', 'auto'), bool(tuned.get('tta'))), (mode, bool(tta))
-    if 'score' not in tuned or chosen == used:
-        return ''
-
-    def flags(m, t):
-        return '--mode %s%s' % (m, ' --tta' if t else '')
-    return ('note: this model\'s post-processing was chosen on validation maps predicted with %s, these '
-            'predictions use %s (`bin/export RUN --tune-postprocess %s` searches on maps like these)'
-            % (flags(*chosen), flags(*used), flags(*used)))
 
 
 def _progress_bar(total, enabled):

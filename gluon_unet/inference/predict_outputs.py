@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..paths import MANIFEST, MANIFEST_FORMAT, manifest_names, read_manifest, remove_files
 from ..utils import atomic_open
 from .overlay import overlay as draw_overlay
-from .sidecar import weights_digest
+from .sidecar import tuned_prediction, weights_digest
 
 #: What each image becomes in the output folder (``<id>_mask.png``...), the overlay last.
 OUTPUT_SUFFIXES = ('_mask', '_labels', '_overlay')
@@ -255,3 +255,19 @@ def _device_list(ctxs, inputs_per_device=None):
     if len(ctxs) < 2 or inputs_per_device is None:
         return ', '.join(str(c) for c in ctxs)
     return ', '.join('%s %d input%s' % (c, n, '' if n == 1 else 's') for c, n in zip(ctxs, inputs_per_device))
+
+
+def tuning_note(meta, mode, tta):
+    """A note when the export's post-processing was searched on maps predicted with
+    another ``--mode`` / ``--tta`` than these predictions use (given on the command line),
+    else ''."""
+    tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
+    chosen, used = tuned_prediction(meta), (mode, bool(tta))
+    if 'score' not in tuned or chosen == used:
+        return ''
+
+    def flags(m, t):
+        return '--mode %s%s' % (m, ' --tta' if t else '')
+    return ('note: this model\'s post-processing was chosen on validation maps predicted with %s, these '
+            'predictions use %s (`bin/export RUN --tune-postprocess %s` searches on maps like these)'
+            % (flags(*chosen), flags(*used), flags(*used)))

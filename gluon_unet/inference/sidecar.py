@@ -24,7 +24,7 @@ from ..data.targets import OUTPUTS
 from ..errors import DamagedFile, UserError
 from ..paths import SIDECAR_MAX_BYTES
 from ..utils import DIGEST, atomic_open, file_crc32, read_json
-from .postprocess import MARKERS, SECOND_MAPS, settings_text, tuned_markers
+from .postprocess import MARKERS, SECOND_MAPS, SPLITS, settings_text, tuned_markers
 from .tiling import MODES
 
 SYMBOL, PARAMS, SIDECAR = 'model-symbol.json', 'model-0000.params', 'model.json'
@@ -113,6 +113,8 @@ def _check_postprocess(meta):
             raise _Bad("'postprocess' '%s' must be %s (got %s)" % (key, rule, _echo(value)))
     if 'tta' in tuned and not isinstance(tuned['tta'], bool):
         raise _Bad("'postprocess' 'tta' must be true or false (got %s)" % _echo(tuned['tta']))
+    if tuned.get('split', 'watershed') not in SPLITS:
+        raise _Bad("'postprocess' 'split' must be one of %s (got %s)" % (', '.join(SPLITS), _echo(tuned['split'])))
     if tuned.get('mode', 'auto') not in MODES:
         raise _Bad("'postprocess' 'mode' must be one of %s (got %s)" % (', '.join(MODES), _echo(tuned['mode'])))
 
@@ -311,7 +313,8 @@ def model_card(cfg, meta):
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
-                        'instances': _INSTANCES[cfg.model.target.partition('+')[2] or 'distance'],
+                        # by the second map (mask+touching's is a contact map), else the distance
+                        'instances': _INSTANCES[(OUTPUTS[cfg.model.target][1:] or ('distance',))[0]],
                         'chosen': 'the training config (no search)'},
     }
 
@@ -423,3 +426,12 @@ def _names_section(data):
     except (struct.error, UnicodeDecodeError):
         return None
     return sorted(names) if at == len(data) else None
+
+
+def tuned_prediction(meta):
+    """``(mode, tta)``: how the validation maps were predicted when the export's
+    post-processing was searched (``bin/predict``'s defaults), else ``('auto', False)``."""
+    tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
+    if 'score' not in tuned:
+        return 'auto', False
+    return tuned.get('mode', 'auto'), bool(tuned.get('tta'))

@@ -74,7 +74,7 @@ RESUME_POLICY = {
     'size': _refuse(_BATCHES), 'crop': _refuse(_BATCHES), 'val_split': _refuse(_BATCHES),
     'balance': _refuse(_BATCHES), 'augment': _refuse(_BATCHES), 'elastic': _refuse(_BATCHES),
     'scale_aug': _refuse(_BATCHES, 'with --augment', _if(lambda c: c.augment, 'scale_aug')),
-    'stain_jitter': _refuse(_BATCHES),
+    'stain_jitter': _refuse(_BATCHES), 'paste_rate': _refuse(_BATCHES),
     'seed': _refuse(_BATCHES), 'batch_size': _refuse(_BATCHES),
     'normalize': _refuse(_PIXELS),
     'denoise': _refuse(_PIXELS, 'with --normalize percentile, auto or stain',
