@@ -210,6 +210,32 @@ def _remove_created(path, created):
         pass
 
 
+# -- inputs that are what their flag takes --------------------------------------------------------
+
+def check_inputs(inputs):
+    """Refuse, in one line, an input that is missing or is not the kind of path its flag
+    takes: a FIFO, a device or a socket is never an image, a folder or a file to read
+    (opening a FIFO to read it would wait forever).
+
+    Parameters
+    ----------
+    inputs : iterable of (label, path, kinds)
+        ``kinds``: what the flag takes, ``'file'``, ``'folder'`` or both (``'file|folder'``);
+        a None path is skipped.
+    """
+    for label, path, kinds in inputs:
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            raise UserError('%s %s: no such %s' % (label, path, kinds.replace('|', ' or ')))
+        kind = 'folder' if os.path.isdir(path) else 'file' if os.path.isfile(path) else None
+        if kind is None:
+            raise UserError('%s %s: is not a regular file or a folder (a FIFO, device or socket); give a %s'
+                            % (label, path, kinds.replace('|', ' or ')))
+        if kind not in kinds.split('|'):
+            raise UserError('%s %s: is a %s; give a %s' % (label, path, kind, kinds.replace('|', ' or ')))
+
+
 # -- outputs apart from inputs and from each other -------------------------------------------------
 
 def check_apart(outputs, inputs, command, own=()):

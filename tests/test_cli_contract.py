@@ -195,14 +195,17 @@ def test_no_output_is_or_lies_inside_an_input(world, tmp_path, command, out_flag
               '--model': os.path.dirname(world['export']) if os.path.isfile(world['export']) else world['export'],
               '--input': world['images'], 'run': world['run'], '--pred': str(world['root'] / 'pred'),
               '--truth': str(world['root'] / 'truth'), 'export': world['export'],
-              '--image': world['images']}
+              '--image': os.path.join(world['images'], 'a.png')}
     assert in_flag in inputs, 'an input of %s with no path to give it here: %s' % (command, in_flag)
+    if where == 'inside' and os.path.isfile(inputs[in_flag]):
+        pytest.skip('%s is a file: nothing lies inside it' % in_flag)
     name = 'x.zip' if command == 'package' else 'x.csv' if out_flag in ('--csv', '--rle') else 'x'
     # Where a command reads only part of an input folder: export reads RUN's checkpoints
     # (its export goes into RUN/export, beside them).
     read = os.path.join(inputs[in_flag], 'checkpoints') if (command, in_flag) == ('export', 'run') else inputs[in_flag]
     target = inputs[in_flag] if where == 'same' else os.path.join(read, name)
-    before = sorted(os.listdir(inputs[in_flag]))
+    folder = inputs[in_flag] if os.path.isdir(inputs[in_flag]) else os.path.dirname(inputs[in_flag])
+    before = sorted(os.listdir(folder))
     main, _ = COMMANDS[command]
     argv = _argv(command, world, str(tmp_path / 'out'))
     if command == 'train':
@@ -213,7 +216,7 @@ def test_no_output_is_or_lies_inside_an_input(world, tmp_path, command, out_flag
     code, err = _run(main, argv)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and out_flag in lines[0] and 'Traceback' not in err, (code, err)
-    assert sorted(os.listdir(inputs[in_flag])) == before  # nothing written into the input
+    assert sorted(os.listdir(folder)) == before  # nothing written into the input
 
 
 def test_every_command_that_writes_is_checked_against_what_it_reads():
@@ -256,3 +259,44 @@ def test_validation_accepts_or_refuses_in_one_line_whatever_a_field_holds(cls, d
         if isinstance(value, float) and not math.isfinite(value):
             field = next(f for f in dataclasses.fields(cls) if f.name == name)
             assert 'within' not in field.metadata, (name, value)  # a range never admits nan or inf
+
+
+# -- inputs that are what their flag takes ---------------------------------------------------
+
+def _input_cases():
+    cases = []
+    for command in COMMANDS:
+        for cls, f, _ in _fields(command):
+            if f.metadata.get('path') == 'in':
+                for what in ('missing', 'fifo'):
+                    if (command, f.name, what) != ('train', 'cache_dir', 'missing'):  # made when missing
+                        cases.append((command, _flag(cls, f), f.metadata.get('positional', False), what))
+    return cases
+
+
+INPUTS = _input_cases()
+
+
+@pytest.mark.parametrize('command, flag, positional, what', INPUTS, ids=['%s %s %s' % (c[0], c[1], c[3])
+                                                                         for c in INPUTS])
+def test_an_input_that_is_missing_or_a_fifo_is_one_line(world, tmp_path, command, flag, positional, what):
+    bad = str(tmp_path / 'bad')
+    if what == 'fifo':
+        os.mkfifo(bad)
+    out = str(tmp_path / 'out')
+    main, _ = COMMANDS[command]
+    argv = _argv(command, world, out)
+    if positional:
+        argv = [bad if a in (world['run'], world['export']) else a for a in argv]
+    else:
+        words = [flag, bad] + (['--launcher', 'ssh'] if flag == '--hostfile' else [])
+        argv = argv[:argv.index('--')] + words + argv[argv.index('--'):] if '--' in argv else argv + words
+    code, err = _run(main, argv)  # a FIFO opened to be read would block this test forever
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and 'Traceback' not in err, (code, err)
+    assert (bad in lines[0]) and (positional or flag in lines[0]), lines[0]
+    assert not os.path.lexists(out) and not os.path.lexists(out + '.zip')
+
+
+def test_every_command_checks_its_inputs():
+    assert {c[0] for c in INPUTS} >= {'train', 'predict', 'export', 'evaluate', 'launch', 'package'}

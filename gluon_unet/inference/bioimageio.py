@@ -36,7 +36,7 @@ from .. import __version__
 from ..config import check_fields, option
 from ..data.io import read_image, input_image
 from ..errors import UserError
-from ..outputs import check_apart, check_replaceable, lock_file
+from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_path, check_writable, file_crc32
 from .batched import match_channels, predict_image
 from .batched_onnx import ONNX_FILE, load_onnx_model, sigmoid
@@ -424,6 +424,7 @@ def write_package(config):
     """
     config.validate()
     from .batched_onnx import import_onnxruntime, onnx_path
+    check_inputs([('EXPORT', config.export, 'file|folder'), ('--image', config.image, 'file')])
     folder = os.path.dirname(os.path.abspath(find_export(config.export, 'EXPORT')))
     # Outputs before any work (docs/reference/outputs.md): apart from what is read first.
     check_apart([('--output', config.output)], [('EXPORT', folder), ('--image', config.image)], 'package')

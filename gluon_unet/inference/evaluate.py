@@ -20,7 +20,7 @@ from ..data.io import merge_object_masks, read_labels
 from ..data.layouts import is_dsb, is_dsb_sample, list_images
 from ..errors import UserError
 from ..metrics import dsb_image_score, pixel_scores
-from ..outputs import check_apart, check_replaceable, lock_file
+from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_open, check_writable
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
@@ -189,6 +189,7 @@ def run_evaluate(config):
     (list of dict, dict, list of str)
         The per-image rows, their mean and the ids of predictions without truth.
     """
+    check_inputs([('--pred', config.pred, 'folder'), ('--truth', config.truth, 'folder')])
     check_apart([('--csv', config.csv)], [('--pred', config.pred), ('--truth', config.truth)], 'evaluate')
     check_replaceable(config.csv, COLUMNS[0] + ',', '--csv', 'a table of scores')
     if config.csv:

@@ -18,7 +18,7 @@ from typing import Optional
 # them: importing this module loads no mxnet.
 from ..config import check_fields, option, within
 from ..errors import DamagedFile, Stopped, UserError
-from ..outputs import check_apart, check_owner, lock_folder
+from ..outputs import check_apart, check_inputs, check_owner, lock_folder
 from ..paths import holds_run, is_export_sidecar
 from ..utils import check_writable
 from .export import check_export_folder, export_source, staged_export, write_export
@@ -240,6 +240,8 @@ def _stops_on_sigterm(what, out, installed):
 def resolve_run(run, output):
     """(checkpoint, export folder) for ``bin/export RUN``, with errors naming RUN."""
     from ..checkpoint import list_checkpoints
+    if os.path.lexists(run):  # a missing one is said below, as what RUN may be
+        check_inputs([('export', run, 'file|folder')])
     if os.path.isdir(run):
         folder = os.path.join(run, 'checkpoints')
         ckpt = os.path.join(folder, 'best.ckpt')

@@ -38,7 +38,7 @@ from ..data.layouts import dsb_image, is_dsb_sample
 from ..data.sizes import diameter_choice_error
 from ..machine.devices import parse_gpu_list
 from ..errors import UserError
-from ..outputs import check_apart, check_replaceable, lock_file, lock_folder
+from ..outputs import check_apart, check_inputs, check_replaceable, lock_file, lock_folder
 from ..paths import MANIFEST
 from ..utils import check_writable, write_errors
 from .batched import ImageDone, load_model, match_channels, predict_image
@@ -401,6 +401,9 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         is listed in ``failures``, and the submission has the good images.
     """
     config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
+    # --model may be an export prefix (.../model), which is no file: checked when it is one.
+    check_inputs([('--input', inputs, 'file|folder')] + ([('--model', model, 'file|folder')]
+                                                         if os.path.lexists(model) else []))
     runtime, why, ctxs = _runtime(config, model)
     files = find_inputs(inputs)
     prefix = find_export(model)

@@ -26,6 +26,7 @@ from typing import Optional
 from ..config import check_fields, option, within
 from ..errors import UserError, errno_words
 from ..machine.runtime import LOCAL_WORKERS, user_environ
+from ..outputs import check_inputs
 
 ROLES = ('scheduler', 'server', 'worker')
 
@@ -73,6 +74,7 @@ def read_hostfile(path):
     that is not a host name (an ssh option such as ``-oProxyCommand=...``, shell
     characters) stops the launch with the file and line number.
     """
+    check_inputs([('--hostfile', path, 'file')])
     hosts = []
     try:
         with open(path) as f:

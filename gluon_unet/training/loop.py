@@ -9,6 +9,7 @@ the post-processing search (`search`) and the export. How a run stops early and 
 keeps is `stops`. Everything that differs between one process and a multi-machine job is
 asked of a `distributed.Strategy`.
 """
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from ..inference.postprocess_search import search_seconds, tune_on_dataset
 from ..inference.sidecar import geometry
 from ..machine.devices import context_names, make_contexts
 from ..machine.runtime import process_gpus
-from ..outputs import check_apart
+from ..outputs import check_apart, check_inputs
 from ..reporting import setup_logging
 from .budget import epoch_estimate, planned_epochs
 from .ema import applied, make_average
@@ -88,6 +89,11 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
     default_base = 'runs/demo' if cfg.data is None and train_ds is None else 'runs/unet'
     # The run folder is an output: never the data, nor inside it (the next run would read
     # it), nor the cache of decoded arrays (only a data-caching run writes there).
+    if train_ds is None:
+        check_inputs([('--data', cfg.data, 'file|folder'), ('--masks', cfg.masks, 'folder'),
+                      ('--val-data', cfg.val_data, 'file|folder')])
+    if cfg.cache_dir and os.path.lexists(cfg.cache_dir):  # made when missing
+        check_inputs([('--cache-dir', cfg.cache_dir, 'folder')])
     cache = cfg.cache_dir or (default_cache_dir() if cfg.data else None)
     check_apart([('--output', cfg.output or default_base)],
                 [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data), ('--cache-dir', cache)],
