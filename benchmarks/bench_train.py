@@ -32,6 +32,8 @@ with ``torch.autocast('cpu', torch.bfloat16)``.
     python benchmarks/bench_train.py --configs 16:128:16 --cpus 1,2,4 --reps 7
     python benchmarks/bench_train.py --memory speed,balanced,low  # bin/train --memory, side by side
     python benchmarks/bench_train.py --old /tmp/old --cpus 1,2     # another commit's package, alongside
+    python benchmarks/bench_train.py --configs 8:256:16 --cpus 1 --no-torch \
+        --variant WIDTH=16,AMP=1 --variant WIDTH=8,AMP=1   # wider in bfloat16 vs width 8 float32
 
 ``--configs`` is a comma list of WIDTH:SIZE:BATCH (depth 4, 3 input channels).
 """
@@ -333,6 +335,18 @@ def parse_env(items):
     return env
 
 
+def variant_spec(variant, base, env):
+    """``(spec, env)`` of a ``--variant KEY=VALUE,...`` worker: ``CONTEXTS``, ``WIDTH`` and
+    ``AMP`` change the setup (``base``), any other key is an environment variable."""
+    venv = dict(env, **parse_env(variant.split(',')))
+    spec = dict(base, cpus=int(venv.pop('CONTEXTS', 1)), memory='speed')
+    # Another network or precision beside the same batches: the capacity a faster
+    # precision buys is a ratio of two setups, so they are measured in one run.
+    spec['width'] = int(venv.pop('WIDTH', base['width']))
+    spec['amp'] = bool(int(venv.pop('AMP', int(base['amp']))))
+    return spec, venv
+
+
 def run_config(width, size, batch, args):
     """Measure one WIDTH:SIZE:BATCH setup; returns a list of result rows."""
     sys.path.insert(0, ROOT)
@@ -357,9 +371,8 @@ def run_config(width, size, batch, args):
                 if n <= batch:
                     workers.append(Worker('old x%d' % n, 'mx', dict(base, cpus=n, root=args.old), env))
         for i, variant in enumerate(args.variant or []):
-            venv = dict(env, **parse_env(variant.split(',')))
-            n = int(venv.pop('CONTEXTS', 1))
-            workers.append(Worker('ours v%d' % (i + 1), 'mx', dict(base, cpus=n, memory='speed'), venv))
+            spec, venv = variant_spec(variant, base, env)
+            workers.append(Worker('ours v%d' % (i + 1), 'mx', spec, venv))
         if not args.no_torch:
             for t in args.torch_threads or [0]:
                 workers.append(Worker('pytorch t%d' % t if t else 'pytorch', 'torch',
@@ -373,8 +386,10 @@ def run_config(width, size, batch, args):
             w.run(args.max_foreign)
     for w in workers:
         w.stop()
-    flops = flops_per_image(ModelConfig(in_channels=args.channels, width=width, depth=args.depth), size)
-    flops *= 1 if args.inference else 3
+    def flops(w):
+        net = ModelConfig(in_channels=args.channels, width=w.spec['width'], depth=args.depth)
+        return flops_per_image(net, size) * (1 if args.inference else 3)
+
     # The ratio is against PyTorch at its best thread count among those measured.
     torch_w = max((w for w in workers if w.name.startswith('pytorch')), key=lambda w: w.median,
                   default=None)
@@ -385,12 +400,12 @@ def run_config(width, size, batch, args):
     for w in workers:
         n = w.spec['cpus']
         used_kib = max(0, w.mem['peak_kib'] - w.mem['base_kib'])
-        row = {'setup': w.name, 'memory': w.spec.get('memory', '-'), 'width': width, 'size': size, 'batch': batch, 'contexts': n,
-               'dtype': 'bfloat16' if args.amp else 'float32',
+        row = {'setup': w.name, 'memory': w.spec.get('memory', '-'), 'width': w.spec['width'], 'size': size,
+               'batch': batch, 'contexts': n, 'dtype': 'bfloat16' if w.spec['amp'] else 'float32',
                'mode': 'inference' if args.inference else 'training',
                'images_per_s': w.median, 'all': w.rates, 'steps_per_rep': w.steps,
                'images_per_cpu_s': w.cpu_median, 'all_cpu': w.cpu_rates,
-               'gflops': w.median * flops / 1e9, 'peak_fraction': w.median * flops / 1e9 / args.peak,
+               'gflops': w.median * flops(w) / 1e9, 'peak_fraction': w.median * flops(w) / 1e9 / args.peak,
                'peak_rss_mib': w.mem['peak_kib'] / 1024,
                'foreign_cores': statistics.median(w.foreign), 'all_foreign': w.foreign,
                'retried_reps': w.retried, 'threads_busy': busiest_threads(w.threads),
@@ -403,6 +418,9 @@ def run_config(width, size, batch, args):
             row['dp_overhead'] = 1.0 - w.median / one.median
             row['dp_overhead_cpu'] = 1.0 - w.cpu_median / one.cpu_median
             row['dp_overhead_paired'] = 1.0 - paired_ratio(w.rates, one.rates)
+        base_one = ones.get(('speed', None))
+        if w.name.startswith('ours v') and base_one:
+            row['vs_ours_x1_paired'] = paired_ratio(w.rates, base_one.rates)
         mine = [o for o in workers if o.name == w.name.replace('old ', 'ours ')]
         if w.name.startswith('old ') and mine:
             row['new_vs_old_paired'] = paired_ratio(mine[0].rates, w.rates)
@@ -424,6 +442,9 @@ def format_paired(rows):
         if 'dp_overhead_paired' in r:
             lines.append('%-16s %4d  data-parallel overhead, paired by repetition: %+.1f%%'
                          % (r['setup'], r['width'], 100 * r['dp_overhead_paired']))
+        if 'vs_ours_x1_paired' in r:
+            lines.append('%-16s %4d  %s / ours x1, paired by repetition: %.3fx'
+                         % (r['setup'], r['width'], r['dtype'], r['vs_ours_x1_paired']))
         if 'new_vs_old_paired' in r:
             lines.append('%-16s %4d  this tree / --old, paired by repetition: %.3fx'
                          % (r['setup'].replace('old', 'ours'), r['width'], r['new_vs_old_paired']))
@@ -490,7 +511,8 @@ def main(argv=None):
     p.add_argument('--variant', action='append',
                    help='KEY=VALUE[,KEY=VALUE]: an extra worker of ours on 1 context with these '
                         'settings, measured alongside (to try a knob); rows "ours v1", "ours v2"...; '
-                        'CONTEXTS=N runs the variant on N CPU contexts')
+                        'CONTEXTS=N runs the variant on N CPU contexts, WIDTH=N with another width, AMP=0/1 '
+                        'in float32/bfloat16 (the %% peak column stays the run\'s own dtype\'s)')
     p.add_argument('--old', metavar='DIR',
                    help='another version of the package, measured alongside on the same --cpus counts '
                         '(rows "old x1", ...): a folder holding gluon_unet/, e.g. from '

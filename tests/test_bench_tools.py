@@ -421,3 +421,12 @@ def test_bench_norm_measures_each_kind_in_a_child_process_and_pairs_the_ratio(ca
     assert set(rows) == {'batch', 'group2'}
     assert float(rows['batch'][1]) > 0 and rows['batch'][-1] == '1.00x'
     assert float(rows['group2'][1]) > 0 and rows['group2'][-1].endswith('x')
+
+
+def test_a_variant_sets_width_precision_and_contexts_and_passes_the_rest_as_environment():
+    base = dict(width=8, amp=False, cpus=1, memory='speed', size=256)
+    spec, env = bench_train.variant_spec('WIDTH=16,AMP=1,CONTEXTS=2,OMP_NUM_THREADS=1', base, {'A': 'b'})
+    assert (spec['width'], spec['amp'], spec['cpus'], spec['size']) == (16, True, 2, 256)
+    assert env == {'A': 'b', 'OMP_NUM_THREADS': '1'}
+    spec, env = bench_train.variant_spec('MXNET_X=1', dict(base, amp=True), {})
+    assert (spec['width'], spec['amp'], spec['cpus']) == (8, True, 1) and env == {'MXNET_X': '1'}
