@@ -327,23 +327,42 @@ class Worker:
         return statistics.median(self.cpu_rates)
 
 
-def parse_env(items):
+def parse_env(items, flag='--env'):
+    """``{KEY: VALUE}`` of ``KEY=VALUE`` items; ValueError naming ``flag`` on another shape."""
     env = {}
     for item in items or []:
-        key, _, value = item.partition('=')
+        key, eq, value = item.partition('=')
+        if not key or not eq:
+            raise ValueError('%s: expected KEY=VALUE, got %r' % (flag, item))
         env[key] = value
     return env
+
+
+def positive_ints(text, flag, sep=','):
+    """The ``sep``-separated positive integers of ``text``; ValueError naming ``flag``."""
+    try:
+        values = [int(v) for v in text.split(sep)]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError('%s: expected positive integers separated by %r, got %r' % (flag, sep, text))
+    return values
 
 
 def variant_spec(variant, base, env):
     """``(spec, env)`` of a ``--variant KEY=VALUE,...`` worker: ``CONTEXTS``, ``WIDTH`` and
     ``AMP`` change the setup (``base``), any other key is an environment variable."""
-    venv = dict(env, **parse_env(variant.split(',')))
-    spec = dict(base, cpus=int(venv.pop('CONTEXTS', 1)), memory='speed')
+    venv = dict(env, **parse_env(variant.split(','), '--variant'))
+    spec = dict(base, memory='speed')
     # Another network or precision beside the same batches: the capacity a faster
     # precision buys is a ratio of two setups, so they are measured in one run.
-    spec['width'] = int(venv.pop('WIDTH', base['width']))
-    spec['amp'] = bool(int(venv.pop('AMP', int(base['amp']))))
+    for key, field in (('CONTEXTS', 'cpus'), ('WIDTH', 'width')):
+        spec[field] = positive_ints(venv.pop(key, str(base[field] if field == 'width' else 1)),
+                                    '--variant %s' % key)[0]
+    amp = venv.pop('AMP', str(int(base['amp'])))
+    if amp not in ('0', '1'):
+        raise ValueError('--variant AMP: expected 0 (float32) or 1 (bfloat16), got %r' % amp)
+    spec['amp'] = amp == '1'
     return spec, venv
 
 
@@ -522,7 +541,24 @@ def main(argv=None):
                         'than this many cores meanwhile; column "other" = their median share')
     p.add_argument('--json', help='also write the rows here')
     args = p.parse_args(argv)
-    args.cpus = [int(c) for c in args.cpus.split(',')]
+    try:  # every flag's value checked before the first measurement, one line naming it
+        args.cpus = positive_ints(args.cpus, '--cpus')
+        for item in args.configs.split(','):
+            if len(positive_ints(item, '--configs', ':')) != 3:
+                raise ValueError('--configs: expected WIDTH:SIZE:BATCH, got %r' % item)
+        parse_env(args.env)
+        for variant in args.variant or []:
+            variant_spec(variant, dict(width=8, amp=False), {})
+        args.torch_threads = positive_ints(args.torch_threads, '--torch-threads') if args.torch_threads else []
+    except ValueError as e:
+        p.error(str(e))
+    for flag, value, least in (('--reps', args.reps, 1), ('--warmup', args.warmup, 0),
+                               ('--min-seconds', args.min_seconds, 0), ('--max-foreign', args.max_foreign, 0)):
+        if not value >= least or value == float('inf'):
+            p.error('%s: expected a number of at least %s, got %s' % (flag, least, value))
+    for flag, value in (('--channels', args.channels), ('--depth', args.depth)):
+        if value < 1:
+            p.error('%s: expected a positive integer, got %s' % (flag, value))
     if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
         p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
     if args.old:
@@ -531,7 +567,6 @@ def main(argv=None):
     bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
     if bad or not args.memory:
         p.error('--memory: choose from speed, balanced, low (got %r)' % ','.join(bad))
-    args.torch_threads = [int(t) for t in args.torch_threads.split(',')] if args.torch_threads else []
     if hasattr(os, 'sched_getaffinity') and len(os.sched_getaffinity(0)) < (os.cpu_count() or 1):
         # Workers inherit the mask: multi-threaded setups would be measured on too few cores.
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '

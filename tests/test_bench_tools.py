@@ -430,3 +430,23 @@ def test_a_variant_sets_width_precision_and_contexts_and_passes_the_rest_as_envi
     assert env == {'A': 'b', 'OMP_NUM_THREADS': '1'}
     spec, env = bench_train.variant_spec('MXNET_X=1', dict(base, amp=True), {})
     assert (spec['width'], spec['amp'], spec['cpus']) == (8, True, 1) and env == {'MXNET_X': '1'}
+
+
+# Each bad value of bench_train's flags: its name and what is wrong, one line, before any measuring.
+BENCH_TRAIN_BAD = [
+    ('--variant', 'WIDTH=abc'), ('--variant', 'WIDTH=0'), ('--variant', 'AMP=2'), ('--variant', 'CONTEXTS=-1'),
+    ('--variant', 'NOEQUALS'), ('--env', 'NOEQUALS'), ('--env', '=1'), ('--cpus', '0'), ('--cpus', '1,x'),
+    ('--cpus', ''), ('--configs', '8:256'), ('--configs', '8:0:16'), ('--configs', 'a:b:c'),
+    ('--torch-threads', '0'), ('--reps', '0'), ('--warmup', '-1'), ('--min-seconds', 'nan'),
+    ('--min-seconds', 'inf'), ('--max-foreign', '-1'), ('--depth', '0'), ('--channels', '0'),
+    ('--memory', 'fast'),
+]
+
+
+@pytest.mark.parametrize('flag,value', BENCH_TRAIN_BAD)
+def test_bench_train_refuses_a_bad_value_in_one_line_naming_the_flag(flag, value, capsys, monkeypatch):
+    monkeypatch.setattr(bench_train, 'measure_peak', lambda amp: pytest.fail('measured before checking'))
+    with pytest.raises(SystemExit) as e:
+        bench_train.main(['--no-torch', '%s=%s' % (flag, value)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and flag in err[-1] and 'Traceback' not in '\n'.join(err)
