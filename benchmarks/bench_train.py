@@ -339,13 +339,15 @@ def parse_env(items, flag='--env'):
 
 
 def positive_ints(text, flag, sep=','):
-    """The ``sep``-separated positive integers of ``text``; ValueError naming ``flag``."""
+    """The ``sep``-separated positive integers of ``text`` (one when ``sep`` is None); ValueError
+    naming ``flag``."""
     try:
-        values = [int(v) for v in text.split(sep)]
+        values = [int(v) for v in (text.split(sep) if sep else [text])]
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise ValueError('%s: expected positive integers separated by %r, got %r' % (flag, sep, text))
+        raise ValueError('%s: expected %s, got %r' % (
+            flag, 'positive integers separated by %r' % sep if sep else 'a positive integer', text))
     return values
 
 
@@ -358,7 +360,7 @@ def variant_spec(variant, base, env):
     # precision buys is a ratio of two setups, so they are measured in one run.
     for key, field in (('CONTEXTS', 'cpus'), ('WIDTH', 'width')):
         spec[field] = positive_ints(venv.pop(key, str(base[field] if field == 'width' else 1)),
-                                    '--variant %s' % key)[0]
+                                    '--variant %s' % key, sep=None)[0]
     amp = venv.pop('AMP', str(int(base['amp'])))
     if amp not in ('0', '1'):
         raise ValueError('--variant AMP: expected 0 (float32) or 1 (bfloat16), got %r' % amp)
