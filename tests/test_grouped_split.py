@@ -184,12 +184,12 @@ def dsb_by_kind_interval(values):
     return dsb_by_kind.interval(values)
 
 
-def _write_scores(path, scores):
+def _write_scores(path, scores, objects=None):
     with open(path, 'w', newline='') as f:
         w = csv.writer(f)
         w.writerow(['image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status'])
         for i, v in sorted(scores.items()):
-            w.writerow([i, v, v, v, 1, 1, 'ok'])
+            w.writerow([i, v, v, v, *(objects or {}).get(i, (1, 1)), 'ok'])
 
 
 def test_score_refuses_a_file_that_mixes_folds_or_misses_images_and_keeps_the_random_number(tmp_path, capsys):
@@ -217,6 +217,12 @@ def test_score_refuses_a_file_that_mixes_folds_or_misses_images_and_keeps_the_ra
     out = capsys.readouterr().out
     assert '| **macro over 3 groups** | 5 | 0.550 |' in out  # (0.6 + 0.2 + 0.85) / 3, micro 0.62
     assert '| random hold-out (micro mean, trained on the rest) | 2 | 0.500 |' in out
+    # objects per true nucleus are sums over the group, not means of per-image ratios
+    _write_scores(f1, {'a': 0.5, 'b': 0.7}, objects={'a': (10, 4), 'b': (2, 4)})
+    assert dsb_grouped.main(['score', 'A=%s,%s,%s' % (f1, f2, f3), 'B=%s,%s,%s' % (f1, f2, f3),
+                             '--groups', str(gfile), '--bootstrap', '0']) == 0
+    out = capsys.readouterr().out
+    assert '| fluo-crowded (fold 1) | 0.67 | 0.67 |' in out and '| fluo-small (fold 3) | 1.00 | 1.00 |' in out
 
 
 def test_score_evaluates_prediction_folders_against_the_truth(tmp_path, capsys):

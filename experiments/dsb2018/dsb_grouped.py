@@ -382,9 +382,10 @@ def macro_mean(scores, groups):
     return np.mean([scores[:, groups == g].mean(axis=1) for g in sorted(set(groups.tolist()))], axis=0)
 
 
-def _read_evaluate_csv(path, shown=None):
+def _read_evaluate_csv(path, shown=None, objects=None):
     """``{image_id: dsb}`` of one ``bin/evaluate --csv`` file (``shown``: the name to warn
-    with); one-line errors."""
+    with); one-line errors. ``objects``, a dict, gets ``{image_id: (true, predicted)}``
+    object counts where the file has them."""
     if not os.path.isfile(path):
         raise SystemExit('error: %s: no such file (bin/evaluate --csv writes it)' % path)
     with open(path, newline='') as f:
@@ -401,6 +402,8 @@ def _read_evaluate_csv(path, shown=None):
                 raise SystemExit('error: %s line %d: dsb %r is not a number' % (path, line, row['dsb'])) from None
             if row.get('status') == 'missing':
                 missing.append(row['image_id'])
+            if objects is not None and row.get('true_objects') and row.get('pred_objects'):
+                objects[row['image_id']] = (int(row['true_objects']), int(row['pred_objects']))
     if not out:
         raise SystemExit('error: %s: scores no image' % path)
     if missing:  # bin/evaluate's rule (and the challenge's): no prediction scores 0; said, not hidden
@@ -441,7 +444,7 @@ def _fold_of(path, ids, groups):
     return folds[0]
 
 
-def _evaluate_folder(folder, truth, groups):
+def _evaluate_folder(folder, truth, groups, objects=None):
     """Score one fold's prediction folder with ``bin/evaluate`` against ``truth`` (a DSB
     root holding at least that fold's held-out images): ``{image_id: dsb}``."""
     if truth is None:
@@ -469,15 +472,16 @@ def _evaluate_folder(folder, truth, groups):
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ['exit %d' % done.returncode])[-1]
             raise SystemExit('error: bin/evaluate on %s failed: %s' % (folder, last))
-        return _read_evaluate_csv(out, shown=folder)
+        return _read_evaluate_csv(out, shown=folder, objects=objects)
 
 
-def read_run(spec, groups, truth=None):
+def read_run(spec, groups, truth=None, objects=None):
     """One run ``NAME=PATH[,PATH...]``: ``(name, {image_id: dsb})`` over whole folds.
 
     Each PATH is one fold's held-out predictions: a ``bin/evaluate --csv`` file or a
     ``bin/predict`` output folder. A file that mixes folds, misses some of its fold's
-    images or repeats a fold is refused.
+    images or repeats a fold is refused. ``objects``, a dict, gets each image's
+    ``(true, predicted)`` object counts.
     """
     name, sep, paths = spec.partition('=')
     if not sep:
@@ -489,7 +493,8 @@ def read_run(spec, groups, truth=None):
         name = os.path.splitext(os.path.basename(os.path.normpath(paths[0])))[0]
     scores, seen = {}, {}
     for path in paths:
-        one = _evaluate_folder(path, truth, groups) if os.path.isdir(path) else _read_evaluate_csv(path)
+        one = (_evaluate_folder(path, truth, groups, objects) if os.path.isdir(path)
+               else _read_evaluate_csv(path, objects=objects))
         fold = _fold_of(path, one, groups)
         if fold in seen:
             raise SystemExit('error: run %s: %s and %s both hold fold %d' % (name, seen[fold], path, fold))
@@ -573,6 +578,23 @@ def score_table(runs, groups, random=None, n=10000, seed=0):
     lines.append(row('all images (micro mean)', len(ids), scores.mean(axis=1), micro_draws))
     if random:
         lines += _random_lines(names, random, groups, n, seed)
+    return lines
+
+
+def object_lines(names, objects, groups):
+    """Markdown lines: objects predicted per true nucleus, summed over each group, per run
+    (below 1: clumps merged or nuclei missed; above 1: nuclei cut into pieces or false
+    objects). ``objects``: one ``{image_id: (true, predicted)}`` per name."""
+    present = [g for g in GROUPS if any(groups[i]['group'] == g for o in objects for i in o)]
+    lines = ['', 'Objects predicted per true nucleus (sums over each group):', '',
+             '| group | ' + ' | '.join(names) + ' |', '|---|' + '---|' * len(names)]
+    for g in present:
+        cells = []
+        for o in objects:
+            counts = [c for i, c in o.items() if groups[i]['group'] == g]
+            true = sum(t for t, _ in counts)
+            cells.append('%.2f' % (sum(p for _, p in counts) / true) if true else '-')
+        lines.append('| %s (fold %d) | %s |' % (g, GROUPS[g][0], ' | '.join(cells)))
     return lines
 
 
@@ -667,7 +689,8 @@ def cmd_score(args):
     if args.truth is not None and not os.path.isdir(args.truth):
         raise SystemExit('error: --truth %s: no such folder (the stage1_train root)' % args.truth)
     groups = read_groups(args.groups)
-    runs = [read_run(spec, groups, args.truth) for spec in args.run]
+    objects = [{} for _ in args.run]
+    runs = [read_run(spec, groups, args.truth, o) for spec, o in zip(args.run, objects)]
     names = [name for name, _ in runs]
     if len(set(names)) != len(names):
         raise SystemExit('error: two runs are named %s; name them NAME=...' % sorted(n for n in names
@@ -679,7 +702,10 @@ def cmd_score(args):
             raise SystemExit('error: --random %s: want NAME=CSV with NAME one of the runs (%s)'
                              % (spec, ', '.join(names)))
         random[name] = _read_evaluate_csv(path)
-    for line in score_table(runs, groups, random, args.bootstrap):
+    lines = score_table(runs, groups, random, args.bootstrap)
+    if all(len(o) == len(s) for o, (_, s) in zip(objects, runs)):
+        lines += object_lines(names, objects, groups)
+    for line in lines:
         print(line)
     return 0
 
