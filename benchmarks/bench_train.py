@@ -358,9 +358,8 @@ def variant_spec(variant, base, env):
     spec = dict(base, memory='speed')
     # Another network or precision beside the same batches: the capacity a faster
     # precision buys is a ratio of two setups, so they are measured in one run.
-    for key, field in (('CONTEXTS', 'cpus'), ('WIDTH', 'width')):
-        spec[field] = positive_ints(venv.pop(key, str(base[field] if field == 'width' else 1)),
-                                    '--variant %s' % key, sep=None)[0]
+    spec['cpus'] = positive_ints(venv.pop('CONTEXTS', '1'), '--variant CONTEXTS', sep=None)[0]
+    spec['width'] = positive_ints(venv.pop('WIDTH', str(base['width'])), '--variant WIDTH', sep=None)[0]
     amp = venv.pop('AMP', str(int(base['amp'])))
     if amp not in ('0', '1'):
         raise ValueError('--variant AMP: expected 0 (float32) or 1 (bfloat16), got %r' % amp)

@@ -226,14 +226,15 @@ def check_inputs(inputs):
     for label, path, kinds in inputs:
         if path is None:
             continue
+        wanted = kinds.replace('|', ' or ')
         if not os.path.exists(path):
-            raise UserError('%s %s: no such %s' % (label, path, kinds.replace('|', ' or ')))
+            raise UserError('%s %s: no such %s' % (label, path, wanted))
         kind = 'folder' if os.path.isdir(path) else 'file' if os.path.isfile(path) else None
         if kind is None:
             raise UserError('%s %s: is not a regular file or a folder (a FIFO, device or socket); give a %s'
-                            % (label, path, kinds.replace('|', ' or ')))
+                            % (label, path, wanted))
         if kind not in kinds.split('|'):
-            raise UserError('%s %s: is a %s; give a %s' % (label, path, kind, kinds.replace('|', ' or ')))
+            raise UserError('%s %s: is a %s; give a %s' % (label, path, kind, wanted))
 
 
 # -- outputs apart from inputs and from each other -------------------------------------------------
