@@ -510,6 +510,38 @@ def format_rows(rows):
     return '\n'.join(lines)
 
 
+def check_args(p, args):
+    """Every flag's value checked before the first measurement: ``p.error`` (one line
+    naming the flag, exit 2) on a bad one; ``args.cpus``, ``args.torch_threads`` and
+    ``args.memory`` become lists, ``args.old`` an absolute path."""
+    try:  # every flag's value checked before the first measurement, one line naming it
+        args.cpus = positive_ints(args.cpus, '--cpus')
+        for item in args.configs.split(','):
+            if len(positive_ints(item, '--configs', ':')) != 3:
+                raise ValueError('--configs: expected WIDTH:SIZE:BATCH, got %r' % item)
+        parse_env(args.env)
+        for variant in args.variant or []:
+            variant_spec(variant, dict(width=8, amp=False), {})
+        args.torch_threads = positive_ints(args.torch_threads, '--torch-threads') if args.torch_threads else []
+    except ValueError as e:
+        p.error(str(e))
+    for flag, value, least in (('--reps', args.reps, 1), ('--warmup', args.warmup, 0),
+                               ('--min-seconds', args.min_seconds, 0), ('--max-foreign', args.max_foreign, 0)):
+        if not value >= least or value == float('inf'):
+            p.error('%s: expected a number of at least %s, got %s' % (flag, least, value))
+    for flag, value in (('--channels', args.channels), ('--depth', args.depth)):
+        if value < 1:
+            p.error('%s: expected a positive integer, got %s' % (flag, value))
+    if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
+        p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
+    if args.old:
+        args.old = os.path.abspath(args.old)
+    args.memory = [m for m in args.memory.split(',') if m]
+    bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
+    if bad or not args.memory:
+        p.error('--memory: choose from speed, balanced, low (got %r)' % ','.join(bad))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--configs', default='16:128:16,64:256:4', help='WIDTH:SIZE:BATCH,...')
@@ -542,32 +574,7 @@ def main(argv=None):
                         'than this many cores meanwhile; column "other" = their median share')
     p.add_argument('--json', help='also write the rows here')
     args = p.parse_args(argv)
-    try:  # every flag's value checked before the first measurement, one line naming it
-        args.cpus = positive_ints(args.cpus, '--cpus')
-        for item in args.configs.split(','):
-            if len(positive_ints(item, '--configs', ':')) != 3:
-                raise ValueError('--configs: expected WIDTH:SIZE:BATCH, got %r' % item)
-        parse_env(args.env)
-        for variant in args.variant or []:
-            variant_spec(variant, dict(width=8, amp=False), {})
-        args.torch_threads = positive_ints(args.torch_threads, '--torch-threads') if args.torch_threads else []
-    except ValueError as e:
-        p.error(str(e))
-    for flag, value, least in (('--reps', args.reps, 1), ('--warmup', args.warmup, 0),
-                               ('--min-seconds', args.min_seconds, 0), ('--max-foreign', args.max_foreign, 0)):
-        if not value >= least or value == float('inf'):
-            p.error('%s: expected a number of at least %s, got %s' % (flag, least, value))
-    for flag, value in (('--channels', args.channels), ('--depth', args.depth)):
-        if value < 1:
-            p.error('%s: expected a positive integer, got %s' % (flag, value))
-    if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
-        p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
-    if args.old:
-        args.old = os.path.abspath(args.old)
-    args.memory = [m for m in args.memory.split(',') if m]
-    bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
-    if bad or not args.memory:
-        p.error('--memory: choose from speed, balanced, low (got %r)' % ','.join(bad))
+    check_args(p, args)
     if hasattr(os, 'sched_getaffinity') and len(os.sched_getaffinity(0)) < (os.cpu_count() or 1):
         # Workers inherit the mask: multi-threaded setups would be measured on too few cores.
         print('warning: this process may run on %d of %d CPUs (taskset/cgroup); multi-threaded '

@@ -439,7 +439,7 @@ BENCH_TRAIN_BAD = [
     ('--cpus', ''), ('--configs', '8:256'), ('--configs', '8:0:16'), ('--configs', 'a:b:c'),
     ('--torch-threads', '0'), ('--reps', '0'), ('--warmup', '-1'), ('--min-seconds', 'nan'),
     ('--min-seconds', 'inf'), ('--max-foreign', '-1'), ('--depth', '0'), ('--channels', '0'),
-    ('--memory', 'fast'),
+    ('--memory', 'fast'), ('--memory', ','), ('--old', '/nonexistent'),
 ]
 
 
