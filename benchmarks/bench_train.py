@@ -514,7 +514,7 @@ def check_args(p, args):
     """Every flag's value checked before the first measurement: ``p.error`` (one line
     naming the flag, exit 2) on a bad one; ``args.cpus``, ``args.torch_threads`` and
     ``args.memory`` become lists, ``args.old`` an absolute path."""
-    try:  # every flag's value checked before the first measurement, one line naming it
+    try:
         args.cpus = positive_ints(args.cpus, '--cpus')
         for item in args.configs.split(','):
             if len(positive_ints(item, '--configs', ':')) != 3:
@@ -532,9 +532,9 @@ def check_args(p, args):
     for flag, value in (('--channels', args.channels), ('--depth', args.depth)):
         if value < 1:
             p.error('%s: expected a positive integer, got %s' % (flag, value))
-    if args.old and not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
-        p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
     if args.old:
+        if not os.path.isfile(os.path.join(args.old, 'gluon_unet', '__init__.py')):
+            p.error('--old %s: no gluon_unet/__init__.py there' % args.old)
         args.old = os.path.abspath(args.old)
     args.memory = [m for m in args.memory.split(',') if m]
     bad = [m for m in args.memory if m not in ('speed', 'balanced', 'low')]
