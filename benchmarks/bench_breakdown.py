@@ -37,8 +37,8 @@ ROOT = os.path.dirname(HERE)
 def _steps(kind, spec):
     sys.path.insert(0, HERE)
     sys.path.insert(0, ROOT)
-    import bench_train
-    return (bench_train._mx_train if kind == 'mx' else bench_train._torch_train)(spec)[1]
+    import train_workers
+    return (train_workers.mx_train if kind == 'mx' else train_workers.torch_train)(spec)[1]
 
 
 def child(kind, view, spec):

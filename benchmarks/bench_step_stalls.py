@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 HZ = os.sysconf('SC_CLK_TCK')
 sys.path.insert(0, HERE)
-from bench_train import _busy_seconds, _thread_ticks  # noqa: E402  (the same /proc readings)
+from procstat import busy_seconds, thread_ticks  # noqa: E402  (the same /proc readings)
 
 
 def runnable_waiting_ns(tids):
@@ -74,11 +74,11 @@ def main(argv=None):
         step(*data)
     mx.nd.waitall()
     # The engine workers are the busiest threads other than this (the Python) one.
-    before = _thread_ticks()
+    before = thread_ticks()
     for _ in range(3):
         step(*data)
     mx.nd.waitall()
-    after = _thread_ticks()
+    after = thread_ticks()
     me = str(os.getpid())
     workers = sorted((t for t in after if t != me),
                      key=lambda t: before.get(t, ('', 0))[1] - after[t][1])[:args.cpus]
@@ -89,12 +89,12 @@ def main(argv=None):
           flush=True)
     rows = []
     for i in range(args.steps):
-        t0, w0, m0 = _thread_ticks(), runnable_waiting_ns(workers), _busy_seconds()
+        t0, w0, m0 = thread_ticks(), runnable_waiting_ns(workers), busy_seconds()
         c0 = time.perf_counter()
         step(*data)
         mx.nd.waitall()
         wall = time.perf_counter() - c0
-        t1, w1, m1 = _thread_ticks(), runnable_waiting_ns(workers), _busy_seconds()
+        t1, w1, m1 = thread_ticks(), runnable_waiting_ns(workers), busy_seconds()
         ticks = {t: t1[t][1] - t0.get(t, ('', 0))[1] for t in t1}
         shares = [ticks.get(t, 0) / HZ / wall for t in workers]
         other = max(0.0, (m1 - m0) - sum(ticks.values()) / HZ) / wall

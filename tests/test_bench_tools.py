@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
 sys.path.insert(0, os.path.join(ROOT, 'experiments', 'dsb2018'))
 
 import bench_train  # noqa: E402
+import procstat  # noqa: E402
 import budget_lr_replay  # noqa: E402
 import dsb_by_kind  # noqa: E402
 import dsb_val_curves  # noqa: E402
@@ -24,7 +25,7 @@ def test_thread_busy_shares_of_wall_time_busiest_first():
     tck = os.sysconf('SC_CLK_TCK')
     before = {'1': ('python', 0), '2': ('python', 10 * tck), '3': ('omp', 0)}
     after = {'1': ('python', 2 * tck), '2': ('python', 11 * tck), '3': ('omp', 0), '4': ('new', tck // 2)}
-    busy = bench_train.thread_busy(before, after, wall=2.0)
+    busy = procstat.thread_busy(before, after, wall=2.0)
     # thread 1: 2 s in 2 s; thread 2: 1 s; thread 4 started meanwhile: 0.5 s; idle thread 3 left out
     assert busy == [(1.0, 'python'), (0.5, 'python'), ((tck // 2) / tck / 2.0, 'new')]
 
@@ -57,7 +58,7 @@ def test_thread_ticks_sees_this_process_threads():
     worker = threading.Thread(target=stop.wait, name='waiter')
     worker.start()
     try:
-        ticks = bench_train._thread_ticks()
+        ticks = procstat.thread_ticks()
         assert str(threading.get_native_id()) in ticks and str(worker.native_id) in ticks
         assert all(t >= 0 for _, t in ticks.values())
     finally:
