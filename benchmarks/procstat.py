@@ -38,6 +38,8 @@ def thread_busy(before, after, wall):
 
 
 def rss_kib(field):
+    """This process's ``field`` of ``/proc/self/status`` in KiB (``VmRSS``: resident now,
+    ``VmHWM``: the peak so far); 0 where the kernel does not report it."""
     with open('/proc/self/status') as f:
         for line in f:
             if line.startswith(field + ':'):

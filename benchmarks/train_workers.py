@@ -202,8 +202,7 @@ def _worker(kind, spec, env, conn):
         conn.send(('error', '%s\n%s' % (exc, traceback.format_exc())))
 
 
-
-# -- parent ----------------------------------------------------------------------------------
+# -- in the parent -----------------------------------------------------------------------------
 
 class Worker:
     def __init__(self, name, kind, spec, env):
