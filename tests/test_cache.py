@@ -1,6 +1,5 @@
 """The on-disk cache: reuse, invalidation, atomic writes, read-only fallback."""
 import os
-import time
 
 import cv2
 import numpy as np

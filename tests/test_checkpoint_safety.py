@@ -1,5 +1,4 @@
 """Checkpoints load without unpickling, and resume still matches an unbroken run."""
-import os
 import pickle
 
 import mxnet as mx

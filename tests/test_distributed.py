@@ -3,7 +3,6 @@
 Every test that starts processes tags their command lines with a unique marker, bounds
 its waits, and kills whatever still carries the marker at teardown.
 """
-import json
 import os
 import signal
 import subprocess

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gluon_unet.training.ema import WeightAverage
-from gluon_unet.checkpoint import load_checkpoint, model_from_checkpoint
+from gluon_unet.checkpoint import model_from_checkpoint
 from gluon_unet.data.prepare import build_datasets, prepare_data
 from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError

@@ -235,7 +235,7 @@ def test_tta_is_flip_invariant_and_in_range():
 # -- predict_paths / bin/predict ------------------------------------------------------------
 
 def test_predict_paths_writes_masks_labels_overlays_and_rle(tmp_path):
-    model = _brightness_model(str(tmp_path / 'model'))
+    _brightness_model(str(tmp_path / 'model'))
     inputs = tmp_path / 'in'
     inputs.mkdir()
     grey, truth = _nuclei(64, seed=5)

@@ -1,11 +1,8 @@
 """Run folders: a new run never writes into another run's folder; one process per folder;
 resume refuses what it cannot continue exactly; bad --output/--config values are one line."""
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """Model selection on true instances: validation crops keep touching nuclei apart."""
 import numpy as np
-import mxnet as mx
 
 from gluon_unet.data.augment import make_transform
 from gluon_unet.data.dataset import SegmentationDataset
