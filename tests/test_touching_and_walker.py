@@ -90,3 +90,27 @@ def test_the_search_chooses_the_random_walker_only_when_it_scores_higher(monkeyp
         return merged if setting.get('split') == RANDOM_WALKER else truth
     monkeypatch.setattr(search, 'instances_from_maps', walker_worse)
     assert 'split' not in tune_on_maps([(maps, truth)], second='contact')
+
+
+def _separate_pairs(pairs):
+    """``pairs`` blobs of two touching discs each, side by side, and their foreground."""
+    centres = [(16 + 32 * (k // 2), 12 + 40 * (k % 2) + dx) for k in range(pairs) for dx in (0, 13)]
+    truth = _discs((32 * ((pairs + 1) // 2) + 4, 84), centres, 7)
+    return truth, ndi.gaussian_filter((truth > 0).astype(np.float32), 1)
+
+
+@pytest.mark.parametrize('pairs', [1, 2, 3, 4])
+@pytest.mark.parametrize('markers', ['distance', 'contact'])
+def test_the_random_walker_gives_each_nucleus_its_own_id_across_blobs(pairs, markers):
+    # skimage's random_walker numbers its output 1..k in each call, not by seed: solved blob by
+    # blob, every blob's nuclei came out as 1 and 2, so separate nuclei shared an id.
+    truth, prob = _separate_pairs(pairs)
+    second = np.clip(ndi.gaussian_filter(contact_map(truth).astype(np.float32), 1) * 2, 0, 1)
+    found = instances_from_maps(np.stack([prob, second]), split='randomwalker', markers=markers, h=0.3)
+    flooded = instances_from_maps(np.stack([prob, second]), split='watershed', markers=markers, h=0.3)
+    assert found.max() == flooded.max() == 2 * pairs  # the same markers: as many nuclei as the watershed
+    blobs, _ = ndi.label(found > 0)
+    for i in range(1, found.max() + 1):
+        assert len(np.unique(blobs[found == i])) == 1, 'id %d spans separate blobs' % i
+        assert ndi.label(found == i)[1] == 1, 'id %d is not one region' % i
+    assert dsb_image_score(found, truth) > 0.6

@@ -182,8 +182,22 @@ def random_walker_split(markers, elevation, mask):
         except Exception:  # noqa: BLE001 - a blob it cannot solve is flooded instead
             from skimage.segmentation import watershed
             found = watershed(data, np.where(blob, seeds, 0), mask=blob)
-        labels[box][blob] = np.maximum(found[blob], 0)
+        labels[box][blob] = _seed_ids(found, seeds)[blob]
     return keep_orphans(labels, mask)
+
+
+def _seed_ids(found, seeds):
+    """``found`` (a solver's labels of one blob) numbered by the ``seeds`` it grew from.
+
+    skimage's ``random_walker`` numbers its output 1..k in each call, whatever the seeds'
+    values: solved blob by blob, separate nuclei would share ids. A seed pixel keeps its
+    own label, so the seeds say which output number is which nucleus (and the watershed's
+    own numbering, already the seeds', passes unchanged).
+    """
+    lut = np.zeros(max(int(found.max()), 0) + 1, np.int32)
+    at = seeds > 0
+    lut[found[at]] = seeds[at]
+    return np.where(found > 0, lut[np.maximum(found, 0)], 0)
 
 
 def keep_orphans(labels, mask):
