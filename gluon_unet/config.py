@@ -366,14 +366,15 @@ class TrainConfig:
         if self.paste_rate and not self.augment:
             raise UserError('--paste-rate %g pastes nuclei as part of --augment; drop --no-augment or --paste-rate'
                             % self.paste_rate)
-        if self.lr_schedule == 'step':
-            try:
-                steps = self.step_fractions()
-            except ValueError:
-                steps = None
-            if not steps or not all(0 < s < 1 for s in steps):
-                raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %s)"
-                                % shown(self.lr_steps))
+        # Checked whatever --lr-schedule says: a value is refused where it is given, not
+        # when a later run (or --resume with another schedule) starts to read it.
+        try:
+            steps = self.step_fractions()
+        except ValueError:
+            steps = None
+        if not steps or not all(0 < s < 1 for s in steps):
+            raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %s)"
+                            % shown(self.lr_steps))
         if self.predict_diameter is not None:
             problem = diameter_choice_error(self.predict_diameter)
             if problem:

@@ -39,8 +39,9 @@ COMMANDS = {'train': (train_main, (TrainConfig, ModelConfig)), 'predict': (predi
             'doctor': (doctor_main, (DoctorConfig,)), 'launch': (launch_main, (LaunchConfig,)),
             'package': (package_main, (PackageConfig,))}
 
-#: Text fields with a format of their own, and a value that breaks it (with what else it
-#: needs). Every text field is a path, a choice, one of these, or in FREE_TEXT.
+#: Text fields with a format of their own, and a value that breaks it (then the flags that
+#: use it). Every text field is a path, a choice, one of these, or in FREE_TEXT. Each bad
+#: value is tried alone and with those flags: it is refused whatever the others say.
 BAD_TEXT = {('train', 'scale_aug'): ['--scale-aug=2,1'], ('train', 'lr_steps'): ['--lr-steps=0.5,x',
                                                                                  '--lr-schedule=step'],
             ('train', 'predict_diameter'): ['--predict-diameter=-3', '--crop=32'], ('train', 'gpus'): ['--gpus=0-x'],
@@ -96,7 +97,8 @@ def _cases():
                     cases.append((command, flag, ['%s=no-such-choice' % flag]))
                 else:
                     assert (command, f.name) in BAD_TEXT, '%s %s: a text field with no bad value' % (command, flag)
-                    cases.append((command, flag, BAD_TEXT[command, f.name]))
+                    words = BAD_TEXT[command, f.name]
+                    cases += [(command, flag, words[:1])] + ([(command, flag, words)] if len(words) > 1 else [])
     return cases
 
 
