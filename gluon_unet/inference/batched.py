@@ -21,9 +21,9 @@ import numpy as np
 
 from ..errors import UserError, mxnet_message
 from ..machine.runtime import settle_amx
-from .postprocess import DEFAULT_MARKER
+from .postprocess import DEFAULT_MARKER, instances_from_maps
 from .sidecar import (INT8_PARAMS, INT8_SYMBOL, ONNX, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar,
-                      verify_export)
+                      tuned_prediction, verify_export)
 from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
 
 
@@ -327,6 +327,26 @@ class LoadedModel:
     diameter_ranges: Optional[dict] = None  # {kind: [low, high]} nucleus diameters in training (--diameter range)
     predict_diameter: Optional[str] = None  # the --diameter bin/predict uses when none is given (training's choice)
     split: str = 'watershed'  # the instance step the search chose ('randomwalker' or the watershed)
+
+    #: The settings of the instance step (:meth:`instances`), each the model's own unless given.
+    INSTANCE_SETTINGS = ('threshold', 'min_size', 'min_score', 'split', 'h', 'marker', 'markers')
+
+    def instances(self, maps, **given):
+        """Instance labels of this model's (K, H, W) probability ``maps``: the one instance
+        step of ``bin/predict``, the napari widget and the bioimage.io cover. ``given``: any of
+        :data:`INSTANCE_SETTINGS`; a missing or None one is the export's own (its tuned split
+        and markers included), so no caller can drop one."""
+        unknown = set(given) - set(self.INSTANCE_SETTINGS)
+        if unknown:
+            raise TypeError('unknown instance settings: %s' % ', '.join(sorted(unknown)))
+        s = {k: getattr(self, k) if given.get(k) is None else given[k] for k in self.INSTANCE_SETTINGS}
+        return instances_from_maps(maps, threshold=float(s['threshold']), min_size=int(s['min_size']),
+                                   split=s['split'], h=float(s['h']), marker=float(s['marker']),
+                                   markers=s['markers'], min_score=float(s['min_score']))
+
+    def prediction(self):
+        """``(mode, tta)`` the export's post-processing was chosen with (:func:`tuned_prediction`)."""
+        return tuned_prediction(self.meta)
 
     def image_jobs(self, image, mode='auto', tta=False, overlap=0.25, on_done=None, buckets=False):
         """:func:`image_jobs` with this model's sidecar."""

@@ -41,7 +41,6 @@ from ..utils import atomic_path, check_writable, file_crc32
 from .batched import match_channels, predict_image
 from .batched_onnx import ONNX_FILE, load_onnx_model, sigmoid
 from .overlay import overlay
-from .postprocess import instances_from_maps
 from .sidecar import SIDECAR, find_export
 from .tiling import pooling_multiple, tile_size
 
@@ -275,9 +274,9 @@ def cover(model, image):
     finds them with the model's own settings; at most 512 px high. Also the object count."""
     net_input = input_image(image, model.channels, model.normalize, model.denoise,
                             convert=lambda img, channels: match_channels(img, channels, 'the test image'))
-    maps = predict_image(model.net, model.meta, net_input, model.ctxs, maps=True)
-    labels = instances_from_maps(maps, threshold=model.threshold, min_size=model.min_size, h=model.h,
-                                 marker=model.marker, markers=model.markers, min_score=model.min_score)
+    mode, tta = model.prediction()  # as bin/predict without flags: the way the post-processing was chosen
+    maps = predict_image(model.net, model.meta, net_input, model.ctxs, mode, tta, maps=True)
+    labels = model.instances(maps)
     shown = image if image.shape[2] == 3 else np.repeat(image, 3, axis=2)
     both = np.concatenate([shown, overlay(shown, labels)], axis=1)
     scale = min(1.0, 512.0 / both.shape[0])

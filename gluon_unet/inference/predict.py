@@ -43,7 +43,7 @@ from ..paths import MANIFEST
 from ..utils import check_writable, write_errors
 from .batched import ImageDone, load_model, match_channels, predict_image
 from .export_int8 import PRECISIONS, check_support, int8_warning
-from .postprocess import MARKERS, SECOND_MAPS, SPLITS, instances_from_maps
+from .postprocess import MARKERS, SECOND_MAPS, SPLITS
 from .predict_outputs import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
                               stop_words, summary_line, tuning_note, write_image_outputs, writes_there)
 from .scale import estimate_diameter, range_factor, rescale_factor, resolve_diameter
@@ -323,8 +323,7 @@ class _PredictionRun:
 
     def _instances(self, maps):
         """Instance labels of one image's probability maps, with this run's settings."""
-        return instances_from_maps(maps, threshold=self.threshold, min_size=self.min_size, split=self.split,
-                                   h=self.h, marker=self.marker, markers=self.markers, min_score=self.min_score)
+        return self.model.instances(maps, **{k: getattr(self, k) for k in self.model.INSTANCE_SETTINGS})
 
     def settings(self):
         """What decides the outputs besides the model: the resolved post-processing and how

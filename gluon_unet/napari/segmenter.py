@@ -6,11 +6,11 @@ to one image in memory, as ``bin/predict`` applies it to a file.
 and settings) and segments an image with the same steps: the channel conversion and
 normalization of training (:func:`~gluon_unet.data.io.input_image`), the tiling of
 :func:`~gluon_unet.inference.batched.image_jobs`, ``--diameter``'s rescaling and the
-watershed (:func:`~gluon_unet.inference.postprocess.instances_from_maps`), so its labels are
-``bin/predict``'s on the same pixels. :meth:`Segmenter.segment` is a generator that yields
-progress between batches of network inputs (where napari's worker can stop it) and keeps the
-probability maps of the last image: changing only the post-processing (threshold, h,
-minimum size) re-runs only the watershed.
+instance step (:meth:`~gluon_unet.inference.batched.LoadedModel.instances`: the export's tuned
+split and markers), so its labels are ``bin/predict``'s on the same pixels.
+:meth:`Segmenter.segment` is a generator that yields progress between batches of network
+inputs (where napari's worker can stop it) and keeps the probability maps of the last image:
+changing only the post-processing (threshold, h, minimum size) re-runs only the instance step.
 
 Nothing here imports mxnet or Qt.
 """
@@ -28,7 +28,6 @@ from ..data.sizes import diameter_choice_error
 from ..errors import UserError
 from ..inference.batched import InputJob, match_channels
 from ..inference.batched_onnx import load_onnx_model
-from ..inference.postprocess import instances_from_maps
 from ..inference.scale import estimate_diameter, range_factor, rescale_factor, resolve_diameter
 from ..inference.sidecar import card_summary, find_export
 from ..inference.tiling import TTA_ORDER, plan_image
@@ -138,21 +137,24 @@ class Segmenter:
 
     def instances(self, maps, settings):
         """Instance labels of probability ``maps`` with ``settings`` (resolved)."""
-        m = self.model
-        return instances_from_maps(maps, threshold=float(settings.threshold), min_size=int(settings.min_size),
-                                   h=float(settings.h), marker=m.marker, markers=m.markers, min_score=m.min_score)
+        # The model's own split, markers and min score: the export's, as bin/predict's.
+        return self.model.instances(maps, threshold=float(settings.threshold), min_size=int(settings.min_size),
+                                    h=float(settings.h))
 
-    def segment(self, image, settings=None, tta=False, mode='auto', overlap=0.25, batch_size=8):
+    def segment(self, image, settings=None, tta=None, mode=None, overlap=0.25, batch_size=8):
         """Segment an (H, W, C) uint8 image (:func:`layer_image`): a generator.
 
         Yields ``(done, total)`` network inputs as they are computed, and returns the
         :class:`Result`. The network runs only when the image, ``tta``, ``mode``,
         ``overlap`` or the rescaling ``settings.diameter`` asks for differ from the last
-        call's; else only the post-processing does.
+        call's; else only the post-processing does. ``tta`` and ``mode`` None: as the
+        export's post-processing was chosen (``bin/predict``'s defaults).
         """
         t0 = time.time()
         settings = self.resolved(settings or Settings())
         m = self.model
+        tuned_mode, tuned_tta = m.prediction()
+        mode, tta = tuned_mode if mode is None else mode, tuned_tta if tta is None else tta
         net_input = input_image(image, m.channels, m.normalize, m.denoise,
                                 convert=lambda img, channels: match_channels(img, channels, 'the image'))
         key = (hashlib.sha1(net_input.tobytes()).hexdigest(), net_input.shape, mode, bool(tta), float(overlap))

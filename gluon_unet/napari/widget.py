@@ -171,6 +171,7 @@ class SegmentPanel:
         d = segmenter.defaults()
         self.threshold.value, self.h.value, self.min_size.value = d.threshold, d.h, d.min_size
         self.diameter.value = d.diameter
+        self.tta.value = segmenter.model.prediction()[1]  # as its post-processing was chosen
         self._settings_of = segmenter.path
 
     # -- segmenting -----------------------------------------------------------------------------
