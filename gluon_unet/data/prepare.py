@@ -6,8 +6,10 @@ Used by training (:func:`gluon_unet.training.loop.fit`) and by the post-processi
 ``bin/export --tune-postprocess`` reruns on a run's own validation split
 (:func:`gluon_unet.inference.postprocess_search.retune`): both rebuild the same data from a config.
 """
+import dataclasses
 import functools
 import hashlib
+import os
 
 import numpy as np
 
@@ -95,6 +97,88 @@ def data_fingerprint(train_ds, val_ds, num_workers=1):
                 content.update(arr.data)
     return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
             'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers}
+
+
+#: The fingerprint's keys that say which images a run saw (``workers`` is not about the data).
+DATA_KEYS = ('train', 'val', 'names_sha1', 'content_sha1')
+
+
+def data_changed(old, new):
+    """Whether the data fingerprint ``new`` (:func:`data_fingerprint`) names other images
+    than ``old``, a checkpoint's record (None or missing keys, from older runs: not changed)."""
+    return bool(old) and any(k in old and old[k] != new[k] for k in DATA_KEYS)
+
+
+#: The config fields that are paths a run reads, and their flags.
+PATH_FIELDS = (('data', '--data'), ('masks', '--masks'), ('val_data', '--val-data'), ('cache_dir', '--cache-dir'))
+
+
+def run_folder_of(checkpoint):
+    """The run folder a checkpoint belongs to (``<run>/checkpoints/x.ckpt``), or None."""
+    folder = os.path.dirname(os.path.abspath(checkpoint))
+    return os.path.dirname(folder) if os.path.basename(folder) == 'checkpoints' else None
+
+
+def training_cwd(meta, checkpoint):
+    """The folder a run's relative paths were given in: the ``cwd`` its checkpoint
+    records, else (runs from before it did) the folder its relative ``--output`` was
+    given in, found from where the checkpoint lies; None when neither tells."""
+    if isinstance(meta.get('cwd'), str) and os.path.isabs(meta['cwd']):
+        return meta['cwd']
+    output, run = (meta.get('config') or {}).get('output'), run_folder_of(checkpoint)
+    if not isinstance(output, str) or not output or os.path.isabs(output) or run is None:
+        return None
+    parts = [p for p in os.path.normpath(output).split(os.sep) if p not in ('', '.')]
+    if '..' in parts or not parts:
+        return None
+    base = run
+    for part in reversed(parts):
+        if os.path.basename(base) != part:
+            return None  # the run folder was moved or renamed: its --output says nothing
+        base = os.path.dirname(base)
+    return base
+
+
+def run_data_config(cfg, meta, checkpoint):
+    """``cfg`` (a run's config, from ``checkpoint`` and its record ``meta``) with its
+    relative ``--data``, ``--masks``, ``--val-data`` and ``--cache-dir`` resolved where
+    the run was made (:func:`training_cwd`), not in the current folder; a path not found
+    there but found here (an old run, or data moved with it) is taken from here."""
+    cwd = training_cwd(meta, checkpoint)
+    changes = {}
+    for name, _ in PATH_FIELDS:
+        path = getattr(cfg, name)
+        if not path or os.path.isabs(path) or cwd is None:
+            continue
+        there = os.path.normpath(os.path.join(cwd, path))
+        changes[name] = there if os.path.exists(there) or not os.path.exists(path) else os.path.abspath(path)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def check_run_data(cfg, meta, what):
+    """Refuse, in one line naming ``what`` (``'export --tune-postprocess'``), to use a
+    run's data when it is missing or no longer the images it trained on (its fingerprint,
+    as ``--resume`` compares it): a search or a calibration on other images would be
+    stored in the export as the run's own.
+
+    Returns
+    -------
+    (train_ds, val_ds)
+        The run's datasets, rebuilt from ``cfg`` (:func:`run_data_config`'s).
+    """
+    for name, flag in PATH_FIELDS[:3]:
+        path = getattr(cfg, name)
+        if path and not os.path.exists(path):
+            raise UserError("%s: the run's %s %s is gone (the run trained on it); put the data back there"
+                            % (what, flag, path))
+    train_ds, val_ds = build_datasets(dataclasses.replace(cfg, progress=False))
+    old, new = meta.get('data'), data_fingerprint(train_ds, val_ds)
+    if data_changed(old, new):
+        raise UserError("%s: the run's data changed since it trained (it trained on %d images and validated on %d, "
+                        "now %d and %d, or other files or pixels in %s); put back the data it trained on"
+                        % (what, old.get('train', 0), old.get('val', 0), new['train'], new['val'],
+                           cfg.data or 'the generated nuclei'))
+    return train_ds, val_ds
 
 
 def prepare_data(cfg, train_ds, val_ds, num_workers=1):

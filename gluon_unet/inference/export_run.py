@@ -17,6 +17,7 @@ from typing import Optional
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet.
 from ..config import check_fields, option, within
+from ..data.prepare import check_run_data, run_data_config
 from ..errors import DamagedFile, Stopped, UserError
 from ..outputs import check_apart, check_inputs, check_owner, lock_folder
 from ..paths import holds_run, is_export_sidecar
@@ -116,9 +117,13 @@ def _export(config, ckpt, out, source, onnx):
                         % (exc.args[0], earlier, earlier),)
         raise
     if config.tune_postprocess or config.int8:
+        what = 'export --tune-postprocess' if config.tune_postprocess else 'export --int8'
+        # The run's relative paths mean what they meant where it trained, and its data must
+        # still be the images it trained on, as --resume requires.
+        cfg = run_data_config(cfg, meta, ckpt)
         check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
-                                          ("the run's --val-data", cfg.val_data)],
-                    'export --tune-postprocess' if config.tune_postprocess else 'export --int8')
+                                          ("the run's --val-data", cfg.val_data)], what)
+        check_run_data(cfg, meta, what)
     int8 = run_calibration(cfg, config.int8_inputs, config.int8_calibration) if config.int8 else None
     tuned, notes = None, []
     # The new export is built aside and only its last step replaces the old one: stopped
@@ -129,7 +134,8 @@ def _export(config, ckpt, out, source, onnx):
             notes.append(write_export(net, cfg, stage, meta, sidecar_extra={'source': source}, onnx=onnx, int8=int8))
             if config.tune_postprocess:
                 # As training searched, unless asked otherwise: the way the recipe predicts.
-                tuned = retune(ckpt, stage, mode=config.mode or cfg.tune_mode, tta=cfg.tune_tta if config.tta is None else config.tta)
+                tuned = retune(ckpt, stage, mode=config.mode or cfg.tune_mode,
+                               tta=cfg.tune_tta if config.tta is None else config.tta, cfg=cfg)
             else:
                 notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
             notes.append(finish_int8(stage, int8))  # int8 against float32 at bin/predict's final threshold

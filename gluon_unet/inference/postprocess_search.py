@@ -10,6 +10,7 @@ its time for ``--time-budget``.
 On the inference side: it uses an export's geometry and the predictor, never the
 training loop (training imports it, not the other way round).
 """
+import dataclasses
 import itertools
 import time
 
@@ -267,13 +268,14 @@ def _central_window(shape, max_pixels):
     return slice(y, y + h), slice(x, x + w)
 
 
-def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
+def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False, cfg=None):
     """Search the post-processing again for a trained run, on its own validation split,
     and store the result in its export (``bin/export --tune-postprocess``): for exports
     made before the search (or before it knew a setting), without retraining.
 
     The run's data and split are rebuilt from the checkpoint's config (the same
-    validation images the run used; never a hold-out), scored whole as at the end of
+    validation images the run used; never a hold-out), or from ``cfg`` (that config with
+    its paths resolved where the run trained), scored whole as at the end of
     training, predicted with ``mode`` and ``tta`` (``--tune-mode``, ``--tune-tta``).
 
     Returns
@@ -284,10 +286,12 @@ def retune(checkpoint, export_dir, ctxs=None, mode='auto', tta=False):
     import mxnet as mx
 
     from ..checkpoint import model_from_checkpoint
-    from ..data.prepare import build_datasets
+    from ..data.prepare import build_datasets, run_data_config
     from .sidecar import geometry, update_sidecar
     ctxs = ctxs or [mx.cpu()]
-    net, cfg, _ = model_from_checkpoint(checkpoint, ctxs)
+    net, saved, meta = model_from_checkpoint(checkpoint, ctxs)
+    # Given: the run's config with its paths resolved where it trained (bin/export's).
+    cfg = dataclasses.replace(cfg or run_data_config(saved, meta, checkpoint))
     if cfg.model.classes != 1:
         raise UserError('export --tune-postprocess: the post-processing search is for binary models (--classes 1)')
     cfg.progress = False

@@ -39,7 +39,9 @@ class RunState:
 
     def to_meta(self, cfg, data_id=None):
         """The checkpoint's JSON record (the saver adds the best value and epoch)."""
-        return {'config': cfg.to_dict(), 'data': data_id, 'epoch': self.epoch, 'step': self.step,
+        # cwd: where the config's relative paths (--data, ...) were given, for bin/export
+        # run from another folder.
+        return {'config': cfg.to_dict(), 'data': data_id, 'cwd': os.getcwd(), 'epoch': self.epoch, 'step': self.step,
                 'step_in_epoch': self.step_in_epoch, 'history': self.history, 'seed': cfg.seed,
                 'metrics': self.history[-1] if self.history else {},
                 'epoch_seconds': self.epoch_seconds, 'train_seconds': self.train_seconds}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..checkpoint import damaged_resume, load_checkpoint, resolve_resume
 from ..config import ModelConfig, TrainConfig, flag_name
+from ..data.prepare import data_changed
 from ..errors import DamagedFile, UserError
 
 
@@ -75,7 +76,7 @@ RESUME_POLICY = {
     'balance': _refuse(_BATCHES), 'augment': _refuse(_BATCHES), 'elastic': _refuse(_BATCHES),
     'scale_aug': _refuse(_BATCHES, 'with --augment', _if(lambda c: c.augment, 'scale_aug')),
     'stain_jitter': _refuse(_BATCHES), 'paste_rate': _refuse(_BATCHES),
-    'seed': _refuse(_BATCHES), 'batch_size': _refuse(_BATCHES),
+    'seed': _refuse(_BATCHES), 'batch_size': _refuse(_BATCHES), 'epoch_samples': _refuse(_BATCHES),
     'normalize': _refuse(_PIXELS),
     'denoise': _refuse(_PIXELS, 'with --normalize percentile, auto or stain',
                        _if(lambda c: c.normalize in ('percentile', 'auto', 'stain'), 'denoise')),
@@ -114,6 +115,8 @@ RESUME_POLICY = {
     # after the last epoch, and bookkeeping
     'tune_postprocess': _allow('after the last epoch'), 'tune_mode': _allow('after the last epoch'),
     'tune_tta': _allow('after the last epoch'), 'predict_diameter': _allow('stored in the export'),
+    # What --init fixed (the model, the input pixels) is compared as those settings.
+    'init': _allow('the checkpoint holds the weights it started from'),
     'output': _allow('the run folder'), 'resume': _allow('the checkpoint itself'),
     'overwrite': _allow('not used with --resume'), 'benchmark': _allow('no training'),
     'progress': _allow('display only'), 'tensorboard': _allow('logs only'),
@@ -178,8 +181,7 @@ def check_resumable(path, meta, cfg, data_id):
         raise UserError('--resume %s: the run was trained with %s; resume with the same values (or start a '
                         'new run)' % (path, ', '.join(conflicts)))
     old = meta.get('data')
-    keys = ('train', 'val', 'names_sha1', 'content_sha1')
-    if old and any(k in old and old[k] != data_id[k] for k in keys):
+    if data_changed(old, data_id):
         read = resume_conflicts(saved, cfg, kind='data')
         raise UserError('--resume %s: the data changed since the checkpoint (it trained on %d images and '
                         'validated on %d, now %d and %d, or other files or pixels%s); resume with the same data'
