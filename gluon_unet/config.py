@@ -35,6 +35,11 @@ _CHOICES = {
 }
 
 
+#: ``--plane``'s help, the same for bin/train and bin/predict.
+PLANE_HELP = ('the plane of every stack to read (a TIFF with several pages or a z, t or channel axis, counted '
+              'from 0 over those axes); files of one plane are read whole (default: stacks are refused)')
+
+
 def option(default, help, **extra):
     """A config dataclass field whose metadata says how its command-line flag looks.
 
@@ -168,6 +173,7 @@ class TrainConfig:
     val_data: Optional[str] = option(None, 'separate validation set (same layouts as --data)', path='in')
     layout: str = option('auto', 'input layout (auto-detected by default)')
     mask_suffix: str = option('_mask', 'paired layout: name.png <-> name<suffix>.png')
+    plane: Optional[int] = option(None, PLANE_HELP, metavar='N', within=within(0, 10 ** 6))
     size: int = option(128, 'train at SIZE x SIZE pixels (images resized with area interpolation)',
                        within=within(1, 16384))
     crop: int = option(0, 'random SIZE crops at native resolution instead of resizing (0 = off)',
@@ -207,8 +213,19 @@ class TrainConfig:
                                     'pasted against other nuclei, touching or overlapping them, so that crowded '
                                     'clumps are seen more often than the data has them; 0.05 is what the 2018 DSB '
                                     'winners used; 0 = off', within=within(0, 1))
+    epoch_samples: int = option(0, 'training crops drawn per epoch; 0 = one per training image. Fewer images than '
+                                   'this repeat, each repeat augmented anew (fine-tuning on a few annotated images)',
+                                within=within(0, 100000000, note='(0 = one per training image)'))
     synthetic_count: int = option(192, 'number of generated demo images when --data is absent',
                                   within=within(1, 1000000))
+
+    # where the weights start
+    init: Optional[str] = option(None, 'fine-tune MODEL: a shipped model (nuclei), an export, a run folder or a '
+                                     'checkpoint. Its architecture, normalization and scale are kept (a flag that '
+                                     'contradicts them is refused), --channels 1<->3 is adapted in the first layer, '
+                                     'another --target gets a new head; its training settings and a fine-tune\'s '
+                                     'length and learning rate are the defaults. NAME@sha256:... pins its weights',
+                                 path='in')
 
     # devices and data-parallel step
     gpus: str = option('', GPUS_HELP + " (with --kvstore horovod: the host's GPUs, dealt to its processes by local "

@@ -146,8 +146,8 @@ def test_oversample_draws_every_group_as_often_as_the_largest_and_keeps_all_of_i
     # every fluorescence image exactly once: the common group is not cut down
     assert sorted(i for i, _ in pairs if GROUPS[i] == 'fluo') == list(range(90))
     assert len({s for _, s in pairs}) > 260  # every draw its own augmentation seed
-    with pytest.raises(ValueError, match='epoch_length needs groups'):
-        EpochSampler(len(GROUPS), epoch_length=10)
+    with pytest.raises(ValueError, match='epoch_length must be >= 1'):
+        EpochSampler(len(GROUPS), groups=GROUPS, epoch_length=0)
 
 
 def test_balanced_sampler_is_deterministic_for_a_seed_and_changes_with_seed_and_epoch():

@@ -195,7 +195,7 @@ def test_no_output_is_or_lies_inside_an_input(world, tmp_path, command, out_flag
     inputs = {'--data': str(world['root'] / 'data'), '--masks': str(world['root'] / 'data'),
               '--val-data': str(world['root'] / 'data'), '--cache-dir': str(world['root'] / 'data'),
               '--model': os.path.dirname(world['export']) if os.path.isfile(world['export']) else world['export'],
-              '--input': world['images'], 'run': world['run'], '--pred': str(world['root'] / 'pred'),
+              '--input': world['images'], 'run': world['run'], '--init': world['run'], '--pred': str(world['root'] / 'pred'),
               '--truth': str(world['root'] / 'truth'), 'export': world['export'],
               '--image': os.path.join(world['images'], 'a.png')}
     assert in_flag in inputs, 'an input of %s with no path to give it here: %s' % (command, in_flag)

@@ -64,7 +64,7 @@ def test_dispatcher_usage_errors_are_one_line_exit_2(capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1 and 'train' in err
     code, out, err = _main(['fly'], capsys)
     assert code == 2 and err.strip().splitlines() == [
-        "gluon-unet: error: unknown command 'fly' (choose from train, predict, evaluate, export, launch, doctor, package)"]
+        "gluon-unet: error: unknown command 'fly' (choose from train, predict, evaluate, export, launch, doctor, models, package)"]
     code, out, err = _main(['--help'], capsys)
     assert code == 0 and all(c in out for c in cli.COMMANDS) and 'examples:' in out
 
@@ -115,7 +115,7 @@ def test_bin_shims_still_work():
 
 def _command_parsers():
     """command -> (its parser, the config dataclasses its flags come from, extra dests)."""
-    from gluon_unet.cli import doctor, evaluate, export, launch, package, predict, train
+    from gluon_unet.cli import doctor, evaluate, export, launch, models, package, predict, train
     from gluon_unet.cli.doctor import DoctorConfig
     from gluon_unet.inference.evaluate import EvaluateConfig
     from gluon_unet.inference.bioimageio import PackageConfig
@@ -128,7 +128,8 @@ def _command_parsers():
             'export': (export.export_parser(), (ExportConfig,), set()),
             'doctor': (doctor.doctor_parser(), (DoctorConfig,), set()),
             'launch': (launch.launch_parser(), (LaunchConfig,), set()),
-            'package': (package.package_parser(), (PackageConfig,), set())}
+            'package': (package.package_parser(), (PackageConfig,), set()),
+            'models': (models.models_parser(), (models.ModelsConfig,), set())}
 
 
 def test_every_commands_flags_are_its_config_fields_and_each_default_lives_there():

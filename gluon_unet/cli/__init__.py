@@ -17,12 +17,13 @@ from .doctor import doctor_main
 from .evaluate import evaluate_main
 from .export import export_main
 from .launch import launch_main
+from .models import models_main
 from .package import package_main
 from .predict import predict_main
 from .train import train_main
 
 __all__ = ['main', 'train_main', 'predict_main', 'evaluate_main', 'export_main', 'launch_main', 'doctor_main',
-           'package_main', 'COMMANDS']
+           'package_main', 'models_main', 'COMMANDS']
 
 # command -> (entry point in this module, one line for the overview)
 COMMANDS = {
@@ -32,6 +33,7 @@ COMMANDS = {
     'export': ('export_main', 'export a run or checkpoint for inference (symbol + params + model.json)'),
     'launch': ('launch_main', 'run a command as a distributed job (scheduler, servers, workers)'),
     'doctor': ('doctor_main', 'check the install: versions, MXNet features, GPUs, threads; --gpus runs a step'),
+    'models': ('models_main', 'list the models shipped with gluon_unet (predict --model nuclei, train --init nuclei)'),
     'package': ('package_main', 'write a bioimage.io Model Zoo package (zip) of an export (needs onnxruntime)'),
 }
 

@@ -36,10 +36,10 @@ DEMO_DEFAULTS = {'size': 64, 'width': 16, 'depth': 3, 'epochs': 12, 'batch_size'
 # config.py; the model's fields form the 'model' group). Every TrainConfig field is in
 # exactly one (tests/test_entry_point.py checks it, so a new field must pick its group).
 FLAG_GROUPS = {
-    'data': ('data', 'masks', 'val_data', 'layout', 'mask_suffix', 'size', 'crop', 'val_split', 'channels',
+    'data': ('data', 'masks', 'val_data', 'layout', 'mask_suffix', 'plane', 'size', 'crop', 'val_split', 'channels',
              'normalize', 'denoise', 'balance', 'augment', 'elastic', 'scale_aug', 'stain_jitter', 'paste_rate', 'skip_unpaired', 'workers', 'cache_dir',
-             'synthetic_count'),
-    'model': tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
+             'epoch_samples', 'synthetic_count'),
+    'model': ('init',) + tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != 'in_channels'),
     'optimization': ('epochs', 'time_budget', 'batch_size', 'optimizer', 'lr', 'momentum', 'nesterov',
                      'weight_decay', 'clip_grad', 'ema', 'lr_schedule', 'warmup_epochs', 'lr_steps', 'loss',
                      'dice_weight', 'weight_on', 'amp', 'amp_dtype', 'hybridize', 'memory'),
@@ -49,7 +49,7 @@ FLAG_GROUPS = {
 }
 # Placeholders in the help: what the value is, not the field's name.
 _METAVARS = {'data': 'PATH', 'masks': 'DIR', 'val_data': 'PATH', 'cache_dir': 'DIR', 'output': 'DIR',
-             'resume': 'PATH|auto', 'gpus': 'IDS', 'size': 'SIZE', 'crop': 'SIZE', 'mask_suffix': 'SUFFIX', 'lr_steps': 'FRACTIONS',
+             'resume': 'PATH|auto', 'init': 'MODEL', 'gpus': 'IDS', 'size': 'SIZE', 'crop': 'SIZE', 'mask_suffix': 'SUFFIX', 'lr_steps': 'FRACTIONS',
              'ema': 'DECAY', 'time_budget': 'MINUTES', 'scale_aug': 'MIN,MAX', 'stain_jitter': 'SIGMA', 'paste_rate': 'RATE'}
 GROUP_TITLES = {'data': 'data', 'model': 'model (the U-Net)', 'optimization': 'optimization',
                 'devices': 'devices', 'run': 'run (folder, checkpoints, early stopping)'}
@@ -99,11 +99,13 @@ def _train_flag(f, hints):
 CONFIG_MAX_BYTES = 1 << 20
 
 
-def config_from_args(given, config_file=None):
+def config_from_args(given, config_file=None, chosen=None):
     """Build a validated TrainConfig: defaults < demo defaults < config file < flags.
 
     ``config_file`` is a JSON file, or the name of a recipe shipped in
-    ``gluon_unet/recipes`` (``'dsb2018'``) when no such file exists."""
+    ``gluon_unet/recipes`` (``'dsb2018'``) when no such file exists. ``chosen``, a set,
+    receives the names of the settings the file and the flags set (what ``--init``'s
+    model may not replace)."""
     values = {}
     if config_file:
         if not os.path.exists(config_file) and recipes.path(config_file):
@@ -128,6 +130,8 @@ def config_from_args(given, config_file=None):
         values.update(model)
         values.update(loaded)
     values.update(given)
+    if chosen is not None:
+        chosen.update(values)
     if values.get('data') is None:
         for key, value in DEMO_DEFAULTS.items():
             values.setdefault(key, value)
@@ -171,7 +175,8 @@ def train_main(argv=None):
         import mxnet  # noqa: F401
     args = vars(train_parser().parse_args(argv))
     config_file = args.pop('config', None)
-    cfg = config_from_args(args, config_file)
+    chosen = set()
+    cfg = config_from_args(args, config_file, chosen)
     # Only now are the devices known, and mxnet, which reads these settings once when it
     # loads, is not loaded yet: N CPU contexts need cores / N OpenMP threads each and more
     # of MXNet's shared CPU scratch buffers, or they oversubscribe the cores and take turns
@@ -188,7 +193,7 @@ def train_main(argv=None):
     # The log says it in one line; Python's warning would repeat it with a source line.
     warnings.simplefilter('ignore', CacheWarning)
     try:
-        history = fit(cfg)  # a stop (training.stops.Interrupted) is the error boundary's one line
+        history = fit(cfg, given=chosen)  # a stop (training.stops.Interrupted) is the error boundary's one line
     except Diverged as exc:
         print('error: %s' % exc, file=sys.stderr)
         return Diverged.exit_code
@@ -215,7 +220,12 @@ def demo_predictions(cfg, run_dir, count=8):
         write_png(os.path.join(inputs, 'demo%02d.png' % i), image[..., 0] if image.shape[-1] == 1 else image)
     out = os.path.join(run_dir, 'predictions')
     # The run's own predictions folder: a resumed demo replaces its earlier model's outputs
-    # (only the files their manifest lists; anything of yours there stays).
+    # (only the files their manifest lists; anything of yours there stays), never bin/predict's.
+    from ..paths import MANIFEST, demo_predictions as by_demo
+    if os.path.exists(os.path.join(out, MANIFEST)) and not by_demo(out, run_dir):
+        get_logger().info('demo: %s holds predictions bin/predict wrote, so the demo kept them and predicted '
+                          'nothing: bin/predict --model %s --input %s --output DIR', out, run_dir, inputs)
+        return
     records = predict_paths(run_dir, inputs, out, gpus=cfg.gpus, cpus=cfg.cpus, overlay=True,
                             rle=os.path.join(out, 'submission.csv'), progress=False, overwrite=True)
     if records.failures:  # e.g. the disk filled up: the model itself is exported and intact

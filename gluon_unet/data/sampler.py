@@ -20,9 +20,10 @@ class EpochSampler(gluon.data.Sampler):
     With ``groups`` (one label per index, ``--balance groups``) every group is drawn
     equally often per epoch, in an epoch of the same length (:func:`balanced_order`):
     a rare group's samples repeat, each repeat with its own augmentation seed.
-    ``epoch_length`` (with ``groups`` only) draws that many per epoch instead
-    (``--balance oversample``: every group as often as the largest one, so the common
-    group is not cut down to make room for the rare ones). The order
+    ``epoch_length`` draws that many per epoch instead: with ``groups``, ``--balance
+    oversample`` (every group as often as the largest one, so the common group is not
+    cut down to make room for the rare ones); without, ``--epoch-samples`` (a few
+    images repeat, every one once per reshuffled pass before any a second time). The order
     is computed here, in the main process, from ``(seed, epoch)`` alone, so it is the
     same with any number of loader workers, and every shard deals from the same order.
     """
@@ -33,9 +34,10 @@ class EpochSampler(gluon.data.Sampler):
             raise ValueError('shard %d out of range for %d shards' % (shard, num_shards))
         if groups is not None and len(groups) != length:
             raise ValueError('groups has %d labels for %d samples' % (len(groups), length))
-        if epoch_length is not None and (groups is None or epoch_length < 1):
-            raise ValueError('epoch_length needs groups and must be >= 1 (got %r)' % (epoch_length,))
-        # draws per epoch: the dataset's size unless balanced groups choose another
+        if epoch_length is not None and epoch_length < 1:
+            raise ValueError('epoch_length must be >= 1 (got %r)' % (epoch_length,))
+        # draws per epoch: the dataset's size unless --balance or --epoch-samples choose another
+        self.size = length
         length = length if epoch_length is None else int(epoch_length)
         self.length, self.shuffle, self.seed = length, shuffle, seed
         self.num_shards, self.shard, self.epoch, self.skip = num_shards, shard, 0, 0
@@ -58,10 +60,17 @@ class EpochSampler(gluon.data.Sampler):
 
     def _epoch(self):
         """``(indices, seeds)`` of the whole epoch in visiting order, before sharding."""
-        if self.groups is None:
+        if self.groups is None and self.length == self.size:
             rng = np.random.default_rng([self.seed, self.epoch])
             order = rng.permutation(self.length) if self.shuffle else np.arange(self.length)
             return order, self.seeds()[order]
+        if self.groups is None:  # --epoch-samples: whole passes over the images, each reshuffled
+            rng = np.random.default_rng([self.seed, self.epoch, 3])
+            passes = -(-self.length // self.size)
+            order = np.concatenate([rng.permutation(self.size) if self.shuffle else np.arange(self.size)
+                                    for _ in range(passes)])[:self.length].astype(np.int64)
+            # By position, like balanced groups: each repeat of an image gets its own augmentation.
+            return order, np.random.default_rng([self.seed, self.epoch, 1]).integers(0, 2 ** 31, size=self.length)
         order = balanced_order(self.groups, self.length, np.random.default_rng([self.seed, self.epoch, 2]),
                                self.power)
         # By position, not by index: the repeats of a rare group's sample differ.

@@ -32,14 +32,15 @@ from typing import Optional
 import cv2
 import numpy as np
 
-from ..config import CPUS_HELP, GPUS_HELP, check_fields, option, shown, within
+from .. import models
+from ..config import CPUS_HELP, GPUS_HELP, PLANE_HELP, check_fields, option, shown, within
 from ..data.io import IMAGE_TYPES, image_kind, input_image, is_image_file, read_image
 from ..data.layouts import dsb_image, is_dsb_sample
 from ..data.sizes import diameter_choice_error
 from ..machine.devices import parse_gpu_list
 from ..errors import UserError
 from ..outputs import check_apart, check_inputs, check_replaceable, lock_file, lock_folder
-from ..paths import MANIFEST
+from ..paths import MANIFEST, remove_leftovers
 from ..utils import check_writable, write_errors
 from .batched import ImageDone, load_model, match_channels, predict_image
 from .export_int8 import PRECISIONS, check_support, int8_warning
@@ -111,6 +112,7 @@ class PredictConfig:
                                           "centre map (centre) or from the distance transform of the foreground "
                                           "(distance) (default: the model's, chosen on validation; else its second "
                                           "map)", metavar='{%s}' % ','.join(MARKERS), choices=MARKERS)
+    plane: Optional[int] = option(None, PLANE_HELP, metavar='N', within=within(0, 10 ** 6))
     overlay: bool = option(False, 'also write <id>_overlay.png outlines')
     rle: Optional[str] = option(None, 'write a DSB submission (ImageId,EncodedPixels)', metavar='CSV', path='out')
     batch_size: int = option(8, 'inputs per forward, split over the devices',
@@ -271,7 +273,7 @@ class _PredictionRun:
 
     def _image_jobs(self, index, image_id, path):
         cfg = self.config
-        stored = read_image(path)
+        stored = read_image(path, plane=cfg.plane)
         net_input = input_image(stored, self.model.channels, self.model.normalize, self.model.denoise,
                                 convert=lambda img, channels: match_channels(img, channels, path))
         # Overlays are drawn on the image as stored (colour stays colour for a grey model).
@@ -332,6 +334,8 @@ class _PredictionRun:
         return {'threshold': self.threshold, 'min_size': self.min_size, 'min_score': self.min_score,
                 'marker': self.marker, 'h': self.h, 'markers': self.markers, 'split': self.split, 'mode': cfg.mode,
                 'tta': cfg.tta, 'overlap': cfg.overlap, 'buckets': cfg.buckets, 'diameter': self.diameter,
+                # Only when given: folders of before --plane keep matching their manifest.
+                **({'plane': cfg.plane} if cfg.plane is not None else {}),
                 # Only when int8: float32 folders of before it existed keep matching their manifest.
                 **({'precision': cfg.precision} if cfg.precision != 'float32' else {})}
 
@@ -369,7 +373,8 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     Parameters
     ----------
     model : str
-        Run folder, export folder or export prefix (``.../model``).
+        A shipped model's name (``'nuclei'``), run folder, export folder or export prefix
+        (``.../model``).
     inputs : str
         Image file, folder of images, or DSB root (see :func:`find_inputs`).
     output_dir : str
@@ -400,6 +405,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         is listed in ``failures``, and the submission has the good images.
     """
     config = dataclasses.replace(config or PredictConfig(), **overrides).validate()
+    model = models.resolve(model)  # a shipped model's name: its folder in the package
     # --model may be an export prefix (.../model), which is no file: checked when it is one.
     check_inputs([('--input', inputs, 'file|folder')] + ([('--model', model, 'file|folder')]
                                                          if os.path.lexists(model) else []))
@@ -415,6 +421,7 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
     # Both outputs held for the whole run: two predictions into one folder never mix.
     with lock_folder(output_dir, '--output', 'prediction folder'), \
             (lock_file(config.rle, '--rle') if config.rle else contextlib.nullcontext()):
+        remove_leftovers(output_dir)  # ours now: what a prediction killed half way left
         run = _PredictionRun(loaded, files, output_dir, config)
         run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)
         run.manifest.check(run.planned())
@@ -423,6 +430,9 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
         note = tuning_note(loaded.meta, config.mode, config.tta)
         if config.progress and note:
             print(note, file=sys.stderr)
+        if config.progress and config.plane is not None:  # said, since the outputs have no planes
+            print('note: --plane %d: every stack (TIFF with several planes) is segmented as its plane %d'
+                  % (config.plane, config.plane), file=sys.stderr)
         t0 = time.time()
         try:
             result = run.run()

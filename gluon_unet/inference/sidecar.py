@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from .. import __version__
+from .. import __version__, models
 from ..config import shown
 from ..data.io import NORMALIZE_MODES
 from ..data.sizes import diameter_choice_error
@@ -217,7 +217,8 @@ def find_export(path, flag='--model'):
     Parameters
     ----------
     path : str
-        A run folder (its ``export/``), an export folder, an export prefix (``.../model``)
+        A shipped model's name (``nuclei``, :mod:`gluon_unet.models`; a path of that name
+        that exists wins), a run folder (its ``export/``), an export folder, an export prefix (``.../model``)
         or one of an export's files (``model.onnx``, ``model.json``, ``model-0000.params``,
         ``...-symbol.json``): a file names the export in its folder, and which of the
         folder's files run is the runtime's choice, as for the folder. A folder is an export
@@ -234,6 +235,7 @@ def find_export(path, flag='--model'):
     UserError
         One line naming ``flag`` (``--model``) and what an export holds.
     """
+    path = models.resolve(path)
     if os.path.isdir(path):
         for cand in (os.path.join(path, 'export', 'model'), os.path.join(path, 'model')):
             if _export_at(cand):
@@ -258,7 +260,8 @@ def find_export(path, flag='--model'):
         # renamed file could be any network, fed with another's settings.
         raise UserError('%s %s: an export\'s %s is read beside its %s; give that file or its folder'
                         % (flag, path, ONNX, SIDECAR))
-    raise UserError('%s %s: not a run folder, export folder, export prefix or export file' % (flag, path))
+    raise UserError('%s %s: not a shipped model (%s), run folder, export folder, export prefix or export file'
+                    % (flag, path, ', '.join(models.names())))
 
 
 def _export_at(prefix):
@@ -310,6 +313,8 @@ def model_card(cfg, meta):
         'data': {'path': os.path.abspath(cfg.data) if cfg.data else 'generated demo nuclei (seed %d)' % cfg.seed,
                  'train_images': data.get('train'), 'val_images': data.get('val'),
                  'content_sha1': data.get('content_sha1')},
+        # The model it was fine-tuned from (bin/train --init), by name and weights' digest.
+        'init': models.reference_card(cfg.init),
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
@@ -341,9 +346,11 @@ def card_summary(meta):
     data = card.get('data') or {}
     metrics = card.get('best_metrics') or {}
     scores = ', '.join('%s %.4f' % (k, metrics[k]) for k in ('val_iou', 'val_dsb') if isinstance(metrics.get(k), float))
-    return 'model: gluon_unet %s, trained %s on %s (%s images), best epoch %s%s' % (
+    init = card.get('init')
+    start = ' from %s (%s)' % (init.get('model'), init.get('digest')) if isinstance(init, dict) else ''
+    return 'model: gluon_unet %s, trained %s on %s (%s images)%s, best epoch %s%s' % (
         card.get('gluon_unet'), str(card.get('created', '?'))[:10], data.get('path'), data.get('train_images'),
-        card.get('best_epoch'), ' (%s)' % scores if scores else '')
+        start, card.get('best_epoch'), ' (%s)' % scores if scores else '')
 
 
 def weights_digest(prefix):

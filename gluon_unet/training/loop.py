@@ -19,6 +19,7 @@ import mxnet as mx
 # Everything fit() may need is imported up front: a run that trains for an hour must not
 # fail at its last step because the code on disk changed underneath it.
 from . import distributed
+from .. import models
 from ..checkpoint import load_checkpoint
 from ..config import TrainConfig
 from ..data.cache import default_cache_dir
@@ -31,9 +32,10 @@ from ..inference.sidecar import geometry
 from ..machine.devices import context_names, make_contexts
 from ..machine.runtime import process_gpus
 from ..outputs import check_apart, check_inputs
-from ..reporting import setup_logging
+from ..reporting import log_to_files, setup_logging
 from .budget import epoch_estimate, planned_epochs
 from .ema import applied, make_average
+from .finetune import find_source, fine_tune_config, load_source_weights
 from .optim import make_lr_scheduler, resize_lr_scheduler
 from .parallel import DataParallelStep, check_sync_bn_batch
 from .recorder import RunRecorder, RunState
@@ -44,7 +46,7 @@ from .tblog import require_tensorboardx
 from .validation import second_output, validate
 
 
-def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
+def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None, init=None, given=None):
     """Train a U-Net as configured; the Python API behind ``bin/train``.
 
     Parameters
@@ -65,6 +67,13 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
         devices, checkpointed and exported the same way (set ``cfg.model.in_channels``,
         ``classes`` and ``depth`` - input sides are multiples of ``2**depth`` - to match
         it; not with ``amp``).
+    init : str, optional
+        Fine-tune this model (``cfg.init``, ``bin/train --init``): a shipped model's name
+        (``'nuclei'``), an export, a run folder or a checkpoint; see
+        :mod:`gluon_unet.training.finetune` for what it fixes and what it adapts.
+    given : set of str, optional
+        With ``init``: the settings of ``cfg`` you chose (field names), which MODEL's own
+        do not replace; default: those that differ from TrainConfig's defaults.
 
     Returns
     -------
@@ -73,6 +82,11 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
         seconds), and ``.output``, the run folder (``metrics.csv``, checkpoints, export).
     """
     cfg = TrainConfig.from_dict(cfg.to_dict())  # private copy: fit() resolves a few fields
+    if init is not None:
+        cfg.init = init
+    if cfg.init and net is not None:
+        raise UserError('init with your own network: --init rebuilds the U-Net of the model it starts from; '
+                        'load your weights into your network yourself')
     cfg.validate()
     ctxs = make_contexts(process_gpus(cfg.gpus, cfg.kvstore), cfg.cpus)  # Horovod: this process's share
     if cfg.sync_bn:
@@ -96,14 +110,19 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None):
         check_inputs([('--cache-dir', cfg.cache_dir, 'folder')])
     cache = cfg.cache_dir or (default_cache_dir() if cfg.data else None)
     check_apart([('--output', cfg.output or default_base)],
-                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data), ('--cache-dir', cache)],
+                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data), ('--cache-dir', cache),
+                 ('--init', models.resolve(models.split_reference(cfg.init)[0]) if cfg.init else None)],
                 'train')
+    source = None
+    if cfg.init:  # MODEL's settings, then what was chosen against them, checked again
+        source = find_source(cfg.init)
+        cfg = fine_tune_config(cfg, source, given).validate()
     # Claimed (and locked) before any data is decoded: a clash costs seconds, not the
     # minutes of a decode; released - and removed if still empty - on any error.
     with strategy.claim_output(cfg.output, default_base, cfg.resume, cfg.overwrite) as folder:
         cfg.output = folder.path
         with strategy.reporting_failures():  # another process of the job failed: one line
-            history = _train(cfg, ctxs, strategy, (train_ds, val_ds), verbose, callbacks, net)
+            history = _train(cfg, ctxs, strategy, (train_ds, val_ds), verbose, callbacks, net, source)
     return FitResult(history, output=cfg.output, is_main=strategy.is_main)
 
 
@@ -139,9 +158,10 @@ def _will_tune(cfg, val_ds):
     return bool(cfg.tune_postprocess and val_ds is not None and len(val_ds) and cfg.model.classes == 1)
 
 
-def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
+def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None, source=None):
     """The stages of a run: data, resume point, run folder, network and step, epochs,
-    then the post-processing search and the export."""
+    then the post-processing search and the export. ``source``: the
+    :class:`~.finetune.Source` of ``--init`` (None: random initial weights)."""
     started = _clock()  # --time-budget counts the data loading too
     # Console only until the input is known to be good: bad input writes nothing.
     log = setup_logging(None, verbose=verbose and strategy.is_main)
@@ -150,6 +170,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
     recorder = _start_recorder(cfg, val_ds, data_id, strategy, verbose, user_net)
     amp_dtype = init_amp(cfg, ctxs)
     net = build_network(cfg, ctxs, amp_dtype, user_net)
+    if source is not None and not resume_path:  # a resumed run's checkpoint holds its weights
+        notes = load_source_weights(net, source, cfg.model.in_channels)
+        recorder.log.info('fine-tuning %s (%s %s)%s', source.reference, source.kind, source.path,
+                 ''.join('; ' + n for n in notes))
     strategy.prepare_network(net, ctxs)
     _log_data(log, cfg, train_ds)
     # Validation runs on rank 0 only, over the whole validation set: the numbers are
@@ -181,7 +205,10 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None):
             # the search and the export need none, and their memory is freed for them.
             run.loader.close()
             recorder.close()
-        _search_and_export(run, state, amp_dtype, stop)
+        _search_and_export(run, state, amp_dtype, stop, source)
+    except Interrupted as exc:
+        log_to_files(exc.line)  # the stop line, in train.log too (the boundary prints it)
+        raise
     finally:
         stop.restore()
     return state.history
@@ -212,7 +239,8 @@ def _start_recorder(cfg, val_ds, data_id, strategy, verbose, user_net):
         # Said once, because both fall-backs are silent in the epoch lines.
         recorder.log.info('no validation images (--val-split 0, no --val-data): the best checkpoint is the one with '
                           'the lowest train_loss, not %s%s', cfg.monitor,
-                          '; the export keeps the default post-processing (bin/predict flags override it)'
+                          ('; the export keeps the post-processing of --init\'s model' if cfg.init else
+                           '; the export keeps the default post-processing (bin/predict flags override it)')
                           if cfg.tune_postprocess else '')
     return recorder
 
@@ -236,7 +264,7 @@ def _assemble(cfg, ctxs, net, train_ds, val_ds, recorder, strategy, amp_dtype, s
                          num_shards=strategy.num_workers, shard=strategy.rank,
                          pin_device=gpus[0] if gpus else None,
                          groups=groups if cfg.balance != 'none' else None, power=BALANCE_POWER.get(cfg.balance, 0.0),
-                         epoch_length=balanced_epoch_length(groups, cfg.balance))
+                         epoch_length=cfg.epoch_samples or balanced_epoch_length(groups, cfg.balance))
     steps_per_epoch = len(loader)
     lr_sched = make_lr_scheduler(cfg.lr_schedule, cfg.lr, cfg.epochs * steps_per_epoch,
                                  warmup_steps=int(cfg.warmup_epochs * steps_per_epoch),
@@ -248,9 +276,11 @@ def _assemble(cfg, ctxs, net, train_ds, val_ds, recorder, strategy, amp_dtype, s
     return run, strategy.checkpoint_trainer(step.trainer, update_on_kv)
 
 
-def _search_and_export(run, state, amp_dtype, stop):
+def _search_and_export(run, state, amp_dtype, stop, source=None):
     """After the epochs: the post-processing search on the best checkpoint, then the export;
-    a stop asked for before (``stop``, still pending) stops them before they begin."""
+    a stop asked for before (``stop``, still pending) stops them before they begin. A
+    fine-tune without validation images keeps the searched settings of the model it
+    started from (``source``)."""
     cfg, recorder, tuned = run.cfg, run.recorder, None
     with AfterTraining(cfg, recorder, state, pending=stop.signum) as after, on_write_error(cfg, complete=True):
         if _will_tune(cfg, run.val_ds) and state.history:
@@ -260,6 +290,10 @@ def _search_and_export(run, state, amp_dtype, stop):
             recorder.log.info('post-processing chosen on %d validation images in %.1f s: %s (val DSB %.4f, untuned '
                               '%.4f); stored in the export, bin/predict uses it', tuned['images'], tuned['seconds'],
                               postprocess.settings_text(tuned), tuned['score'], tuned['base_score'])
+        elif source is not None and source.postprocess and cfg.model.target == source.config.model.target:
+            tuned = dict(source.postprocess, inherited=source.reference)
+            recorder.log.info('post-processing of %s kept (no validation images to search on): %s',
+                              source.label, postprocess.settings_text(tuned))
         after.exporting()
         recorder.finish(state, amp_dtype, tuned)
 

@@ -71,7 +71,7 @@ RESUME_POLICY = {
     'upsample': _refuse(_MODEL), 'target': _refuse(_MODEL),
     # data
     'data': _DATA, 'masks': _DATA, 'val_data': _DATA, 'layout': _DATA, 'mask_suffix': _DATA,
-    'skip_unpaired': _DATA, 'synthetic_count': _DATA,
+    'skip_unpaired': _DATA, 'synthetic_count': _DATA, 'plane': _DATA,
     'size': _refuse(_BATCHES), 'crop': _refuse(_BATCHES), 'val_split': _refuse(_BATCHES),
     'balance': _refuse(_BATCHES), 'augment': _refuse(_BATCHES), 'elastic': _refuse(_BATCHES),
     'scale_aug': _refuse(_BATCHES, 'with --augment', _if(lambda c: c.augment, 'scale_aug')),
