@@ -103,15 +103,25 @@ class Stopped(KeyboardInterrupt):
         self.line, self.exit_code = line, exit_code
 
 
+def stop_signals(*signums):
+    """``signums`` (default SIGINT and SIGTERM) and SIGHUP: a closed terminal or an ended
+    ssh session is a stop like SIGTERM, the work saved and said - unless this process
+    ignores SIGHUP (started with ``nohup``: asked to outlive the terminal)."""
+    signums = signums or (signal.SIGINT, signal.SIGTERM)
+    return tuple(signums) + (() if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,))
+
+
 @contextlib.contextmanager
-def signals_raise(signums=(signal.SIGTERM,)):
-    """Within the block, the signals ``signums`` raise :class:`Terminated` in the main
-    thread (Python's default for SIGTERM ends the process at once, leaving temporary
-    files behind). Forked children that inherited the handler take the default action.
-    Does nothing outside the main thread."""
+def signals_raise(signums=None):
+    """Within the block, the signals ``signums`` (default SIGTERM and SIGHUP,
+    :func:`stop_signals`) raise :class:`Terminated` in the main thread (Python's default
+    for them ends the process at once, leaving temporary files behind). Forked children
+    that inherited the handler take the default action. Does nothing outside the main
+    thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    signums = stop_signals(signal.SIGTERM) if signums is None else signums
     owner = os.getpid()
 
     def handle(signum, frame):

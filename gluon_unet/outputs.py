@@ -116,6 +116,22 @@ def lock_file(path, flag):
     return _lock(path, os.path.join(folder, '.%s.lock' % name), flag, 'file', created, False)
 
 
+def held_elsewhere(folder):
+    """True when the lock of the output ``folder`` (:func:`lock_folder`) is held by another
+    process - or by this one: ``flock`` tells open files apart, not processes."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK_NAME), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def holder_of(lock_path):
     """``'pid 123 on host since ...'``: who holds (or last held) a lock file; '' if unknown."""
     try:

@@ -19,6 +19,16 @@ removes a folder only when it created it and it is empty. "Recognise" is concret
   name their ground-truth masks, so names alone cannot tell;
 * the demo's inputs (``<run>/demo_inputs/demoNN.png``) and TensorBoard's event files
   (``<run>/tb/events.out.tfevents.*``).
+* what a write killed half way leaves in a folder a command owns (:func:`leftovers`): the
+  temporary file of an atomic write (``.tmp-`` and ``mkstemp``'s 8 characters, then the
+  file's extension), ``.tmp-best.ckpt``, and an export's staging folder
+  (``.tmp-export-`` and ``mkdtemp``'s 8 characters) with the export files in it.
+
+A run's files are those the run wrote (:func:`run_files`): in ``<run>/export`` only an
+export whose ``model.json`` names this run as its source (or no source: gluon_unet 0.2),
+in ``<run>/predictions`` only the demo's predictions (a manifest whose inputs are all the
+run's own ``demo_inputs``). ``bin/predict``'s output or another run's export there is not
+the run's: ``bin/train --overwrite`` leaves it, and says so.
 
 Anything else, in those folders or elsewhere, is the user's and stays. An output file
 named on the command line (``predict --rle``, ``evaluate --csv``) is replaced only when
@@ -54,6 +64,10 @@ MANIFEST_MAX_BYTES = 512 << 20
 
 _CHECKPOINT = re.compile(r'(best|epoch\d+(-step\d+)?)\.ckpt$|\.tmp-.*\.ckpt$')
 _DEMO_INPUT = re.compile(r'demo\d\d\.png$')
+# utils.atomic_path's temporary file (tempfile's names: 8 of [a-z0-9_]), recorder's best link,
+# staged_export's folder: exactly these, never any other name starting with .tmp.
+_TEMPORARY = re.compile(r'\.tmp-([a-z0-9_]{8}(\.[A-Za-z0-9]+)?|best\.ckpt)$')
+_STAGING = re.compile(r'\.tmp-export-[a-z0-9_]{8}$')
 _TB_EVENTS = re.compile(r'events\.out\.tfevents\.')
 
 
@@ -132,12 +146,44 @@ def checkpoint_files(folder):
     return _matching(folder, _CHECKPOINT)
 
 
+def export_of_run(export, run):
+    """Whether the export in ``export`` is the run ``run``'s own: its ``model.json``
+    records that run as its source, or records no source (gluon_unet 0.2's exports, which
+    only training wrote at ``<run>/export``)."""
+    try:
+        meta = read_json(os.path.join(export, 'model.json'), export, SIDECAR_MAX_BYTES)
+    except UserError:
+        return False
+    source = meta.get('source') if isinstance(meta, dict) else None
+    if source is None:
+        return True
+    theirs = source.get('run') if isinstance(source, dict) else None
+    return isinstance(theirs, str) and os.path.realpath(theirs) == os.path.realpath(run)
+
+
+def demo_predictions(predictions, run):
+    """Whether the predictions in ``predictions`` are the demo's of the run ``run``: its
+    manifest's inputs are all the run's own ``demo_inputs`` (``bin/train`` without
+    ``--data`` predicts those; anything else there came from ``bin/predict``)."""
+    try:
+        manifest = read_manifest(predictions)
+    except UserError:
+        return False
+    inputs = (manifest or {}).get('inputs')
+    if not isinstance(inputs, dict) or not inputs:
+        return False
+    own = os.path.realpath(os.path.join(run, 'demo_inputs')) + os.sep
+    return all(isinstance(p, str) and os.path.realpath(p).startswith(own) for p in inputs.values())
+
+
 def run_files(folder):
-    """The files of a run in ``folder`` that gluon_unet recognises (module docstring), as
-    paths relative to it; [] when it holds none."""
+    """The files of a run in ``folder`` that gluon_unet recognises as that run's own
+    (module docstring), as paths relative to it; [] when it holds none."""
     found = [n for n in RUN_FILES if os.path.isfile(os.path.join(folder, n))]
-    rules = {'checkpoints': checkpoint_files, 'export': lambda d: export_files(d)[0],
-             'predictions': prediction_files, 'demo_inputs': lambda d: _matching(d, _DEMO_INPUT),
+    rules = {'checkpoints': checkpoint_files,
+             'export': lambda d: export_files(d)[0] if export_of_run(d, folder) else [],
+             'predictions': lambda d: prediction_files(d) if demo_predictions(d, folder) else [],
+             'demo_inputs': lambda d: _matching(d, _DEMO_INPUT),
              'tb': lambda d: _matching(d, _TB_EVENTS)}
     for sub in RUN_DIRS:
         path = os.path.join(folder, sub)
@@ -159,6 +205,23 @@ def holds_run(folder):
     return found
 
 
+def others_files(folder, ignore=()):
+    """``'predictions/ (121 files), notes.txt'``: what is left in ``folder`` (its files,
+    grouped by top-level entry) apart from lock files and ``ignore``; '' when nothing is."""
+    groups = {}
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if name == '.lock' or (name.startswith('.') and name.endswith('.lock')) or rel in ignore:
+                continue
+            top = rel.split(os.sep, 1)[0]
+            groups.setdefault(top + (os.sep if os.sep in rel else ''), []).append(rel)
+    shown = ['%s (%d file%s)' % (top, len(names), '' if len(names) == 1 else 's') if top.endswith(os.sep) else top
+             for top, names in sorted(groups.items())]
+    return ', '.join(shown[:6] + (['and %d more' % (len(shown) - 6)] if len(shown) > 6 else []))
+
+
 def remove_files(folder, names):
     """Delete ``folder``/name for each of ``names``, one file at a time (already gone: fine)."""
     for name in names:
@@ -166,6 +229,51 @@ def remove_files(folder, names):
             os.remove(os.path.join(folder, name))
         except FileNotFoundError:
             pass
+
+
+def leftovers(folder):
+    """The names in ``folder`` of what gluon_unet's writes leave when killed half way
+    (module docstring): temporary files, and staging folders holding nothing but export
+    files and temporary files. Only for a folder the caller owns (holds its lock): another
+    process's write in progress looks the same."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            continue
+        if _TEMPORARY.match(name) and os.path.isfile(path):
+            found.append(name)
+        elif _STAGING.match(name) and os.path.isdir(path):
+            try:
+                inside = os.listdir(path)
+            except OSError:
+                continue
+            if all((n in EXPORT_FILES or _TEMPORARY.match(n)) and not os.path.islink(os.path.join(path, n))
+                   and os.path.isfile(os.path.join(path, n)) for n in inside):
+                found.append(name)
+    return found
+
+
+def remove_leftovers(folder):
+    """Remove :func:`leftovers` from ``folder`` (one the caller owns); returns their names.
+    A name that cannot be removed stays: the command's own writes say if the folder is bad."""
+    removed = []
+    for name in leftovers(folder):
+        path = os.path.join(folder, name)
+        try:
+            if os.path.isdir(path):
+                remove_files(path, os.listdir(path))
+                os.rmdir(path)
+            else:
+                os.remove(path)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def remove_if_empty(folder):

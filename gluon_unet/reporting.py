@@ -53,6 +53,17 @@ def setup_logging(run_dir=None, verbose=True):
     return log
 
 
+def log_to_files(message):
+    """Write ``message`` to the package logger's files only (a run's ``train.log``): a
+    line the command prints on stderr itself, such as how a run stopped, so the log ends
+    as the console did without the console showing it twice."""
+    log = logging.getLogger(LOGGER_NAME)
+    record = log.makeRecord(log.name, logging.INFO, __file__, 0, message, (), None)
+    for h in log.handlers:
+        if isinstance(h, logging.FileHandler):
+            h.handle(record)
+
+
 class _RunLogHandler(logging.FileHandler):
     """``train.log``: a line that cannot be written (disk full, folder turned read-only)
     is said once on stderr, in one line, and training goes on - logging's own handler

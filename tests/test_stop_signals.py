@@ -18,7 +18,7 @@ from gluon_unet.inference.batched import load_exported
 
 from conftest import run_cli
 
-SIGNALS = [signal.SIGINT, signal.SIGTERM]
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]  # SIGHUP: a closed terminal, a stop like SIGTERM
 TRAIN = ['--width', '4', '--depth', '2', '--size', '32', '--batch-size', '8', '--synthetic-count', '24',
          '--workers', '0', '--no-progress', '--patience', '0', '--epochs', '2', '--lr-schedule', 'constant',
          '--no-hybridize']
@@ -30,13 +30,14 @@ class _Unhandled(Exception):
 
 @pytest.fixture(autouse=True)
 def guarded_sigterm():
-    """SIGTERM's default ends the process: where gluon_unet lacks a handler, the test
-    fails with _Unhandled instead of killing the test run."""
+    """SIGTERM's and SIGHUP's default end the process: where gluon_unet lacks a handler,
+    the test fails with _Unhandled instead of killing the test run."""
     def unhandled(signum, frame):
         raise _Unhandled(signal.Signals(signum).name)
-    old = signal.signal(signal.SIGTERM, unhandled)
+    old = {s: signal.signal(s, unhandled) for s in (signal.SIGTERM, signal.SIGHUP)}
     yield
-    signal.signal(signal.SIGTERM, old)
+    for s, handler in old.items():
+        signal.signal(s, handler)
 
 
 def _send(signum, times=1):
@@ -44,9 +45,13 @@ def _send(signum, times=1):
         os.kill(os.getpid(), signum)
 
 
-def _one_line(capsys):
+def _one_line(capsys, out=None):
+    """The one line on stderr; with a run folder ``out``, also the last line of its train.log."""
     err = capsys.readouterr().err.strip()
     assert err and err.splitlines() == [err] and 'Traceback' not in err, err
+    if out is not None:
+        with open(os.path.join(out, 'train.log')) as f:
+            assert f.read().splitlines()[-1].endswith(' ' + err), 'the stop line is not the end of train.log'
     return err
 
 
@@ -75,7 +80,7 @@ def test_a_signal_during_an_epoch_saves_a_checkpoint_and_says_how_to_continue(tm
     monkeypatch.setattr(engine, 'validate', validate_then_signal)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
-    err = _one_line(capsys)
+    err = _one_line(capsys, out)
     saved = list_checkpoints(os.path.join(out, 'checkpoints'))[-1]
     assert err.startswith(signum.name) and 'saved %s' % saved in err and '--resume auto' in err, err
     assert load_checkpoint(saved)['epoch'] == 1 and not _temporary_files(out)
@@ -103,7 +108,7 @@ def test_a_signal_as_the_last_epochs_checkpoint_is_written_is_honoured(tmp_path,
     monkeypatch.setattr(recorder.RunRecorder, 'end_epoch', end_epoch_then_signal)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
-    err = _one_line(capsys)
+    err = _one_line(capsys, out)
     assert err.startswith('%s as the last epoch (2) ended: training is complete' % signum.name), err
     assert 'the export was not written' in err and '--resume auto' in err, err
     assert not os.path.exists(os.path.join(out, 'export')) and not _temporary_files(out)
@@ -125,7 +130,7 @@ def test_a_signal_during_the_search_says_training_is_complete_and_how_to_finish(
     monkeypatch.setattr(search, 'tune_on_maps', search_then_signal)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
-    err = _one_line(capsys)
+    err = _one_line(capsys, out)
     assert err.startswith('%s during the post-processing search after the last epoch (2)' % signum.name), err
     assert 'training is complete' in err and 'the export was not written' in err, err
     assert 'bin/export %s --tune-postprocess' % out in err and '--resume auto' in err, err
@@ -152,7 +157,7 @@ def test_a_signal_during_the_export_lets_it_finish(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(recorder, 'export_checkpoint', export_after_a_signal)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 128 + signum
-    err = _one_line(capsys)
+    err = _one_line(capsys, out)
     assert err.startswith('%s during the export' % signum.name) and 'the export was finished first' in err, err
     _, meta = load_exported(out)
     assert 'postprocess' in meta and not _temporary_files(out)  # the whole export, the search's settings too
@@ -169,7 +174,7 @@ def test_a_second_signal_during_the_export_stops_it_and_leaves_no_half_export(tm
     monkeypatch.setattr(mx.gluon.HybridBlock, 'export', written_then_two_signals)
     capsys.readouterr()
     assert run_cli(train_main, TRAIN + ['--output', out]) == 143
-    err = _one_line(capsys)
+    err = _one_line(capsys, out)
     assert err.startswith('SIGTERM during the export') and 'the export was not written' in err, err
     assert 'bin/export %s --tune-postprocess' % out in err, err
     assert not os.path.exists(os.path.join(out, 'export')) and not _temporary_files(out)

@@ -97,8 +97,11 @@ def _fake_run(folder):
                       'export/model.json': '{"format": "gluon_unet-export-1"}', 'export/README.txt': 'mine',
                       'predictions/a_mask.png': 'x', 'predictions/a_labels.png': 'x',
                       'predictions/truth_mask.png': 'mine',
+                      # the demo's: its inputs are the run's own demo_inputs
                       'predictions/' + MANIFEST: json.dumps({'format': 'gluon_unet-predictions-1',
-                                                             'files': ['a_mask.png', 'a_labels.png', '../notes.txt']}),
+                                                             'files': ['a_mask.png', 'a_labels.png', '../notes.txt'],
+                                                             'inputs': {'a': str(folder / 'demo_inputs' /
+                                                                                 'demo00.png')}}),
                       'demo_inputs/demo00.png': 'x', 'tb/events.out.tfevents.1.host': 'x', 'notes.txt': 'mine'}.items():
         path = folder / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,13 +12,15 @@ with the code that uses it, and no command writes its flags by hand.
 import argparse
 import dataclasses
 import functools
+import contextlib
 import os
 import signal
 import sys
 import typing
+import warnings
 
 from .. import version_string
-from ..errors import DEBUG_VARIABLE, Stopped, UserError, unexpected_error
+from ..errors import DEBUG_VARIABLE, Stopped, UserError, stop_signals, unexpected_error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -181,22 +183,43 @@ def reports_errors(main):
     @functools.wraps(main)
     def wrapper(argv=None, **kwargs):
         try:
-            return main(argv, **kwargs)
+            with one_line_warnings():
+                return main(argv, **kwargs)
         finally:
             if argv is None:  # the process's own command line: its exit comes next
                 default_signals()
     return _boundary(wrapper, command)
 
 
+def warning_line(message, category, filename, lineno, line=None):
+    """A Python warning as the user reads it: ``warning: <message>``, one line - not the
+    file, line number, category and source line of Python's format, which are for the
+    programmer (``--debug`` does not change it: the message names what to do)."""
+    text = ' '.join(str(message).split())
+    return 'warning: %s%s\n' % (text, '' if issubclass(category, UserWarning) else ' (%s)' % category.__name__)
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Within the block, Python warnings print as :func:`warning_line` (process-wide: set
+    by the commands' error boundary, so it holds for every command)."""
+    previous, warnings.formatwarning = warnings.formatwarning, warning_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = previous
+
+
 def default_signals():
-    """From now until the process ends, SIGINT and SIGTERM take their default action: the
-    process ends with that signal's status, and no Python handler runs in an interpreter
-    that is shutting down (one that did, as ``bin/export --int8`` finished, aborted it:
-    SIGABRT, "PyThreadState_Get ... finalizing"). For a command whose work is done or given
-    up; a signal now still ends the process at once, as a scheduler expects."""
+    """From now until the process ends, SIGINT, SIGTERM and SIGHUP (unless ignored, as under
+    ``nohup``) take their default action: the process ends with that signal's status, and
+    no Python handler runs in an interpreter that is shutting down (one that did, as
+    ``bin/export --int8`` finished, aborted it: SIGABRT, "PyThreadState_Get ... finalizing").
+    For a command whose work is done or given up; a signal now still ends the process at
+    once, as a scheduler expects."""
     import threading
     if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in stop_signals():
             signal.signal(signum, signal.SIG_DFL)
 
 

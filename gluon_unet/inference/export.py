@@ -15,7 +15,7 @@ import tempfile
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet (bin/predict on an ONNX export runs without it).
-from ..errors import UserError, WriteError
+from ..errors import UserError, WriteError, stop_signals
 from ..machine.runtime import apply_runtime_defaults, user_environ
 from ..paths import EXPORT_FILES, export_files, holds_run, remove_files, remove_if_empty
 from ..reporting import get_logger
@@ -230,7 +230,7 @@ def check_export_folder(out_dir):
 
 @contextlib.contextmanager
 def _signals_held():
-    """SIGINT and SIGTERM wait until the block ends, then act: a few renames that must
+    """SIGINT, SIGTERM and SIGHUP wait until the block ends, then act: a few renames that must
     not be left half done. (Blocking the signal in this thread would not do: Python runs
     its handlers in the main thread whichever thread the kernel chose, e.g. MXNet's.)"""
     import threading
@@ -238,7 +238,7 @@ def _signals_held():
         yield
         return
     held = []
-    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in stop_signals()}
     try:
         yield
     finally:

@@ -18,9 +18,9 @@ from typing import Optional
 # them: importing this module loads no mxnet.
 from ..config import check_fields, option, within
 from ..data.prepare import check_run_data, run_data_config
-from ..errors import DamagedFile, Stopped, UserError
-from ..outputs import check_apart, check_inputs, check_owner, lock_folder
-from ..paths import holds_run, is_export_sidecar
+from ..errors import DamagedFile, Stopped, UserError, stop_signals
+from ..outputs import check_apart, check_inputs, check_owner, held_elsewhere, lock_folder
+from ..paths import EXPORT_FILES, holds_run, is_export_sidecar, others_files, remove_leftovers
 from ..utils import check_writable
 from .export import check_export_folder, export_source, staged_export, write_export
 from .export_int8 import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, finish_int8, run_calibration
@@ -101,8 +101,16 @@ def run_export(config):
     source = export_source(ckpt)
     # Held for the whole command: two exports into one folder never interleave.
     with lock_folder(out, '--output', 'export folder'):
+        # What an export killed half way left here goes, unless the run this folder is the
+        # export of is training: its own export at the end writes here under its lock.
+        if not held_elsewhere(os.path.dirname(os.path.abspath(out))):
+            remove_leftovers(out)
         check_export_owner(out, source, resolve_run(config.run, None)[1], config.overwrite)
-        return _export(config, ckpt, out, source, onnx)
+        prefix, notes, tuned = _export(config, ckpt, out, source, onnx)
+        kept = others_files(out, ignore=EXPORT_FILES) if config.overwrite else ''
+        if kept:  # said, so that --overwrite never looks as if it cleared the folder
+            notes.append('note: --overwrite %s: kept what bin/export did not write: %s' % (out, kept))
+        return prefix, notes, tuned
 
 
 def _export(config, ckpt, out, source, onnx):
@@ -231,16 +239,18 @@ def _stops_on_sigterm(what, out, installed):
         return
 
     def stop(signum, frame):
+        name = signal.Signals(signum).name
         if installed:
-            raise Stopped('error: %s stopped by SIGTERM as it finished; %s holds the new export' % (what, out),
+            raise Stopped('error: %s stopped by %s as it finished; %s holds the new export' % (what, name, out),
                           128 + signum)
-        raise Stopped('error: %s stopped by SIGTERM before it finished; %s keeps the export it had'
-                      % (what, out), 128 + signum)
-    previous = signal.signal(signal.SIGTERM, stop)
+        raise Stopped('error: %s stopped by %s before it finished; %s keeps the export it had'
+                      % (what, name, out), 128 + signum)
+    previous = {s: signal.signal(s, stop) for s in stop_signals(signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def resolve_run(run, output):

@@ -5,13 +5,14 @@ which settings wrote which files, so that two models' outputs never mix.
 """
 import json
 import os
+import sys
 import time
 
 import cv2
 import numpy as np
 
 from ..errors import UserError
-from ..paths import MANIFEST, MANIFEST_FORMAT, manifest_names, read_manifest, remove_files
+from ..paths import MANIFEST, MANIFEST_FORMAT, manifest_names, others_files, read_manifest, remove_files
 from ..utils import atomic_open
 from .overlay import overlay as draw_overlay
 from .sidecar import tuned_prediction, weights_digest
@@ -186,6 +187,10 @@ class Manifest:
         self.started = True
         if self.old is not None and self.overwrite:
             remove_files(self.folder, manifest_names(self.old))
+            kept = others_files(self.folder)
+            if kept:  # said, so that --overwrite never looks as if it cleared the folder
+                print('note: --overwrite %s: kept what bin/predict did not write: %s' % (self.folder, kept),
+                      file=sys.stderr)
         self.inputs = dict((self.old or {}).get('inputs') or {}) if self.kept else {}
         self.inputs.update({image_id: os.path.abspath(path) for image_id, path in files})
         self.ids = [image_id for image_id, _ in files]

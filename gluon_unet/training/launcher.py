@@ -9,7 +9,8 @@ hostfile over ssh, prefixes every output line with the process's role and index,
 makes the job one unit: the first process to fail (or Ctrl-C / SIGTERM to the
 launcher) stops all the others, SIGTERM then SIGKILL after ``--grace`` seconds, so a
 job never hangs on a dead worker (ps-lite would wait for its gradients forever) and
-leaves no process behind.
+leaves no process behind - on Linux even when the launcher itself is killed (``kill -9``,
+an OOM kill): its children get SIGKILL from the kernel (:func:`dies_with_parent`).
 """
 import os
 import re
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import check_fields, option, within
-from ..errors import UserError, errno_words
+from ..errors import UserError, errno_words, stop_signals
 from ..machine.runtime import LOCAL_WORKERS, user_environ
 from ..outputs import check_inputs
 
@@ -143,6 +144,27 @@ def ssh_command(host, env, command, cwd, ssh='ssh'):
             'sh -c %s' % shlex.quote(remote)]
 
 
+def dies_with_parent():
+    """A ``preexec_fn`` that makes the child get SIGKILL when the process that started it
+    dies, however it dies (Linux's ``PR_SET_PDEATHSIG``; no handler of the launcher runs on
+    ``kill -9``, so nothing else could stop them); None where there is no ``prctl``.
+
+    libc is looked up here, before the fork: between fork and exec a child of a threaded
+    process should only make plain calls."""
+    import ctypes
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def child():
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG (linux/prctl.h)
+        if os.getppid() != parent:  # the launcher died before the request was made
+            os.kill(os.getpid(), signal.SIGKILL)
+    return child
+
+
 class Job:
     """The processes of one launch; ``run()`` returns the launcher's exit code."""
 
@@ -166,8 +188,9 @@ class Job:
             # Own session = own process group: the launcher can signal a process with
             # all its children (data loader workers), and a Ctrl-C at the terminal
             # reaches only the launcher, which forwards it in order.
+            # PR_SET_PDEATHSIG follows the thread that forks: the one that supervises to the end.
             proc = subprocess.Popen(argv, env=env, stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=dies_with_parent())
             proc.spec = p
             self.procs.append(proc)
             prefix = ('[%s %d] ' % (p['role'], p['index']) if p['role'] != 'scheduler'
@@ -207,7 +230,7 @@ class Job:
     def run(self):
         old = {}
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in stop_signals():  # SIGHUP too: forwarded, the workers save and stop
                 old[sig] = signal.signal(sig, self._on_signal)
         try:
             self.start()

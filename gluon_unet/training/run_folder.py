@@ -18,8 +18,9 @@ The policy (docs/reference/run-folder.md):
 import os
 
 from ..errors import UserError
-from ..outputs import OutputInUse, lock_folder
-from ..paths import RUN_DIRS, holds_run, remove_files, remove_if_empty, run_files
+from ..outputs import OutputInUse, held_elsewhere, lock_folder
+from ..paths import RUN_DIRS, holds_run, others_files, remove_files, remove_if_empty, remove_leftovers, run_files
+from ..reporting import get_logger
 
 
 def check_output_path(path, flag='--output'):
@@ -71,8 +72,15 @@ class RunFolder:
 
 
 def _lock(path):
-    """The run folder ``path`` locked (created if needed), its ``.lock`` kept."""
-    return lock_folder(path, '--output', 'run folder', keep_lock=True, holder='another run')
+    """The run folder ``path`` locked (created if needed), its ``.lock`` kept, and what a
+    run or export killed half way left in it removed (:func:`~gluon_unet.paths.leftovers`)."""
+    lock = lock_folder(path, '--output', 'run folder', keep_lock=True, holder='another run')
+    # Ours now. Not predictions/ (bin/predict's, under its own lock), nor an export/ that
+    # a bin/export holds: their writes in progress look the same.
+    for sub in ('', 'checkpoints', 'demo_inputs', 'export'):
+        if not (sub == 'export' and held_elsewhere(os.path.join(path, sub))):
+            remove_leftovers(os.path.join(path, sub))
+    return lock
 
 
 def claim_run_folder(output, default_base, resume=None, overwrite=False):
@@ -155,8 +163,12 @@ def _inside(path, folder):
 
 
 def _remove_run_files(folder):
-    """``--overwrite``: delete the run's recognised files one by one, then its subfolders
-    if that left them empty; a user's own files (in them too) stay."""
+    """``--overwrite``: delete the files the run wrote one by one, then its subfolders
+    if that left them empty; anything else (a user's files, ``bin/predict``'s output,
+    another run's export: :func:`~gluon_unet.paths.run_files`) stays and is named in one line."""
     remove_files(folder, run_files(folder))
     for name in RUN_DIRS:
         remove_if_empty(os.path.join(folder, name))
+    kept = others_files(folder)
+    if kept:
+        get_logger().warning('--overwrite %s: kept what this run did not write: %s', folder, kept)

@@ -10,16 +10,18 @@ import signal
 import threading
 
 from ..checkpoint import list_checkpoints
-from ..errors import Stopped, WriteError
+from ..errors import Stopped, WriteError, stop_signals
 from ..inference.export import ExportError
 
 
 class Interrupted(Stopped):
-    """Ctrl-C / SIGTERM: training stopped, saying what it keeps; ``exit_code`` is 130 or 143."""
+    """Ctrl-C / SIGTERM / SIGHUP: training stopped, saying what it keeps; ``exit_code`` is
+    128 + the signal (130, 143, 129)."""
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM; the loop checks it after each step."""
+    """Set by SIGINT/SIGTERM/SIGHUP (:func:`~gluon_unet.errors.stop_signals`); the loop
+    checks it after each step."""
 
     def __init__(self):
         self.signum = None
@@ -28,7 +30,7 @@ class StopFlag:
     def install(self):
         if threading.current_thread() is not threading.main_thread():
             return self
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in stop_signals():
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -60,7 +62,7 @@ class AfterTraining:
                               % (signal.Signals(self.pending).name, self.state.epoch,
                                  kept_note(self.cfg, complete=True, unexported=True)), 128 + self.pending)
         if threading.current_thread() is threading.main_thread() and self.recorder.enabled:
-            self._old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+            self._old = {sig: signal.signal(sig, self._handle) for sig in stop_signals()}
         return self
 
     def exporting(self):
