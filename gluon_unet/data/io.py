@@ -14,6 +14,12 @@ Decoders
   deflate) need the optional ``imagecodecs`` package in tifffile, so when tifffile
   fails the file goes to OpenCV's libtiff, which reads those.
 
+Every image is used whole or refused: a stack (several pages, or a z, t or channel axis)
+is read as the plane ``--plane`` names, else refused naming its shape; more than four
+samples per pixel, several full-size images in one TIFF, and arrays that are no image
+are refused. A JPEG's EXIF orientation (and a TIFF's Orientation tag) is applied, as
+viewers show the image: ``IMREAD_UNCHANGED`` and tifffile return the pixels as stored.
+
 Normalization
 -------------
 uint8 images are used as they are. Anything else (16-bit, 32-bit, float) is scaled
@@ -136,41 +142,169 @@ def _check_complete(path, data, ext):
             raise UserError('%s: truncated BMP (%d of %d bytes)' % (path, len(data), declared))
 
 
-def read_raw(path):
-    """Decode a file as stored: (H, W) or (H, W, C) in RGB(A) order, native dtype.
+def read_raw(path, plane=None):
+    """Decode a file as stored: (H, W) or (H, W, C) in RGB(A) order, native dtype, turned
+    as its orientation tag says (a JPEG's EXIF, a TIFF's own).
+
+    Parameters
+    ----------
+    path : str
+    plane : int, optional
+        The plane of a stack (a TIFF with several pages or a z, t or channel axis) to read,
+        counted over its non-image axes in order (``--plane``). Without it a stack is
+        refused: averaging its planes as colours or keeping the first would segment
+        something else than the user's image without a word. A file of one plane is read
+        whole either way.
 
     Raises
     ------
     UserError
-        Missing, unreadable, corrupt or truncated file.
+        Missing, unreadable, corrupt or truncated file; a stack without ``plane`` (or
+        with fewer planes); more samples per pixel than RGBA.
     """
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
     data = _read_bytes(path)
     _check_complete(path, data, ext)
     if ext in _TIFF:
-        import io
-        import tifffile
-        try:
-            arr = tifffile.imread(io.BytesIO(data))
-        except Exception as e:  # tifffile raises many types for bad files
-            # Compressed TIFFs (LZW, deflate, JPEG) need the optional imagecodecs package;
-            # OpenCV's libtiff reads those, so it is the fallback.
-            arr = _cv2_decode(data)
-            if arr is None:
-                raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
-                                                               type(e).__name__)) from None
-            return _finite(arr, path)
-        arr = np.asarray(arr)
-        if arr.ndim == 3 and arr.shape[0] in (3, 4) and arr.shape[-1] not in (3, 4):
-            arr = np.moveaxis(arr, 0, -1)  # planar RGB
-        while arr.ndim > 3 or (arr.ndim == 3 and arr.shape[-1] not in (1, 2, 3, 4)):
-            arr = arr[0]  # multi-page / z-stack: first plane
-        return _finite(arr, path)
+        return _finite(_read_tiff(path, data, plane), path)
     arr = _cv2_decode(data)
     if arr is None:
         raise UserError('%s: cannot decode image (corrupt, truncated or not an image)' % path)
+    if ext in _JPEG or data[:2] == b'\xff\xd8':
+        # IMREAD_UNCHANGED (which keeps 16-bit and alpha) ignores the EXIF orientation
+        # that cv2.imread and every viewer apply: a phone or camera JPEG would be
+        # segmented lying on its side.
+        arr = _oriented(arr, _jpeg_orientation(data))
     return _finite(arr, path)
+
+
+#: The axes of one 2-D image in tifffile's names: rows, columns, samples per pixel.
+_IMAGE_AXES = 'YXS'
+
+
+def _read_tiff(path, data, plane):
+    """A TIFF's image (see :func:`read_raw`): its first series, one plane of a stack."""
+    import io
+    import tifffile
+    try:
+        tif = tifffile.TiffFile(io.BytesIO(data))
+    except Exception as e:  # tifffile raises many types for bad files
+        arr = _cv2_decode(data)
+        if arr is None:
+            raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
+                                                           type(e).__name__)) from None
+        return arr
+    with tif:
+        series = tif.series[0]
+        axes, shape = series.axes, tuple(series.shape)
+        # Other series the size of the first are more images; smaller ones are its
+        # thumbnails or pyramid levels.
+        rows, cols = (shape[axes.index(a)] if a in axes else 1 for a in 'YX')
+        others = [s for s in tif.series[1:] if _side(s, 'Y') >= rows and _side(s, 'X') >= cols]
+        if others:
+            raise UserError('%s: holds %d images (TIFF series of shapes %s); gluon_unet reads one 2-D image per '
+                            'file: save the one to use alone' % (path, 1 + len(others), ', '.join(
+                                _shape_text(s.shape) for s in [series] + others)))
+        stack = [i for i, a in enumerate(axes) if a not in _IMAGE_AXES]
+        planes = int(np.prod([shape[i] for i in stack], dtype=np.int64))
+        index = _plane_index(path, plane, planes, shape, axes)
+        orientation = int(tif.pages[0].tags.valueof(274, 1) or 1)  # 274: Orientation
+        try:
+            arr = series.asarray()
+        except Exception as e:
+            # Compressed TIFFs (LZW, deflate, JPEG) need the optional imagecodecs package;
+            # OpenCV's libtiff reads those (page by page), so it is the fallback.
+            arr = _cv2_pages(data, index, planes)
+            if arr is None:
+                raise UserError('%s: cannot decode TIFF (%s)' % (path, str(e).splitlines()[0] if str(e) else
+                                                               type(e).__name__)) from None
+            return _oriented(arr, orientation)
+    arr = np.asarray(arr)
+    if stack:  # the planes first, in order, then the plane asked for
+        rest = [i for i in range(arr.ndim) if i not in stack]
+        arr = arr.transpose(stack + rest).reshape((planes,) + tuple(arr.shape[i] for i in rest))[index]
+        axes = ''.join(axes[i] for i in rest)
+    if axes.startswith('S'):
+        arr = np.moveaxis(arr, 0, -1)  # planar RGB: samples last
+    if arr.ndim == 3 and not 1 <= arr.shape[-1] <= 4:
+        raise UserError('%s: %d samples per pixel (shape %s); gluon_unet reads grey, grey+alpha, RGB and RGBA '
+                        'images' % (path, arr.shape[-1], _shape_text(shape)))
+    return _oriented(arr, orientation)
+
+
+def _side(series, axis):
+    return series.shape[series.axes.index(axis)] if axis in series.axes else 1
+
+
+def _shape_text(shape):
+    return 'x'.join(str(n) for n in shape)
+
+
+def _plane_index(path, plane, planes, shape, axes):
+    """The plane of a stack of ``planes`` to read (0 for one plane), or the one-line refusal."""
+    if planes <= 1:
+        return 0
+    what = '%s: a stack of %d planes (shape %s, axes %s)' % (path, planes, _shape_text(shape), axes)
+    if plane is None:
+        raise UserError('%s; gluon_unet segments one 2-D image: choose one with --plane N (0-%d) or save the '
+                        'plane to use as its own file' % (what, planes - 1))
+    if not 0 <= plane < planes:
+        raise UserError('%s has no plane %d (--plane 0-%d)' % (what, plane, planes - 1))
+    return plane
+
+
+def _cv2_pages(data, index, planes):
+    """Page ``index`` of a TIFF decoded by OpenCV (``planes`` pages), in RGB(A), or None."""
+    if planes <= 1:
+        return _cv2_decode(data)
+    ok, pages = cv2.imdecodemulti(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    if not ok or len(pages) != planes:
+        return None
+    return _rgb(pages[index])
+
+
+def _jpeg_orientation(data):
+    """The EXIF orientation (1-8) of a JPEG's bytes; 1 (as stored) when it has none."""
+    i = 2
+    while i + 4 <= len(data) and data[i] == 0xFF:
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in (0xD9, 0xDA):  # end of image, start of scan: no more metadata
+            break
+        length = int.from_bytes(data[i + 2:i + 4], 'big')
+        if marker == 0xE1 and data[i + 4:i + 10] == b'Exif\0\0':
+            return _exif_orientation(data[i + 10:i + 2 + length])
+        i += 2 + length
+    return 1
+
+
+def _exif_orientation(tiff):
+    """The Orientation tag (0x0112) of the first IFD of EXIF's TIFF structure, else 1."""
+    order = {b'II': 'little', b'MM': 'big'}.get(tiff[:2])
+    if order is None:
+        return 1
+    ifd = int.from_bytes(tiff[4:8], order)
+    for k in range(int.from_bytes(tiff[ifd:ifd + 2], order)):
+        entry = tiff[ifd + 2 + 12 * k:ifd + 14 + 12 * k]
+        if int.from_bytes(entry[:2], order) == 0x0112:
+            value = int.from_bytes(entry[8:10], order)
+            return value if 1 <= value <= 8 else 1
+    return 1
+
+
+def _oriented(arr, orientation):
+    """``arr`` (H, W[, C]) as shown: EXIF/TIFF orientation 2-8 says which corner the stored
+    first row and column are (mirrored, turned a half or quarter turn); 1 is as stored."""
+    if orientation in (2, 3, 7):
+        arr = arr[:, ::-1]
+    if orientation in (3, 4, 6, 7):
+        arr = arr[::-1]
+    if orientation in (5, 6, 7, 8):
+        arr = (arr[:, ::-1] if orientation == 8 else arr).swapaxes(0, 1)
+    return np.ascontiguousarray(arr) if orientation != 1 else arr
 
 
 def _finite(arr, path):
@@ -201,8 +335,13 @@ def _cv2_decode(data):
         arr = None
     finally:
         log.setLogLevel(level)
+    return _rgb(arr)
+
+
+def _rgb(arr):
+    """An OpenCV image (BGR(A) order) in RGB(A) order; None stays None."""
     if arr is not None and arr.ndim == 3 and arr.shape[2] >= 3:
-        arr = arr[..., [2, 1, 0] + list(range(3, arr.shape[2]))]  # BGR(A) -> RGB(A)
+        arr = arr[..., [2, 1, 0] + list(range(3, arr.shape[2]))]
     return arr
 
 
@@ -357,7 +496,7 @@ def input_image(img, channels, mode='none', denoise=DENOISE_SIGMA, convert=None)
     return normalize_image(np.ascontiguousarray(convert(img, channels)), mode, denoise)
 
 
-def read_image(path, channels=0):
+def read_image(path, channels=0, plane=None):
     """Read an image as (H, W, C) uint8 RGB or grey.
 
     Parameters
@@ -366,6 +505,8 @@ def read_image(path, channels=0):
         PNG, JPEG, TIFF (8/16-bit, float), BMP; grey, RGB or RGBA (alpha dropped).
     channels : int
         1 or 3 to convert; 0 keeps 1 for grey files and 3 for colour ones.
+    plane : int, optional
+        The plane of a stack to read (``--plane``, see :func:`read_raw`).
 
     Returns
     -------
@@ -374,17 +515,51 @@ def read_image(path, channels=0):
     Raises
     ------
     UserError
-        The file is missing, corrupt or truncated.
+        The file is missing, corrupt or truncated, or a stack without ``plane``.
     """
-    arr = read_raw(path)
+    path = os.fspath(path)
+    return np.ascontiguousarray(to_channels(image_array(read_raw(path, plane), path), channels))
+
+
+def image_array(arr, name='image'):
+    """An image in memory as the readers take a file's pixels: (H, W, C) uint8.
+
+    The one conversion of every image, read from a file (:func:`read_image`) or given
+    to the Python API (:func:`~gluon_unet.inference.tiling.plan_image`, so
+    ``predict_image`` and friends): the same array gives the same input whatever its
+    dtype came from or the prediction mode.
+
+    Parameters
+    ----------
+    arr : array-like, (H, W) or (H, W, C) with C in 1-4
+        Grey, grey + alpha, RGB or RGBA (alpha dropped). uint8 is used as it is, bool
+        as 0/255, any other integer or float type is scaled by per-image percentiles
+        (:func:`to_uint8`), exactly as a 16-bit or float TIFF is.
+    name : str
+        The file or array the messages name.
+
+    Raises
+    ------
+    UserError
+        Another shape (a stack: choose one plane first), a type that is no image, NaN
+        or infinite pixels.
+    """
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in 'buif':
+        raise UserError('%s: pixels of type %s are not an image (expected integers, floats or booleans)'
+                        % (name, arr.dtype))
     if arr.ndim == 2:
         arr = arr[..., None]
+    if arr.ndim != 3 or not 1 <= arr.shape[2] <= 4 or 0 in arr.shape:
+        raise UserError('%s: shape %s is not one 2-D image (H x W, or H x W x 1-4 channels: grey, RGB, RGBA)%s'
+                        % (name, _shape_text(arr.shape), '; a stack: choose one plane' if arr.ndim > 3 or
+                           arr.ndim == 3 and arr.shape[2] > 4 else ''))
+    _finite(arr, name)
     if arr.shape[2] == 2:  # grey + alpha
         arr = arr[..., :1]
-    elif arr.shape[2] >= 4:
+    elif arr.shape[2] == 4:
         arr = arr[..., :3]
-    arr = to_uint8(arr)
-    return np.ascontiguousarray(to_channels(arr, channels))
+    return np.ascontiguousarray(to_uint8(arr))
 
 
 def is_colour(img):
@@ -462,13 +637,15 @@ def read_labels(path, threshold=0.5):
     return instances.astype(np.int64)
 
 
-def read_mask(path):
+def read_mask(path, plane=None):
     """Read a mask: binary foreground and, for label masks, the instance ids.
 
     Parameters
     ----------
     path : str
         0/255, 0/1, label image (grey, any integer dtype) or RGB mask.
+    plane : int, optional
+        The plane of a stack to read (``--plane``, see :func:`read_raw`).
 
     Returns
     -------
@@ -478,7 +655,7 @@ def read_mask(path):
         mask, or None for a plain binary mask (the caller labels connected components).
     """
     path = os.fspath(path)
-    return _mask_from_array(read_raw(path), path)
+    return _mask_from_array(read_raw(path, plane), path)
 
 
 def _mask_from_array(arr, path):

@@ -38,7 +38,7 @@ def build_datasets(cfg):
         opts = readers.LoadOptions(layout=cfg.layout, mask_suffix=cfg.mask_suffix, size=cfg.size, crop=cfg.crop,
                                    channels=cfg.model.in_channels, cache_dir=cfg.cache_dir, workers=cfg.workers,
                                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
-                                   denoise=cfg.denoise, keep_colour=cfg.stain_jitter > 0)
+                                   denoise=cfg.denoise, keep_colour=cfg.stain_jitter > 0, plane=cfg.plane)
         full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
         val = readers.load_dataset(cfg.val_data, options=opts, flag='--val-data') if cfg.val_data else None
     if val is None and cfg.val_split > 0:

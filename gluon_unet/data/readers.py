@@ -8,6 +8,7 @@ the samples (images with ``cv2.INTER_AREA``, masks and instance labels with
 which is committed atomically and then memory-mapped.
 """
 import dataclasses
+import logging
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -23,15 +24,18 @@ from .io import (DENOISE_SIGMA, NORMALIZE_MODES, image_kind, input_image, is_col
                  read_mask)
 from .layouts import discover
 
+log = logging.getLogger(__name__)
+
 
 def _size_error(mask_path, mask_shape, image_path, image_shape):
     return UserError('mask %s is %dx%d (HxW) but its image %s is %dx%d'
                      % (mask_path, mask_shape[0], mask_shape[1], image_path, image_shape[0], image_shape[1]))
 
 
-def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denoise=DENOISE_SIGMA):
+def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denoise=DENOISE_SIGMA, plane=None):
     """Decode one sample (in a worker process); ``normalize``, ``denoise``: see
-    :func:`~.io.normalize_image`.
+    :func:`~.io.normalize_image`; ``plane``: the plane of stacks to read (``--plane``,
+    :func:`~.io.read_raw`).
 
     Returns
     -------
@@ -46,7 +50,7 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denois
     kind : str
         :func:`~.io.image_kind` of the image as read (the automatic appearance group).
     """
-    image = read_image(sample.image)
+    image = read_image(sample.image, plane=plane)
     h, w = image.shape[:2]
     kind = image_kind(image)
     image = network_input(image, channels, normalize, denoise, 0 if crop else size)
@@ -58,7 +62,7 @@ def decode_sample(sample, size=128, crop=0, channels=0, normalize='none', denois
                                   mismatch=lambda path, shape, _: _size_error(path, shape, sample.image, (h, w)))
         mask = (inst > 0).astype(np.uint8)
     else:
-        mask, inst = read_mask(sample.masks[0])
+        mask, inst = read_mask(sample.masks[0], plane)
         if mask.shape != (h, w):
             raise _size_error(sample.masks[0], mask.shape, sample.image, (h, w))
         if inst is None:  # binary mask: objects are its 4-connected components
@@ -221,6 +225,9 @@ class LoadOptions:
     keep_colour : bool
         Also keep the colour images as read (RGB uint8, in memory, not cached) as
         ``dataset.colour``, for the stain jitter (``--stain-jitter``).
+    plane : int, optional
+        The plane of every stack (TIFFs with several planes: images and masks) to read;
+        None refuses stacks (:func:`~.io.read_raw`). Files of one plane are read whole.
     """
     layout: str = 'auto'
     mask_suffix: str = '_mask'
@@ -234,6 +241,7 @@ class LoadOptions:
     normalize: str = 'none'
     denoise: float = DENOISE_SIGMA
     keep_colour: bool = False
+    plane: Optional[int] = None
 
     def validate(self):
         """Raise :class:`UserError` naming the flag of the first invalid value (the layout
@@ -247,6 +255,9 @@ class LoadOptions:
             raise UserError('--denoise must be >= 0 (got %r)' % self.denoise)
         if self.crop < 0:
             raise UserError('--crop must be >= 0 (got %r)' % (self.crop,))
+        if self.plane is not None and (isinstance(self.plane, bool) or not isinstance(self.plane, int)
+                                       or self.plane < 0):
+            raise UserError('--plane must be an integer >= 0 (got %r)' % (self.plane,))
         if not self.crop and (not isinstance(self.size, int) or self.size <= 0):
             raise UserError('--size must be a positive integer (got %r)' % (self.size,))
         return self
@@ -286,6 +297,9 @@ def load_dataset(path, masks=None, options=None, flag='--data', **overrides):
     """
     opts = dataclasses.replace(options or LoadOptions(), **overrides).validate()
     layout, samples = discover(path, masks, opts.layout, opts.mask_suffix, opts.skip_unpaired, flag)
+    if opts.plane is not None:  # said, since nothing else shows that a stack was cut
+        log.info('%s %s: every stack (TIFF with several planes) is read as its plane %d (--plane)',
+                 flag, path, opts.plane)
     cache_dir = _cache.default_cache_dir(path) if opts.cache_dir is None else opts.cache_dir
     if cache_dir:
         ds = _load_cached(path, samples, layout, opts, cache_dir)
@@ -293,7 +307,8 @@ def load_dataset(path, masks=None, options=None, flag='--data', **overrides):
         ds = _load_in_memory(path, samples, layout, opts)
     ds.groups = appearance_groups(samples, ds.kinds)
     if opts.keep_colour:  # read again: the cache holds the network input, without the stain
-        ds.colour = [read_image(s.image) if kind == 'colour' else None for s, kind in zip(samples, ds.kinds)]
+        ds.colour = [read_image(s.image, plane=opts.plane) if kind == 'colour' else None
+                     for s, kind in zip(samples, ds.kinds)]
     return ds
 
 
@@ -347,6 +362,8 @@ def _cache_options(samples, layout, opts):
     if opts.normalize != 'none':  # only then, so existing cache entries keep their keys
         options['normalize'] = opts.normalize
         options['denoise'] = float(opts.denoise)
+    if opts.plane is not None:  # the same rule
+        options['plane'] = int(opts.plane)
     return options
 
 
@@ -354,7 +371,7 @@ def _decode_all(path, samples, layout, opts, sink):
     """Decode every sample into ``sink`` (in worker processes); returns the dataset meta:
     ``original_sizes``, ``stored_channels``, ``channels`` (chosen), ``layout``, ``names``."""
     sizes, kinds, any_colour = [], [], False
-    tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize, opts.denoise) for s in samples]
+    tasks = [(s, opts.size, opts.crop, opts.channels, opts.normalize, opts.denoise, opts.plane) for s in samples]
     desc = 'decoding %s' % os.path.basename(os.path.normpath(path))
     for image, mask, inst, hw, colour, kind in _pool_map(_decode_star, tasks, opts.workers, opts.progress, desc):
         sink.add(image, mask, inst)

@@ -232,7 +232,9 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
     meta : dict
         Export sidecar: ``train_size``, ``multiple``, ``resize_mode``.
     image : (H, W) or (H, W, C) uint8
-        C must be the model's input channels (see :func:`match_channels`).
+        C must be the model's input channels (see :func:`match_channels`). Other
+        types (uint16, float) are converted as ``bin/predict`` converts a file of that
+        type (:func:`~gluon_unet.data.io.image_array`), in every mode.
     ctxs : list of mx.Context
     mode : {'auto', 'resize', 'tile', 'whole'}
     tta : bool

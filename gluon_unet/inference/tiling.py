@@ -43,6 +43,7 @@ from typing import Callable, List, Tuple, Union
 import cv2
 import numpy as np
 
+from ..data.io import image_array
 from ..errors import UserError
 from ..machine.limits import safe_square, safe_window
 
@@ -182,6 +183,11 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
 
     Parameters
     ----------
+    image : array-like, (H, W) or (H, W, C)
+        uint8 is used as it is; other types (uint16, float, ...) are converted as
+        ``bin/predict`` converts a file of that type (:func:`~gluon_unet.data.io.image_array`),
+        so the result never depends on the dtype and the mode together; a stack or a
+        type that is no image is refused.
     meta : dict
         Export sidecar: ``train_size``, ``multiple`` (``2**depth``), ``resize_mode``
         (and ``classes``, ``outputs``).
@@ -191,8 +197,7 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
     buckets : bool
         Whole mode: pad to :func:`bucket_side` sizes.
     """
-    if image.ndim == 2:
-        image = image[..., None]
+    image = image_array(image)
     h, w = image.shape[:2]
     mode = choose_mode(mode, h, w, meta)
     outputs, multiple = head_channels(meta), pooling_multiple(meta)
