@@ -185,7 +185,8 @@ def _export_files(folder):
 @pytest.fixture(scope='module')
 def black_val_run(tmp_path_factory):
     """A tiny run on synthetic nuclei whose --val-data images are all black (one epoch:
-    only its validation split matters here)."""
+    only its validation split matters here); their masks are not empty, which training
+    refuses."""
     _skip_unless_int8()
     tmp = tmp_path_factory.mktemp('black')
     for sub in ('train', 'val'):
@@ -194,9 +195,11 @@ def black_val_run(tmp_path_factory):
     for i, (image, mask) in enumerate(zip(images, masks)):
         cv2.imwrite(str(tmp / 'train' / ('n%d.png' % i)), image)
         cv2.imwrite(str(tmp / 'train' / ('n%d_mask.png' % i)), (mask > 0).astype(np.uint8) * 255)
+    square = np.zeros((32, 32), np.uint8)
+    square[8:16, 8:16] = 255
     for i in range(6):
-        for name in ('black%d.png', 'black%d_mask.png'):
-            cv2.imwrite(str(tmp / 'val' / (name % i)), np.zeros((32, 32), np.uint8))
+        cv2.imwrite(str(tmp / 'val' / ('black%d.png' % i)), np.zeros((32, 32), np.uint8))
+        cv2.imwrite(str(tmp / 'val' / ('black%d_mask.png' % i)), square)
     cfg = tiny_config(tmp, batch_norm=True, epochs=1, data=str(tmp / 'train'), val_data=str(tmp / 'val'),
                       cache_dir=str(tmp / 'cache'))
     fit(cfg, verbose=False)

@@ -306,4 +306,24 @@ def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired
         samples = find_paired(path, masks, mask_suffix, skip_unpaired, flag)
     if not samples:
         raise UserError('%s %s: no image has a mask' % (flag, path))
+    check_distinct(samples, flag, path)
     return layout, samples
+
+
+def check_distinct(samples, flag='--data', path=''):
+    """Refuse two samples with one name (``a.png`` and ``a.tif``: the split, the logs and
+    the outputs name samples by it) and two images that share a mask file (a mask
+    belongs to one image: one of them was paired by mistake), in one line naming both."""
+    names, owners = {}, {}
+    for s in samples:
+        if s.name in names:
+            raise UserError('%s %s: two samples are named %r (%s and %s); names must be unique, since the split, '
+                            'the logs and the outputs go by them: rename one' % (flag, path, s.name,
+                                                                                 names[s.name], s.image))
+        names[s.name] = s.image
+        for m in s.masks:
+            key = os.path.realpath(m)
+            if key in owners:
+                raise UserError('%s %s: %s and %s both pair with the mask %s; a mask belongs to one image'
+                                % (flag, path, owners[key], s.image, m))
+            owners[key] = s.image

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import warnings
 
 import numpy as np
 
@@ -40,11 +41,45 @@ def build_datasets(cfg):
                                    skip_unpaired=cfg.skip_unpaired, progress=cfg.progress, normalize=cfg.normalize,
                                    denoise=cfg.denoise, keep_colour=cfg.stain_jitter > 0, plane=cfg.plane)
         full = readers.load_dataset(cfg.data, masks=cfg.masks, options=opts)
+        check_foreground(full, '--data', cfg.data)
         val = readers.load_dataset(cfg.val_data, options=opts, flag='--val-data') if cfg.val_data else None
+        if val is not None:
+            check_foreground(val, '--val-data', cfg.val_data)
+            check_apart(full, val, cfg.val_data)
     if val is None and cfg.val_split > 0:
         train_idx, val_idx = split_indices(len(full), cfg.val_split, cfg.seed)
-        return full.subset(train_idx), full.subset(val_idx)
+        train, val = full.subset(train_idx), full.subset(val_idx)
+        if cfg.data is not None and len(val) and not any(np.any(val.masks[i]) for i in range(len(val))):
+            # Training can go on, but its validation numbers cannot be read.
+            warnings.warn('--val-split %g: every mask of the %d validation images is empty, so val_dsb is 1.0 '
+                          'for an empty prediction; give --val-data or another --seed' % (cfg.val_split, len(val)))
+        return train, val
     return full, val
+
+
+def check_foreground(ds, flag, path):
+    """Refuse a dataset whose every mask is empty: there is nothing to learn, and the
+    DSB score of an empty prediction on empty masks is a perfect 1.0."""
+    if len(ds) and not any(np.any(ds.masks[i]) for i in range(len(ds))):
+        raise UserError('%s %s: every mask of its %d images is empty (no foreground pixel): nothing to learn, and '
+                        'validation would score 1.0; check the masks (0 = background, > 0 = nucleus)'
+                        % (flag, path, len(ds)))
+
+
+def check_apart(train_ds, val_ds, val_path):
+    """Refuse validation images that are also training images (the same pixels, whatever
+    the file names): the best epoch, early stopping and the post-processing search would
+    be chosen on images the network learned."""
+    def digest(ds, i):
+        return hashlib.sha1(np.ascontiguousarray(ds.images[i]).tobytes()).hexdigest()
+    seen = {digest(train_ds, i): train_ds.names[i] for i in range(len(train_ds))}
+    shared = [(val_ds.names[i], seen[d]) for i in range(len(val_ds)) for d in [digest(val_ds, i)] if d in seen]
+    if shared:
+        raise UserError('--val-data %s: %d of its %d images are also in --data (%s): validation would choose the '
+                        'best epoch and tune the post-processing on training images; keep the two sets apart'
+                        % (val_path, len(shared), len(val_ds), ', '.join(
+                            v if v == t else '%s = %s' % (v, t) for v, t in shared[:3]) + (', ...' if len(shared) > 3
+                                                                                            else '')))
 
 
 def attach_transforms(cfg, train_ds, val_ds):
