@@ -4,6 +4,10 @@
 The CLI builds its flags from these fields (``batch_size`` -> ``--batch-size``), the
 run directory stores it as ``config.json``, and every checkpoint and export embeds it
 so a model can be rebuilt without the command line that trained it.
+
+Why one module: every training setting, its one default, its range and the rules that
+tie settings together are read in one place; split by topic, a default and the rule that
+checks it would live apart, and ``bin/train --help`` shows them in this order.
 """
 import dataclasses
 import json

@@ -149,7 +149,7 @@ def test_every_module_imports_in_a_fresh_interpreter():
 #: base (errors, writes, logging, which files are ours) is under everything.
 LAYERS = ('cli', 'training', 'inference', 'shared', 'machine', 'base')
 #: A folder is one layer.
-FOLDERS = {'cli': 'cli', 'training': 'training', 'inference': 'inference', 'data': 'shared', 'recipes': 'shared',
+FOLDERS = {'cli': 'cli', 'training': 'training', 'inference': 'inference', 'data': 'shared', 'recipes': 'shared', 'models': 'shared',
            'machine': 'machine', 'napari': 'cli'}  # the napari plugin: an entry point, like the command line
 #: The few modules at the top level, each with its layer ('' is the package itself: its
 #: public names are imported on first use, so it imports nothing of the package).
