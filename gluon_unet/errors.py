@@ -143,6 +143,11 @@ def signals_raise(signums=None):
 DEBUG_VARIABLE = 'GLUON_UNET_DEBUG'
 
 
+#: The modules of the package's dependencies (pyproject.toml) -> what pip installs them as.
+REQUIRED = {'numpy': 'numpy', 'cv2': 'opencv-python-headless', 'skimage': 'scikit-image', 'scipy': 'scipy',
+            'tifffile': 'tifffile', 'tqdm': 'tqdm'}
+
+
 def unexpected_error(command, exc, debug=False):
     """The one line for an exception no code foresaw, after saving its traceback.
 
@@ -153,6 +158,10 @@ def unexpected_error(command, exc, debug=False):
         return ('%s needs MXNet, which is not installed in this Python (%s): pip install -r requirements.txt '
                 '(requirements-cu117.txt for GPUs); bin/predict runs an export\'s model.onnx without it'
                 % (command, sys.executable))
+    top = (getattr(exc, 'name', None) or '').split('.')[0]
+    if isinstance(exc, ModuleNotFoundError) and top in REQUIRED:
+        return ('%s needs %s, which is not installed in this Python (%s): pip install %s (or pip install -r '
+                'requirements.txt)' % (command, REQUIRED[top], sys.executable, REQUIRED[top]))
     if isinstance(exc, OSError) and library_load_error(exc) is not None:
         return library_load_error(exc)
     text = ' '.join(str(exc).split())
