@@ -47,6 +47,7 @@ def _segment(panel, qtbot, layer=None, timeout=60000):
 
 
 def _load(panel, qtbot, model):
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=30000)  # the shipped model it opened on
     panel.model.value = model
     panel.load()
     qtbot.waitUntil(lambda: panel.worker is None, timeout=30000)
@@ -142,3 +143,96 @@ def test_bad_exports_and_layers_are_one_line_messages_not_tracebacks(panel, qtbo
     assert [layer.name for layer in viewer.layers] == [grey.name, 'stack']  # nothing added
     assert all('\n' not in message for message in _errors())
     assert 'Traceback' not in capfd.readouterr().err
+
+
+def _fine_tune(panel, qtbot, timeout=300000):
+    panel.fine_tune()
+    qtbot.waitUntil(lambda: panel.worker is None and panel._then is None, timeout=timeout)
+
+
+def _infos():
+    from napari.utils.notifications import NotificationSeverity, notification_manager
+    return [n.message for n in notification_manager.records if n.severity == NotificationSeverity.INFO]
+
+
+def test_fine_tune_saves_the_corrected_pair_trains_in_the_mxnet_python_and_loads_the_new_model(panel, qtbot,
+                                                                                              tmp_path):
+    import cv2
+    viewer = panel.viewer
+    layer = viewer.open(CASE['grey'])[0]
+    _load(panel, qtbot, CASE['export'])
+    _segment(panel, qtbot, layer)
+    labels = viewer.layers['%s nuclei' % layer.name]
+    corrected = np.array(labels.data)
+    corrected[corrected == corrected.max()] = 0  # the user erases one object
+    corrected[:6, :6] = corrected.max() + 1  # and paints another
+    labels.data = corrected
+    pairs = tmp_path / 'pairs'
+    panel.pairs.value, panel.python.value = str(pairs), CASE['mxnet_python']
+    seen = []
+    panel.progress.changed.connect(lambda v: seen.append(v))
+    _fine_tune(panel, qtbot)
+    assert not _errors(), _errors()
+    stem = os.path.splitext(os.path.basename(CASE['grey']))[0]
+    np.testing.assert_array_equal(cv2.imread(str(pairs / (stem + '_mask.png')), cv2.IMREAD_UNCHANGED), corrected)
+    assert cv2.imread(str(pairs / (stem + '.png')), cv2.IMREAD_UNCHANGED).shape == corrected.shape
+    export = str(tmp_path / 'pairs-runs' / 'finetune-1' / 'export')
+    card = json.load(open(os.path.join(export, 'model.json')))['card']
+    assert card['init']['digest'] and card['data']['train_images'] == 1
+    qtbot.waitUntil(lambda: panel.worker is None and panel.segmenter is not None
+                    and panel.segmenter.path == export, timeout=30000)
+    assert panel._path() == export and seen and max(seen) >= 1
+    assert _infos()[-1].startswith('fine-tuned: ')
+    # Again on the same image: its pair is replaced, not added; a new run folder.
+    _segment(panel, qtbot, layer)
+    _fine_tune(panel, qtbot)
+    assert sorted(os.listdir(pairs)) == sorted([stem + '.png', stem + '_mask.png', 'gluon_unet-pairs.json'])
+    assert os.path.isdir(tmp_path / 'pairs-runs' / 'finetune-2' / 'export') and not _errors()
+
+
+def test_fine_tune_without_mxnet_saves_the_pair_and_shows_the_command(panel, qtbot, tmp_path):
+    viewer = panel.viewer
+    layer = viewer.open(CASE['grey'])[0]
+    _load(panel, qtbot, CASE['export'])
+    _segment(panel, qtbot, layer)
+    (tmp_path / 'pairs').mkdir()
+    mine = tmp_path / 'pairs' / ('%s.png' % layer.name)
+    mine.write_bytes(b'a file of yours')  # never written over
+    panel.pairs.value, panel.python.value = str(tmp_path / 'pairs'), str(tmp_path / 'no-python')
+    _fine_tune(panel, qtbot)
+    assert not _errors() and mine.read_bytes() == b'a file of yours'
+    assert os.path.isfile(tmp_path / 'pairs' / ('%s-2_mask.png' % layer.name))
+    message = _infos()[-1]
+    assert 'not an executable file' in message and 'gluon_unet train --init %s --data %s' % (
+        os.path.abspath(CASE['export']), tmp_path / 'pairs') in message and panel.command in message
+    assert not os.path.exists(tmp_path / 'pairs-runs')
+    # Nothing to train on: one line.
+    viewer.layers.remove('%s nuclei' % layer.name)
+    panel.fine_tune()
+    assert 'segment %r first' % layer.name in _errors()[-1]
+
+
+def test_fine_tune_can_be_cancelled(panel, qtbot, tmp_path):
+    viewer = panel.viewer
+    layer = viewer.open(CASE['grey'])[0]
+    _load(panel, qtbot, CASE['export'])
+    _segment(panel, qtbot, layer)
+    panel.pairs.value, panel.python.value = str(tmp_path / 'pairs'), CASE['mxnet_python']
+    panel.fine_tune()
+    qtbot.waitUntil(lambda: panel._then is None and panel.worker is not None and panel.command, timeout=60000)
+    panel.worker.yielded.connect(lambda step: step[0] and panel.cancel())
+    qtbot.waitUntil(lambda: panel.worker is None, timeout=300000)
+    assert 'fine-tuning cancelled' in _infos()[-1] and not _errors()
+    run = tmp_path / 'pairs-runs' / 'finetune-1'
+    assert os.listdir(run / 'checkpoints') and not (run / 'export').exists()
+    assert panel.run_button.enabled and panel.finetune_button.enabled
+
+
+def test_the_widget_opens_on_the_shipped_model(panel, qtbot):
+    from gluon_unet import models
+    assert panel.choice.value == 'nuclei' and models.folder('nuclei')
+    qtbot.waitUntil(lambda: panel.segmenter is not None, timeout=30000)
+    assert panel.segmenter.path == models.folder('nuclei') and not _errors()
+    layer = panel.viewer.open(CASE['grey'])[0]
+    _segment(panel, qtbot, layer)
+    assert panel.viewer.layers['%s nuclei' % layer.name].data.max() >= 1 and not _errors()

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 
 import cv2
 import numpy as np
@@ -74,7 +75,7 @@ def case(tmp_path_factory):
     net(mx.nd.zeros((1, 2, 32, 32)))
     export_block(net, two, str(root / 'two'), onnx=True)
     return {'export': os.path.join(cfg.output, 'export'), 'grey': grey, 'colour': colour,
-            'two_channels': str(root / 'two')}
+            'two_channels': str(root / 'two'), 'mxnet_python': sys.executable}
 
 
 def test_the_widget_in_a_headless_napari_viewer(case):
@@ -88,7 +89,7 @@ def test_the_widget_in_a_headless_napari_viewer(case):
     assert done.returncode == 0, tail
     summary = [line for line in done.stdout.splitlines() if ' passed' in line]
     assert summary and 'skipped' not in summary[-1] and 'failed' not in summary[-1], tail
-    assert int(summary[-1].split(' passed')[0].split()[-1]) == 4, tail
+    assert int(summary[-1].split(' passed')[0].split()[-1]) == 8, tail
 
 
 def test_the_plugin_imports_nothing_of_napari_or_qt_until_used():
@@ -125,3 +126,60 @@ def test_layer_data_becomes_what_bin_predict_reads():
                              (np.zeros((4, 4), object), False, 'not an image')):
         with pytest.raises(UserError, match=words):
             layer_image(data, rgb, 'c')
+
+
+def test_fine_tune_pairs_are_what_bin_train_reads_and_never_replace_yours(tmp_path):
+    from gluon_unet.data.io import read_image, read_mask
+    from gluon_unet.errors import UserError
+    from gluon_unet.napari import finetune
+    image = np.random.default_rng(0).integers(0, 255, (20, 24, 1), dtype=np.uint8)
+    labels = np.zeros((20, 24), np.int32)
+    labels[2:6, 2:6], labels[6:9, 2:6] = 1, 300  # touching nuclei, an id over 255
+    folder = tmp_path / 'pairs'
+    path = finetune.save_pair(str(folder), 'cells a', image, labels)
+    assert os.path.basename(path) == 'cells_a.png'
+    np.testing.assert_array_equal(read_image(path)[..., 0], image[..., 0])
+    mask, inst = read_mask(str(folder / 'cells_a_mask.png'))
+    np.testing.assert_array_equal(inst, labels) and np.testing.assert_array_equal(mask, labels > 0)
+    # The widget's own pair of that image is replaced; a file of yours of that name is not.
+    assert finetune.save_pair(str(folder), 'cells a', image, labels) == path
+    (folder / 'b.png').write_bytes(b'yours')
+    assert os.path.basename(finetune.save_pair(str(folder), 'b', image, labels)) == 'b-2.png'
+    assert (folder / 'b.png').read_bytes() == b'yours'
+    for bad, words in ((np.zeros((20, 24)), 'empty'), (np.ones((3, 3)), 'do not match'),
+                       (np.full((20, 24), 70000), '0 to 65535')):
+        with pytest.raises(UserError, match=words):
+            finetune.save_pair(str(folder), 'c', image, bad)
+    argv = finetune.train_command('/py', str(tmp_path / 'm'), str(folder),
+                                  finetune.next_output(str(folder)))
+    assert argv[:5] == ['/py', '-m', 'gluon_unet', 'train', '--init'] and argv[-2] == str(tmp_path / 'pairs-runs' /
+                                                                                      'finetune-1')
+
+
+def test_fine_tune_runner_reports_epochs_and_stops_the_training_on_cancel(tmp_path):
+    import sys
+    import time
+    from gluon_unet.napari import finetune
+    script = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: (print('SIGTERM: stopped', flush=True), sys.exit(143)))\n"
+              "print('12:00:00 time budget: 5 of --epochs 20 fit; the LR schedule now ends with epoch 5', flush=True)\n"
+              "for e in range(1, 6):\n    print('12:00:01 epoch %d | loss 0.1' % e, flush=True)\n"
+              "    time.sleep(0.3 if e < 3 else 30)\n")
+    runner = finetune.run_training([sys.executable, '-c', script], str(tmp_path / 'log' / 'a.log'), poll=0.05)
+    seen = []
+    for step in runner:
+        seen.append(step)
+        if step[0] == 3:
+            break
+    started = time.time()
+    runner.close()  # what the widget's Cancel does
+    assert time.time() - started < 10 and (3, 5) in seen
+    log = open(tmp_path / 'log' / 'a.log').read()
+    assert 'epoch 3' in log
+    done = finetune.run_training([sys.executable, '-c', "print('12:00:01 epoch 1 | x'); import sys; sys.exit(3)"],
+                                 str(tmp_path / 'b.log'))
+    try:
+        while True:
+            next(done)
+    except StopIteration as stop:
+        assert stop.value == (3, '12:00:01 epoch 1 | x')

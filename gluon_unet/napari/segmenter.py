@@ -23,6 +23,7 @@ from typing import Optional
 import cv2
 import numpy as np
 
+from .. import models
 from ..data.io import image_kind, input_image, to_uint8
 from ..data.sizes import diameter_choice_error
 from ..errors import UserError
@@ -101,7 +102,7 @@ class Segmenter:
     """
 
     def __init__(self, model, threads=None):
-        self.path = str(model or '').strip()
+        self.path = models.resolve(str(model or '').strip())  # a shipped model's name: its folder
         if not self.path or self.path == '.' or not os.path.exists(self.path):
             raise UserError('model %s: no such folder; choose a run folder or an export folder'
                             % (self.path or '(none chosen)'))

@@ -1,7 +1,8 @@
-"""The napari dock widget: an export, an image layer, the post-processing, and a button.
+"""The napari dock widget: a model, an image layer, the post-processing, and a button.
 
 :class:`SegmentWidget` is what the plugin's manifest (``napari.yaml``) names. The
-widget (:class:`SegmentPanel`, magicgui widgets in a container) loads the chosen export on
+widget (:class:`SegmentPanel`, magicgui widgets in a container) opens on the shipped
+``nuclei`` model (or the export folder chosen) on
 onnxruntime (:class:`~gluon_unet.napari.segmenter.Segmenter`) and fills in its own
 post-processing settings; *Segment* runs the selected image layer through it in a napari
 worker thread (the viewer stays responsive; progress per batch of network inputs; *Cancel*
@@ -10,18 +11,28 @@ probability as an Image layer. A second *Segment* on the same image with only th
 h or minimum size changed re-runs only the watershed. A bad export, a layer the model cannot
 take, a missing ``model.onnx`` are a one-line napari notification, never a traceback.
 
+*Fine-tune* (:mod:`.finetune`): the image and its corrected Labels layer are saved as a
+training pair in a folder of the user's choice, ``bin/train --init CURRENT`` runs in the
+MXNet environment (a Python set once in the widget), with progress and *Cancel*, and the
+new export is loaded when it is done; without an MXNet Python the pairs are saved and the
+command to run is shown.
+
 napari, magicgui and Qt are imported inside the functions that use them: the package (and
 this module) import in an environment without napari, such as the MXNet one.
 """
 import os
 
+from .. import models
 from ..errors import DEBUG_VARIABLE, UserError, unexpected_error
+from . import finetune
 from .segmenter import Segmenter, Settings, layer_image
 
 #: What the widget calls itself in messages.
 WHO = 'gluon_unet napari widget'
 #: The metadata key marking the layers the widget made (only those are updated in place).
 MARK = 'gluon_unet'
+#: The model choice that means "the folder below" rather than a shipped model.
+FOLDER = 'folder below'
 
 
 class Failure:
@@ -61,6 +72,26 @@ def segment_work(segmenter, path, data, rgb, name, settings, tta):
         return _failure(exc)
 
 
+def prepare_pair_work(folder, name, data, rgb, labels, python):
+    """Worker: save the training pair, check the MXNet Python; returns ``(image path,
+    why the Python cannot train or '')`` or a :class:`Failure`."""
+    try:
+        saved = finetune.save_pair(folder, name, layer_image(data, rgb, name), labels)
+        return saved, finetune.check_python(python)
+    except Exception as exc:  # noqa: BLE001 - the worker's boundary
+        return _failure(exc)
+
+
+def train_work(argv, log_path):
+    """Worker (a generator): ``bin/train`` as a subprocess; yields ``(epoch, planned)``,
+    returns ``(exit code, last line)`` or a :class:`Failure`."""
+    try:
+        result = yield from finetune.run_training(argv, log_path)
+        return result
+    except OSError as exc:
+        return _failure(UserError('cannot run %s: %s' % (argv[0], exc.strerror or exc)))
+
+
 class SegmentWidget:
     """The manifest's widget (``gluon_unet.segment``): ``SegmentWidget(viewer)`` is the
     docked container of a :class:`SegmentPanel` for that viewer."""
@@ -86,9 +117,14 @@ class SegmentPanel:
         from magicgui import widgets
         from qtpy.QtCore import QTimer
         self.viewer, self.segmenter, self.worker, self.result = viewer, None, None, None
+        self._then, self.command = None, None  # the next stage of a fine-tune; its bin/train command
         self._settings_of = None  # the model whose settings the fields hold
         w = widgets
-        self.model = w.FileEdit(mode='d', label='model', tooltip='run folder, export folder, or a folder with an '
+        shipped = [name for name in models.names() if models.folder(name)]
+        self.choice = w.ComboBox(label='model', choices=shipped + [FOLDER], value=(shipped or [FOLDER])[0],
+                                 tooltip='a model shipped with gluon_unet (gluon-unet models lists them), or the '
+                                         'export in the folder below')
+        self.model = w.FileEdit(mode='d', label='folder', tooltip='run folder, export folder, or a folder with an '
                                 'export\'s model.onnx and model.json')
         self.layer = w.ComboBox(label='image', choices=self._image_layers, tooltip='a 2-D grey or colour image layer')
         self.threshold = w.FloatSpinBox(label='threshold', min=0.01, max=0.99, step=0.01, value=0.5,
@@ -105,11 +141,20 @@ class SegmentPanel:
         self.probability = w.CheckBox(text='add the probability as an image layer', value=False)
         self.run_button = w.PushButton(text='Segment')
         self.cancel_button = w.PushButton(text='Cancel', enabled=False)
+        self.pairs = w.FileEdit(mode='d', label='training pairs',
+                                tooltip='Fine-tune saves the image and its corrected labels here (name.png + '
+                                        'name_mask.png, what bin/train --data reads); runs go beside it')
+        self.python = w.FileEdit(mode='r', label='MXNet Python', value=finetune.remembered_python() or None,
+                                 tooltip='the python of an environment with gluon_unet and MXNet (pip install -r '
+                                         'requirements.txt); kept for next time. Empty: the pairs are saved and '
+                                         'the command to run is shown')
+        self.finetune_button = w.PushButton(text='Fine-tune on the corrected labels')
         self.progress = w.ProgressBar(min=0, max=1, value=0, label='progress')
-        self.status = w.Label(value='choose an export folder')
-        self.container = w.Container(widgets=[self.model, self.layer, self.threshold, self.h, self.min_size,
-                                              self.diameter, self.tta, self.probability, self.run_button,
-                                              self.cancel_button, self.progress, self.status])
+        self.status = w.Label(value='choose a model')
+        self.container = w.Container(widgets=[self.choice, self.model, self.layer, self.threshold, self.h,
+                                              self.min_size, self.diameter, self.tta, self.probability,
+                                              self.run_button, self.cancel_button, self.pairs, self.python,
+                                              self.finetune_button, self.progress, self.status])
         self.container.native._gluon_unet_panel = self  # napari holds the widget, the widget holds this
         # Typing a path fires on every key: load once it stops changing. The timer is the
         # widget's child, so it goes with the widget (a closed viewer loads nothing).
@@ -117,11 +162,15 @@ class SegmentPanel:
         self._load_timer.setSingleShot(True)
         self._load_timer.setInterval(400)
         self._load_timer.timeout.connect(self.load)
-        self.model.changed.connect(lambda *_: self._load_timer.start())
+        self.model.changed.connect(lambda *_: self._folder_chosen())
+        self.choice.changed.connect(lambda *_: self._load_timer.start())
         self.run_button.changed.connect(lambda *_: self.run())
+        self.finetune_button.changed.connect(lambda *_: self.fine_tune())
         self.cancel_button.changed.connect(lambda *_: self.cancel())
         for event in (viewer.layers.events.inserted, viewer.layers.events.removed, viewer.layers.events.reordered):
             event.connect(lambda *_: self.layer.reset_choices())
+        if self.choice.value != FOLDER:  # open on the shipped model: segment before training anything
+            self._load_timer.start()
 
     # -- choices and messages ------------------------------------------------------------------
 
@@ -137,11 +186,24 @@ class SegmentPanel:
         (show_error if error else show_info)(message)
 
     def _path(self):
+        if self.choice.value != FOLDER:
+            return models.folder(self.choice.value) or ''
+        value = self.model.value
+        return '' if value is None or str(value) in ('', '.') else str(value)
+
+    def _folder_chosen(self):
+        """A folder typed or picked: it is the model now."""
+        if self._folder_value():
+            self.choice.value = FOLDER
+        self._load_timer.start()
+
+    def _folder_value(self):
         value = self.model.value
         return '' if value is None or str(value) in ('', '.') else str(value)
 
     def _busy(self, busy):
         self.run_button.enabled = not busy
+        self.finetune_button.enabled = not busy
         self.cancel_button.enabled = busy
 
     # -- loading --------------------------------------------------------------------------------
@@ -205,6 +267,81 @@ class SegmentPanel:
             self.status.value = 'cancelling ...'
             self.worker.quit()
 
+    # -- fine-tuning ----------------------------------------------------------------------------
+
+    def labels_of(self, layer):
+        """The Labels layer of ``layer``'s nuclei as the user corrected it (the widget's
+        ``<image> nuclei`` layer), or None."""
+        from napari.layers import Labels
+        name = '%s nuclei' % layer.name
+        return next((x for x in self.viewer.layers if isinstance(x, Labels) and x.name == name), None)
+
+    def fine_tune(self):
+        """Save the image and its corrected labels as a training pair, then fine-tune the
+        current model on the pairs folder (the button's action)."""
+        import numpy as np
+        from napari.qt.threading import create_worker
+        if self.worker is not None:
+            return
+        model, layer = self._path(), self.layer.value
+        if not model:
+            return self.notify('choose the model to fine-tune')
+        if layer is None:
+            return self.notify('open an image first: there is no image layer to train on')
+        labels = self.labels_of(layer)
+        if labels is None:
+            return self.notify('segment %r first and correct its labels layer %r: those are what it trains on'
+                               % (layer.name, '%s nuclei' % layer.name))
+        pairs = '' if self.pairs.value is None or str(self.pairs.value) in ('', '.') else str(self.pairs.value)
+        if not pairs:
+            return self.notify('choose a folder for the training pairs')
+        python = '' if self.python.value is None or str(self.python.value) in ('', '.') else str(self.python.value)
+        if python:
+            finetune.remember_python(python)
+        worker = create_worker(prepare_pair_work, pairs, layer.name, layer.data, layer.rgb, np.asarray(labels.data),
+                               python, _start_thread=False, _ignore_errors=True)
+        self.status.value = 'saving the training pair ...'
+        self._start(worker, lambda out: self._prepared(out, model, pairs, python))
+
+    def _prepared(self, out, model, pairs, python):
+        if isinstance(out, Failure):
+            return self.notify(out.message)
+        saved, why = out
+        output = finetune.next_output(pairs)
+        argv = finetune.train_command(python, model, pairs, output)
+        self.command = finetune.shown_command(argv)
+        if why:  # no MXNet here: the pairs are saved, the user runs it
+            return self.notify('saved %s; %s. In an environment with MXNet run: %s' % (saved, why, self.command),
+                               error=False)
+        self._then = lambda: self._train(argv, output)
+
+    def _train(self, argv, output):
+        from napari.qt.threading import create_worker
+        log = output + '.log'
+        worker = create_worker(train_work, argv, log, _start_thread=False, _ignore_errors=True)
+        worker.yielded.connect(self._epoch)
+        worker.aborted.connect(lambda: self.notify('fine-tuning cancelled; its checkpoint is in %s: the same command '
+                                                   'with --resume auto continues it (%s)' % (output, log),
+                                                   error=False))
+        self.progress.value, self.status.value = 0, 'fine-tuning %s ... (log: %s)' % (os.path.basename(output), log)
+        self._start(worker, lambda out: self._trained(out, output, log))
+
+    def _epoch(self, step):
+        epoch, total = step
+        self.progress.max = max(1, total)
+        if epoch is not None:
+            self.progress.value = min(epoch, total)
+            self.status.value = 'fine-tuning: epoch %d of %d' % (epoch, total)
+
+    def _trained(self, out, output, log):
+        if isinstance(out, Failure):
+            return self.notify(out.message)
+        code, last = out
+        if code:
+            return self.notify('fine-tuning failed (exit %d): %s (log: %s)' % (code, last, log))
+        self.model.value = os.path.join(output, 'export')  # the new model: loaded like a chosen folder
+        self.notify('fine-tuned: %s' % os.path.join(output, 'export'), error=False)
+
     def _start(self, worker, on_return):
         self.worker = worker
         worker.returned.connect(on_return)
@@ -215,6 +352,9 @@ class SegmentPanel:
     def _finished(self):
         self.worker = None
         self._busy(False)
+        then, self._then = self._then, None
+        if then is not None:  # the next stage of a fine-tune, once this worker is done
+            then()
 
     def _progress(self, step):
         done, total = step
