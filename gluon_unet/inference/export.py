@@ -54,6 +54,49 @@ def export_source(checkpoint):
     return {'run': run, 'checkpoint': checkpoint}
 
 
+def export_arrays(prefix, model_cfg, flag='--model'):
+    """The weights of the export ``prefix`` (``.../model``) by structural name
+    (``down.0.conv1.weight``, the names checkpoints use), as CPU NDArrays, for a U-Net of
+    ``model_cfg`` (its ``model.json`` config's ``model``).
+
+    MXNet's export names a parameter by its blocks' prefixes (``unet0_...`` here,
+    ``unet3_...`` in another process); a fresh U-Net of the same config has the same names
+    after its own top prefix, and knows each one's structural name.
+    """
+    import mxnet as mx
+    from ..model import build_model
+    saved = {}
+    for key, value in mx.nd.load(prefix + '-0000.params').items():
+        name = key.split(':', 1)[1] if key[:4] in ('arg:', 'aux:') else key
+        saved[name.split('_', 1)[1] if '_' in name else name] = value
+    net = build_model(model_cfg)
+    out = {}
+    for structural, param in net._collect_params_with_prefix().items():
+        suffix = param.name[len(net.prefix):]
+        if suffix not in saved:
+            raise UserError('%s %s: its weights do not fit its own config (no %s): a damaged or foreign export'
+                            % (flag, os.path.dirname(prefix), param.name))
+        out[structural] = saved[suffix]
+    return out
+
+
+def model_from_export(prefix, cfg, flag='--model', ctxs=None):
+    """The U-Net of ``cfg`` (a :class:`~gluon_unet.config.TrainConfig`, the export's
+    ``model.json`` config) with the weights of the export ``prefix``, on ``ctxs`` (default
+    the CPU), not hybridized."""
+    import mxnet as mx
+    from ..checkpoint import dummy_input
+    from ..model import build_model
+    ctxs = ctxs or [mx.cpu()]
+    arrays = export_arrays(prefix, cfg.model, flag)
+    net = build_model(cfg.model)
+    net.initialize(ctx=ctxs)
+    net(dummy_input(cfg, ctxs[0]))
+    for name, param in net._collect_params_with_prefix().items():
+        param.set_data(arrays[name])
+    return net
+
+
 def export_block(net, cfg, out_dir, meta=None, sidecar_extra=None, onnx='auto'):
     """Export the trained HybridBlock ``net`` (any network, e.g. your own passed to
     ``fit``) with the ``model.json`` sidecar of ``cfg`` to ``out_dir``.

@@ -16,6 +16,7 @@ from typing import Optional
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet.
+from .. import models
 from ..config import check_fields, option, within
 from ..data.prepare import check_run_data, run_data_config
 from ..errors import DamagedFile, Stopped, UserError, stop_signals
@@ -27,7 +28,7 @@ from .export_int8 import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check
 from .export_onnx import onnx_available
 from .postprocess import settings_text
 from .postprocess_search import retune
-from .sidecar import SIDECAR, read_sidecar, update_sidecar, weights_digest
+from .sidecar import PARAMS, SIDECAR, SYMBOL, read_sidecar, update_sidecar, verify_export, weights_digest
 from .tiling import MODES
 
 
@@ -35,8 +36,9 @@ from .tiling import MODES
 class ExportConfig:
     """What ``bin/export`` exports, where, and whether it searches the post-processing
     again; one field per flag (:mod:`gluon_unet.cli.export`)."""
-    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file',
-                      positional=True, metavar='RUN_DIR|CHECKPOINT', path='in')
+    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file; or a '
+                            'shipped model (nuclei) or an export folder, written again into --output',
+                      positional=True, metavar='RUN_DIR|CHECKPOINT|MODEL', path='in')
     output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR', path='out')
     tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
                                            "run's own validation split (its data must still be where it trained) "
@@ -93,6 +95,9 @@ def run_export(config):
             raise UserError('--onnx: %s' % why)
     if config.int8:
         check_support('--int8')
+    exported = export_prefix(config.run)
+    if exported:  # a shipped model or an export: written again (elsewhere, with model.onnx)
+        return _export_again(config, exported, onnx)
     ckpt, out = resolve_run(config.run, config.output)
     if config.output:
         check_export_output(config.output, ckpt)
@@ -148,6 +153,58 @@ def _export(config, ckpt, out, source, onnx):
                 notes.append(keep_searched(stage, [out, resolve_run(config.run, None)[1]], config.run))
             notes.append(finish_int8(stage, int8))  # int8 against float32 at bin/predict's final threshold
     return os.path.join(os.path.abspath(out), 'model'), [n for n in notes if n], tuned
+
+
+def export_prefix(run):
+    """The export prefix (``FOLDER/model``) when ``bin/export``'s RUN is a shipped model's
+    name or an export folder with MXNet's files (not a run folder, whose checkpoints are
+    what it exports), else None."""
+    path = models.resolve(run)
+    if not os.path.isdir(path) or os.path.isdir(os.path.join(path, 'checkpoints')):
+        return None
+    prefix = os.path.join(path, 'model')
+    return prefix if os.path.isfile(prefix + '-0000.params') and os.path.isfile(os.path.join(path, SIDECAR)) else None
+
+
+def _export_again(config, prefix, onnx):
+    """``bin/export NAME --output DIR``: the export ``prefix`` (a shipped model's, or any
+    export folder) written again into ``DIR`` - its weights, its searched settings and its
+    card as they are, ``model.onnx`` as ``onnx`` says."""
+    from ..config import TrainConfig
+    from .export import model_from_export
+    folder = os.path.dirname(prefix)
+    name = models.shipped_name(folder) or config.run
+    if config.tune_postprocess or config.int8:
+        raise UserError('export %s: %s searches or calibrates on the run\'s own validation images, and an export '
+                        'has no run; fine-tune it on your images instead (bin/train --init %s)'
+                        % (config.run, '--tune-postprocess' if config.tune_postprocess else '--int8', config.run))
+    if not config.output:
+        raise UserError('export %s: give --output DIR, a folder of its own for the copy (%s is read, not written)'
+                        % (config.run, folder))
+    out = config.output
+    check_apart([('--output', out)], [('export', folder)], 'export')
+    check_export_folder(out)
+    check_writable(out, '--output')
+    sidecar_path = os.path.join(folder, SIDECAR)
+    meta = read_sidecar(sidecar_path)
+    verify_export(meta, {SYMBOL: prefix + '-symbol.json', PARAMS: prefix + '-0000.params'}, sidecar_path)
+    if not isinstance(meta.get('config'), dict):
+        raise UserError('export %s: its %s has no training config to rebuild the network from' % (config.run, SIDECAR))
+    cfg = TrainConfig.from_dict(meta['config'])
+    # Whose export DIR holds: this one's params file stands for the run it came from.
+    source = {'run': None, 'checkpoint': os.path.realpath(prefix + '-0000.params'), 'model': name}
+    with lock_folder(out, '--output', 'export folder'):
+        remove_leftovers(out)
+        check_export_owner(out, source, out, config.overwrite)
+        net = model_from_export(prefix, cfg, 'export')
+        record = {'epoch': meta.get('epoch'), 'metrics': meta.get('metrics') or {},
+                  'data': {k: meta.get(k) for k in ('diameter', 'diameter_ranges')}}
+        extra = {'source': source}
+        extra.update({k: meta[k] for k in ('card', 'postprocess') if isinstance(meta.get(k), dict)})
+        with _stops_on_sigterm('export %s' % config.run, out, []):
+            with staged_export(out) as stage:
+                note = write_export(net, cfg, stage, record, sidecar_extra=extra, onnx=onnx)
+    return os.path.join(os.path.abspath(out), 'model'), [note] if note else [], None
 
 
 def check_export_owner(out, source, default_out, overwrite):

@@ -253,23 +253,8 @@ def source_arrays(source):
     if source.kind == 'checkpoint':
         arrays = mx.nd.load(source.path)
         return {k[len('param:'):]: v for k, v in arrays.items() if k.startswith('param:')}
-    from ..model import build_model
-    # MXNet's export names a parameter by its blocks' prefixes (unet0_..., unet3_... in
-    # another process); a fresh U-Net of the source's config has the same names after
-    # its own top prefix, and knows each one's structural name.
-    saved = {}
-    for key, value in mx.nd.load(source.path + '-0000.params').items():
-        name = key.split(':', 1)[1] if key[:4] in ('arg:', 'aux:') else key
-        saved[name.split('_', 1)[1] if '_' in name else name] = value
-    net = build_model(source.config.model)
-    out = {}
-    for structural, param in net._collect_params_with_prefix().items():
-        suffix = param.name[len(net.prefix):]
-        if suffix not in saved:
-            raise UserError('--init %s: its weights do not fit its own config (no %s): a damaged or foreign export'
-                            % (source.label, param.name))
-        out[structural] = saved[suffix]
-    return out
+    from ..inference.export import export_arrays
+    return export_arrays(source.path, source.config.model, '--init')
 
 
 def load_source_weights(net, source, in_channels):
