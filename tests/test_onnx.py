@@ -498,3 +498,26 @@ def test_damaged_model_onnx_advice_works_on_the_onnx_path(trained, tmp_path):
                                          'mxnet is installed (bin/export RUN --onnx)')
     _edit_sidecar(changed, digest={'model-0000.params': 'crc32:0'})  # model.onnx's entry removed: the same
     assert onnx_path(changed)[0] == os.path.join(changed, ONNX_FILE)
+
+
+@pytest.mark.parametrize('name', __import__('gluon_unet.models', fromlist=['names']).names())
+def test_each_shipped_model_gives_the_same_labels_on_mxnet_and_onnxruntime(name, tmp_path):
+    # The shipped models are what a new user runs first, in either environment.
+    from gluon_unet.cli import predict_main
+    from gluon_unet.data.synthetic import synthetic_nuclei
+    images = tmp_path / 'images'
+    images.mkdir()
+    pictures, _, _ = synthetic_nuclei(3, size=160, seed=7)
+    for i, picture in enumerate(pictures):
+        cv2.imwrite(str(images / ('n%d.png' % i)), picture)
+    mx_out, ort_out = str(tmp_path / 'mx'), str(tmp_path / 'ort')
+    common = ['--model', name, '--input', str(images), '--no-progress']
+    assert predict_main(common + ['--output', mx_out]) == 0
+    done = run_onnx([os.path.join(ROOT, 'bin', 'predict')] + common + ['--output', ort_out])
+    assert done.returncode == 0, done.stderr
+    assert 'on onnxruntime' in done.stderr
+    expected, got = _outputs(mx_out), _outputs(ort_out)
+    assert sorted(got) == sorted(expected) and len(expected) == 6
+    for key, array in expected.items():
+        assert np.array_equal(got[key], array), key
+    assert all(int(a.max()) >= 3 for k, a in expected.items() if k.endswith('_labels.png'))  # nuclei found
