@@ -232,3 +232,22 @@ def test_shipped_names_resolve_where_no_path_has_that_name(tmp_path, monkeypatch
     assert models.resolve('not-a-model') == 'not-a-model'
     assert models.split_reference('nuclei@sha256:ab') == ('nuclei', 'sha256:ab')
     assert models.split_reference('runs/a@b') == ('runs/a@b', None)
+
+
+def test_the_scale_is_kept_crops_stay_crops_of_any_size_a_resized_model_keeps_its_size():
+    def source(**values):
+        return finetune.Source('m', 'export', '/m/model', TrainConfig(**values), 'sha256:0')
+    cropped = source(crop=256)
+    assert finetune.fine_tune_config(TrainConfig(crop=128), cropped, given={'crop'}).crop == 128
+    assert finetune.fine_tune_config(TrainConfig(), cropped, given=set()).crop == 256
+    with pytest.raises(UserError, match='--crop 0 contradicts --init m, trained on native-resolution crops'):
+        finetune.fine_tune_config(TrainConfig(crop=0), cropped, given={'crop'})
+    resized = source(size=96)
+    assert finetune.fine_tune_config(TrainConfig(), resized, given=set()).size == 96
+    for flags in ({'size': 128}, {'crop': 64}):
+        with pytest.raises(UserError, match='contradicts --init m, trained resized to --size 96'):
+            finetune.fine_tune_config(TrainConfig(**flags), resized, given=set(flags))
+    with pytest.raises(UserError, match='--channels 2 with --init m .1 channels.: only 1 <-> 3'):
+        finetune.fine_tune_config(TrainConfig(model=dataclasses.replace(TrainConfig().model, in_channels=2)),
+                                  source(model=dataclasses.replace(TrainConfig().model, in_channels=1)),
+                                  given={'in_channels'})
