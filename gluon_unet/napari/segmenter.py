@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 
 from .. import models
-from ..data.io import image_kind, input_image, to_uint8
+from ..data.io import image_array, image_kind, input_image
 from ..data.sizes import diameter_choice_error
 from ..errors import UserError
 from ..inference.batched import InputJob, match_channels
@@ -63,25 +63,18 @@ class Result:
 def layer_image(data, rgb, name):
     """A napari image layer's data as ``bin/predict`` reads an image file: (H, W, C) uint8.
 
-    Grey stays 1 channel, RGB(A) becomes RGB (alpha dropped), other types are scaled to uint8
-    by per-image percentiles (:func:`~gluon_unet.data.io.to_uint8`). Anything but one 2-D
-    grey or colour plane, and NaN or infinite pixels, is refused in one line naming the layer.
+    napari says which layers are colour (``rgb``): a 2-D grey plane or an RGB(A) one is
+    taken; anything else (a stack, a grey layer of 3 planes) is refused in one line naming
+    the layer. The pixels are converted by the one conversion of every image,
+    :func:`~gluon_unet.data.io.image_array` (alpha dropped, other types than uint8 scaled by
+    per-image percentiles; NaN or infinite pixels refused), as a file of that type is.
     """
     arr = np.asarray(data)
     shape = 'x'.join(str(n) for n in arr.shape)
-    if arr.ndim == 2 and not rgb:
-        arr = arr[..., None]
-    elif not (rgb and arr.ndim == 3 and arr.shape[2] in (3, 4)):
+    if not (arr.ndim == 2 and not rgb or rgb and arr.ndim == 3 and arr.shape[2] in (3, 4)):
         raise UserError('layer %r: the widget segments one 2-D image, grey or colour (RGB); this layer is %s%s'
                         % (name, shape, ' (a stack: choose or extract one plane)' if arr.ndim > 2 else ''))
-    if arr.dtype.kind == 'f':
-        bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
-        if bad:
-            raise UserError('layer %r: %d of %d pixels are NaN or infinite; replace them with numbers first'
-                            % (name, bad, arr.size))
-    if arr.dtype.kind not in 'uifb':
-        raise UserError('layer %r: pixels of type %s are not an image' % (name, arr.dtype))
-    return np.ascontiguousarray(to_uint8(arr[..., :3]))
+    return image_array(arr, 'layer %r' % name)
 
 
 class Segmenter:
