@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 from dsb_grouped import GROUPS, read_groups  # noqa: E402
 
+from gluon_unet.data.known import count_dsb2018  # noqa: E402
 from gluon_unet.inference.sidecar import SIDECAR  # noqa: E402
 from gluon_unet.utils import atomic_open  # noqa: E402
 
@@ -109,7 +110,9 @@ def main(argv=None):
         'licence': 'Apache-2.0 (the weights, as the package; made by gluon_unet training on CC0 data)',
         'data_licence': 'CC0-1.0',
         'data': dict(card.get('data') or {}, path='DSB 2018 stage1_train (BBBC038, with the community mask fixes): '
-                     'the 597 images outside experiments/dsb2018/dsb_holdout_ids.txt'),
+                     'the 597 images outside experiments/dsb2018/dsb_holdout_ids.txt',
+                     # what gluon-unet package recognises the data by (its ids), to cite it and give its licence
+                     dsb2018_ids=count_dsb2018(os.listdir(os.path.join(args.split, 'train')))),
         'rebuild': REBUILD,
         'random_holdout': {'dsb': mean, 'images': count, 'by_kind': by_kind},
         'grouped': {'per_group': per_group, 'macro': macro,

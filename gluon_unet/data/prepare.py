@@ -16,6 +16,7 @@ import numpy as np
 
 from . import readers
 from ..errors import UserError
+from .known import count_dsb2018
 from .sizes import nucleus_sizes
 from .augment import StainJitter, make_transform
 from .dataset import split_indices
@@ -121,7 +122,9 @@ def data_fingerprint(train_ds, val_ds, num_workers=1):
     """What identifies the data a run trains on, for resume to compare and the model card
     to record: sample counts, a digest of the sample names in order (the split and the
     batches follow from them), a digest of the decoded images and masks, and the number
-    of workers (with a dist kvstore they set the global batch)."""
+    of workers (with a dist kvstore they set the global batch); and how many of its images
+    are the Data Science Bowl 2018's, by their ids (:mod:`.known`), which the model card
+    keeps so that a package can cite that data without a word from the user."""
     names, content = hashlib.sha1(), hashlib.sha1()
     for ds in (train_ds, val_ds):
         names.update(('\n'.join(ds.names) if ds is not None else '').encode() + b'\0')
@@ -131,7 +134,8 @@ def data_fingerprint(train_ds, val_ds, num_workers=1):
                 content.update(str(arr.shape).encode())
                 content.update(arr.data)
     return {'train': len(train_ds), 'val': 0 if val_ds is None else len(val_ds),
-            'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers}
+            'names_sha1': names.hexdigest(), 'content_sha1': content.hexdigest(), 'workers': num_workers,
+            'dsb2018_ids': sum(count_dsb2018(ds.names) for ds in (train_ds, val_ds) if ds is not None)}
 
 
 #: The fingerprint's keys that say which images a run saw (``workers`` is not about the data).

@@ -20,11 +20,18 @@ much they differ from gluon_unet's own normalization on the test image.
 It runs where onnxruntime does, without MXNet. The zip keeps the output contract
 (:mod:`gluon_unet.outputs`): apart from the export and the image, locked while written,
 written aside and renamed, and replaced only when it is a package of the same ``model.onnx``
-(``--overwrite``: of another export; a file gluon_unet did not write: never).
+(``--overwrite``: of another export; a file gluon_unet did not write: never). What the spec
+constrains in the description's fields (name, licences, authors, citations, the training
+data) is checked first, in :mod:`~gluon_unet.inference.bioimageio_fields`.
+
+Why one module: the description, its test tensors, the cover and the card are made from one
+export's record and must agree - the tensors follow the description's operations, and the
+card lists what those operations cannot say.
 """
 import datetime
 import json
 import os
+import shlex
 import zipfile
 from dataclasses import dataclass
 from typing import Optional
@@ -40,6 +47,8 @@ from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_path, check_writable, file_crc32
 from .batched import match_channels, predict_image
 from .batched_onnx import ONNX_FILE, load_onnx_model, sigmoid
+from .bioimageio_fields import (author_list, check_authors, check_model_name, cite_entry, model_name, NAME_MAX,
+                                spdx_id, spdx_ids, public_sidecar, trained_on_dsb2018, training_data)
 from .overlay import overlay
 from .sidecar import SIDECAR, find_export
 from .tiling import pooling_multiple, tile_size
@@ -48,11 +57,9 @@ from .tiling import pooling_multiple, tile_size
 FORMAT_VERSION = '0.5.4'
 #: Side of the test tensors (at most; a multiple of 2**depth).
 TEST_SIDE = 256
-#: Papers every package cites: the U-Net; the Data Science Bowl data when it trained on it.
+#: The paper every package cites: the U-Net (and its training data's, when known).
 UNET = {'text': 'Ronneberger, Fischer, Brox. U-Net: Convolutional Networks for Biomedical Image Segmentation. '
                 'MICCAI 2015', 'doi': '10.1007/978-3-319-24574-4_28'}
-DSB = {'text': 'Caicedo et al. Nucleus segmentation across imaging experiments: the 2018 Data Science Bowl. '
-               'Nature Methods 16, 1247-1253 (2019)', 'doi': '10.1038/s41592-019-0612-7'}
 
 
 @dataclass
@@ -67,37 +74,55 @@ class PackageConfig:
     image: Optional[str] = option(None, 'a validation or test image the model did not train on: the test tensors '
                                         'and the cover are made from it (default: for the demo\'s model, the first '
                                         'of the new images it segmented, <run>/demo_inputs/)', metavar='FILE', path='in')
-    license: str = option('CC-BY-4.0', "SPDX identifier of the model's licence", metavar='SPDX')
-    name: Optional[str] = option(None, "the model's name (default: 'gluon_unet nuclei U-Net' and its training data)",
-                                 metavar='TEXT')
-    training_data: Optional[str] = option(None, 'what the model trained on, in words (default: from the export: '
-                                                'the data folder, or the demo\'s generated nuclei)', metavar='TEXT')
+    license: str = option('CC-BY-4.0', "SPDX identifier of the model's licence (https://spdx.org/licenses/)",
+                          metavar='SPDX')
+    name: Optional[str] = option(None, "the model's name: letters, digits, spaces and _+-() only, 5 to 128 characters "
+                                       "(default: 'gluon_unet nuclei U-Net' and its training data)", metavar='TEXT')
+    training_data: Optional[str] = option(None, 'what the model trained on, in words, at most 128 characters '
+                                                '(default: DSB 2018 stage1_train when it is that data, else the '
+                                                'name of the data folder, or the demo\'s generated nuclei)',
+                                          metavar='TEXT')
+    training_data_cite: Optional[str] = option(
+        None, "the training data's reference, ending in its DOI or URL: 'Authors. Title. Journal (2020) "
+              "doi:10.1234/x' (default: the paper of the DSB 2018 data when the model trained on it, recognised "
+              "by its image ids; without either, the description has no training_data)", metavar='TEXT')
+    training_data_license: Optional[str] = option(
+        None, "SPDX identifier of the training data's licence (default: CC0-1.0 for the DSB 2018 data)",
+        metavar='SPDX')
+    training_data_authors: Optional[str] = option(
+        None, "who made the training data, as --authors (default: --authors; the DSB 2018 data's own)",
+        metavar='NAMES')
     overwrite: bool = option(False, 'replace a package of another export at --output (one of the same model.onnx '
                                     'is replaced without it; a file gluon_unet did not write never is)')
 
     def validate(self):
-        """Refuse, naming the flag, an output that is not a .zip and empty names."""
+        """Refuse, naming the flag, what bioimage.io would refuse in the description: an
+        output that is not a .zip, a name, author, licence or citation the spec rejects."""
         check_fields(self)
         if not str(self.output or '').lower().endswith('.zip'):
             raise UserError('--output %s: a bioimage.io package is a .zip file; give a name ending in .zip'
                             % self.output)
-        if not [a for a in author_list(self.authors)]:
-            raise UserError("--authors %r: name at least one author ('Name[, affiliation]; ...')" % self.authors)
         for flag, value in (('--license', self.license), ('--name', self.name), ('--training-data',
-                                                                                  self.training_data)):
+                                                                                  self.training_data),
+                            ('--training-data-cite', self.training_data_cite),
+                            ('--training-data-license', self.training_data_license),
+                            ('--training-data-authors', self.training_data_authors)):
             if value is not None and not str(value).strip():
                 raise UserError('%s is empty' % flag)
+        check_authors('--authors', self.authors)
+        if self.training_data_authors is not None:
+            check_authors('--training-data-authors', self.training_data_authors)
+        self.license = spdx_id('--license', self.license)
+        if self.training_data_license is not None:
+            self.training_data_license = spdx_id('--training-data-license', self.training_data_license)
+        if self.name is not None:
+            check_model_name('--name', self.name)
+        if self.training_data is not None and len(self.training_data.strip()) > NAME_MAX:
+            raise UserError('--training-data: %d characters; bioimage.io takes at most %d for a data set\'s name'
+                            % (len(self.training_data.strip()), NAME_MAX))
+        if self.training_data_cite is not None:
+            cite_entry('--training-data-cite', self.training_data_cite)
         return self
-
-
-def author_list(text):
-    """``'Ada, Lab; Bo'`` -> ``[{'name': 'Ada', 'affiliation': 'Lab'}, {'name': 'Bo'}]``."""
-    found = []
-    for part in str(text or '').split(';'):
-        name, _, affiliation = (p.strip() for p in part.partition(','))
-        if name:
-            found.append(dict({'name': name}, **({'affiliation': affiliation} if affiliation else {})))
-    return found
 
 
 # -- what the spec can say about the inputs and outputs ------------------------------------------
@@ -225,9 +250,10 @@ def limits(meta):
 
 def test_image(config, meta, folder):
     """``(image as read (H, W, C) uint8, where it came from)``: ``--image``, else the first
-    of the new images the demo segmented (``<run>/demo_inputs/``) for its own model."""
+    of the new images the demo segmented (``<run>/demo_inputs/``) for its own model. Where
+    it came from is its file name: the package shows no path of this machine."""
     if config.image:
-        return read_image(config.image), config.image
+        return read_image(config.image), os.path.basename(config.image)
     inputs = os.path.join(os.path.dirname(folder), 'demo_inputs')
     names = sorted(n for n in os.listdir(inputs) if n.endswith('.png')) if os.path.isdir(inputs) else []
     if not names:
@@ -287,34 +313,21 @@ def cover(model, image):
 
 # -- the description and the card ----------------------------------------------------------------
 
-def training_words(config, meta):
-    """``(name of the training data, is it the Data Science Bowl's)``."""
-    data = ((meta.get('card') or {}).get('data') or {})
-    path = str(data.get('path') or 'not recorded')
-    name = config.training_data or (path if path.startswith('generated') else os.path.basename(path.rstrip('/')))
-    dsb = any(k in (name + path).lower() for k in ('stage1_train', 'dsb', 'bbbc038', 'data science bowl'))
-    return name, dsb
-
-
-def description(config, meta, onnx_meta, image_source, test_side):
-    """The ``bioimageio.yaml`` content (a dict) of the package."""
-    data_name, dsb = training_words(config, meta)
+def description(config, meta, onnx_meta, image_source, test_side, dsb):
+    """The ``bioimageio.yaml`` content (a dict) of the package; its fields as bioimage.io
+    takes them (:meth:`PackageConfig.validate`, :func:`training_data`), no local path."""
+    data_name, dataset = training_data(config, meta, dsb)
     card = meta.get('card') or {}
-    counts = card.get('data') or {}
     inputs, outputs = tensors(meta, test_side)
-    name = config.name or 'gluon_unet nuclei U-Net (%s)' % data_name
-    dataset = {'type': 'dataset', 'format_version': '0.3.0', 'name': data_name[:128],
-               'description': '%s: %s training and %s validation images%s' % (
-                   data_name, counts.get('train_images', '?'), counts.get('val_images', '?'),
-                   '; the 2018 Data Science Bowl stage 1 training set (BBBC038)' if dsb else ''),
-               'cite': [DSB] if dsb else [UNET], 'license': 'CC0-1.0' if dsb else config.license,
-               'authors': author_list(config.authors)}
-    return {
-        'type': 'model', 'format_version': FORMAT_VERSION, 'name': name[:128],
+    name = config.name or model_name(data_name)
+    check_model_name('--name', name)
+    rdf = {
+        'type': 'model', 'format_version': FORMAT_VERSION, 'name': name,
         'description': ('A U-Net that finds cell nuclei in 2-D microscopy images (trained with gluon_unet %s on %s). '
                         'It predicts per-pixel probabilities; gluon_unet turns them into separate nuclei with a '
                         'watershed (see the model card).' % (card.get('gluon_unet', __version__), data_name))[:1024],
-        'authors': author_list(config.authors), 'cite': [UNET] + ([DSB] if dsb else []), 'license': config.license,
+        'authors': author_list(config.authors), 'cite': [UNET] + (dataset['cite'] if dataset else []),
+        'license': config.license,
         'tags': ['nuclei', 'segmentation', 'instance-segmentation', 'unet', '2d', 'onnx', 'gluon_unet'],
         'documentation': 'README.md', 'covers': ['cover.png'], 'attachments': [{'source': SIDECAR}],
         'timestamp': datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ'),
@@ -325,16 +338,24 @@ def description(config, meta, onnx_meta, image_source, test_side):
                                   'normalize': meta.get('normalize') or 'none',
                                   'postprocess': meta.get('postprocess') or {'threshold': meta.get('threshold')}}},
     }
+    if dataset is None:
+        del rdf['training_data']
+    return rdf
 
 
-def model_card(rdf, meta, agreement, objects):
-    """The package's ``README.md``: what the model is, how to run it, what the spec cannot say."""
+def model_card(rdf, meta, agreement, objects, zip_name, data_name):
+    """The package's ``README.md``: what the model is, how to run it (``zip_name``: the
+    package's file name), what the spec cannot say."""
     card = meta.get('card') or {}
     metrics = card.get('best_metrics') or {}
     scores = ', '.join('%s %.3f' % (k, metrics[k]) for k in ('val_iou', 'val_dice', 'val_dsb')
                        if isinstance(metrics.get(k), float))
+    counts = card.get('data') or {}
+    trained = rdf['training_data']['description'] if rdf.get('training_data') else '%s: %s training and %s ' \
+        'validation images' % (data_name, counts.get('train_images', '?'), counts.get('val_images', '?'))
+    folder = os.path.splitext(zip_name)[0] + '-model'
     lines = ['# %s' % rdf['name'], '', rdf['description'], '',
-             '- Trained on: %s' % rdf['training_data']['description'],
+             '- Trained on: %s' % trained,
              '- Validation: %s (best epoch %s)' % (scores or 'not recorded', card.get('best_epoch', '?')),
              '- Input: %s, uint8, sides a multiple of %s px; output: %s' % (
                  ' / '.join(rdf['inputs'][0]['axes'][1]['channel_names']), pooling_multiple(meta),
@@ -343,9 +364,9 @@ def model_card(rdf, meta, agreement, objects):
                  objects, rdf['config']['gluon_unet']['test_image']), '',
              '## Nuclei, not only probabilities: run it with gluon_unet', '',
              'The folder this zip unpacks to is a gluon_unet export (`model.onnx` + `model.json`):', '',
-             '```', 'unzip model.zip -d nuclei-model',
+             '```', 'unzip %s -d %s' % (shlex.quote(zip_name), shlex.quote(folder)),
              'pip install ".[onnx]"   # in a clone of gluon_unet, in an environment with or without MXNet',
-             'gluon-unet predict --model nuclei-model --input images/ --output masks/', '```', '',
+             'gluon-unet predict --model %s --input images/ --output masks/' % shlex.quote(folder), '```', '',
              'writes 16-bit instance labels per image, tiling large images, with the watershed settings of '
              '`model.json`. In napari, the gluon_unet plugin (`pip install ".[napari]"`) takes the same folder.', '',
              '## Validation', '',
@@ -428,6 +449,10 @@ def write_package(config):
     # Outputs before any work (docs/reference/outputs.md): apart from what is read first.
     check_apart([('--output', config.output)], [('EXPORT', folder), ('--image', config.image)], 'package')
     path, meta = onnx_path(config.export, 'EXPORT')
+    # What the description says of the training data and the name made from it, checked
+    # as bioimage.io would before anything is written (an invalid zip is never kept either).
+    dsb = trained_on_dsb2018(meta)
+    description(config, meta, meta.get('onnx') or {}, '', TEST_SIDE, dsb)
     check_output(config, folder, path)
     import_onnxruntime()
     with lock_file(config.output, '--output'):  # held while the work is done and the zip renamed into place
@@ -438,18 +463,29 @@ def write_package(config):
         agreement = {'max_diff': float(np.abs(fg - own).max()), 'threshold': float(model.threshold),
                      'same': float(np.mean((fg > model.threshold) == (own > model.threshold)))}
         picture, objects = cover(model, image)
-        rdf = description(config, meta, meta['onnx'], source, raw.shape[-1])
-        files = {'bioimageio.yaml': to_yaml(rdf) + '\n', 'README.md': model_card(rdf, meta, agreement, objects),
+        rdf = description(config, meta, meta['onnx'], source, raw.shape[-1], dsb)
+        data_name, _ = training_data(config, meta, dsb)
+        with open(os.path.join(folder, SIDECAR)) as f:
+            sidecar = public_sidecar(json.load(f), dsb)
+        files = {'bioimageio.yaml': to_yaml(rdf) + '\n',
+                 'README.md': model_card(rdf, meta, agreement, objects, os.path.basename(config.output), data_name),
                  'test_input.npy': _npy(raw), 'test_output.npy': _npy(output),
-                 'cover.png': cv2.imencode('.png', picture[..., ::-1])[1].tobytes()}
+                 'cover.png': cv2.imencode('.png', picture[..., ::-1])[1].tobytes(),
+                 SIDECAR: json.dumps(sidecar, indent=2)}
         with atomic_path(config.output) as tmp, zipfile.ZipFile(tmp, 'w', zipfile.ZIP_DEFLATED) as z:
             for name, content in files.items():
                 z.writestr(name, content)
             z.write(path, ONNX_FILE)
-            z.write(os.path.join(folder, SIDECAR), SIDECAR)
             z.close()
             checked = validation_line(tmp, config.output)  # before the rename: an invalid zip is not kept
     notes = ['the spec cannot express: %s' % '; '.join(t.split('**')[1].rstrip('.') for t in limits(meta))]
+    deprecated = spdx_ids()[1]
+    notes += ['note: %s %s is a deprecated SPDX identifier: bioimage.io accepts it with a warning' % (flag, value)
+              for flag, value in (('--license', config.license), ('--training-data-license',
+                                                                  config.training_data_license)) if value in deprecated]
+    if not rdf.get('training_data'):
+        notes.append('note: the description has no training_data: what %s trained on is not recognised data; give '
+                     '--training-data-cite and --training-data-license to describe it' % data_name)
     return config.output, notes + [checked]
 
 

@@ -312,7 +312,9 @@ def model_card(cfg, meta):
         'created': time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
         'data': {'path': os.path.abspath(cfg.data) if cfg.data else 'generated demo nuclei (seed %d)' % cfg.seed,
                  'train_images': data.get('train'), 'val_images': data.get('val'),
-                 'content_sha1': data.get('content_sha1')},
+                 'content_sha1': data.get('content_sha1'),
+                 # how many of them are DSB 2018 stage1_train's, by id: what gluon-unet package cites
+                 'dsb2018_ids': data.get('dsb2018_ids')},
         # The model it was fine-tuned from (bin/train --init), by name and weights' digest.
         'init': models.reference_card(cfg.init),
         'best_epoch': meta.get('epoch'),
