@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import UserError
-from .data.sizes import diameter_choice_error
 from .machine.devices import parse_gpu_list
 from .machine.limits import safe_sides, unet_crash
 
@@ -397,6 +396,7 @@ class TrainConfig:
             raise UserError("--lr-steps must be comma-separated fractions in (0, 1) (got %s)"
                             % shown(self.lr_steps))
         if self.predict_diameter is not None:
+            from .data.sizes import diameter_choice_error  # numpy: not for --help (stdlib only)
             problem = diameter_choice_error(self.predict_diameter)
             if problem:
                 raise UserError('--predict-diameter %s' % problem)

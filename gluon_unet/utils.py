@@ -13,7 +13,6 @@ import tempfile
 import threading
 import zlib
 
-import numpy as np
 
 from .errors import WriteError, errno_words
 
@@ -282,7 +281,8 @@ def crc32_of(chunks, crc=0):
     """CRC-32 of the concatenated ``chunks`` (bytes, or arrays: their raw bytes, C order),
     continuing from ``crc``; as 8 hex digits use ``'%08x' % value``."""
     for chunk in chunks:
-        if isinstance(chunk, np.ndarray):
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):  # an array: numpy only here (--help needs none)
+            import numpy as np
             chunk = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
         crc = zlib.crc32(chunk, crc)
     return crc

@@ -50,3 +50,21 @@ def test_a_missing_dependency_is_one_line_naming_what_to_install(command, args, 
 def test_ctrl_c_while_importing_is_one_line_and_exit_130(command, args, module):
     code, err = _run(module, 'interrupt', command, *args)
     assert code == 130 and err == ['interrupted'], (code, err)
+
+
+#: The commands whose --help needs nothing but the standard library and gluon_unet itself.
+#: (predict, evaluate, export and package build theirs from config classes that live beside
+#: numpy code: not yet.)
+STDLIB_HELP = ['train', 'launch', 'doctor', 'models']
+HEAVY = ('numpy', 'cv2', 'mxnet', 'skimage', 'scipy', 'tifffile', 'tqdm', 'matplotlib')
+
+
+@pytest.mark.parametrize('command', STDLIB_HELP)
+def test_help_needs_only_the_standard_library(command):
+    wrapper = WRAPPER.replace("if name.split('.')[0] == block:", "if name.split('.')[0] in block.split(','):")
+    # python -m gluon_unet COMMAND --help, with every third-party import failing
+    wrapper = wrapper.replace("runpy.run_path(script, run_name='__main__')",
+                              "runpy.run_module('gluon_unet', run_name='__main__', alter_sys=True)")
+    proc = subprocess.run([sys.executable, '-c', wrapper, ','.join(HEAVY), 'missing', 'gluon_unet', command, '--help'],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0 and proc.stdout.startswith('usage: '), proc.stderr[-2000:]
