@@ -36,6 +36,14 @@ def test_dsb2018_is_the_recipe_the_quality_page_scores(tmp_path):
         (100, 58, 0.05, 16, 'val_dsb')
 
 
+@pytest.mark.parametrize('name', ['dsb2018', 'dsb2018-gpu'])
+def test_the_dsb_recipes_search_the_post_processing_as_they_are_scored(tmp_path, name):
+    # Their scores (the grouped validation, the shipped model) predict with --mode tile and
+    # no TTA: the search chooses the settings on maps made that way (issue 70, rule 2).
+    cfg = config_from_args({'data': str(tmp_path)}, name)
+    assert (cfg.tune_postprocess, cfg.tune_mode, cfg.tune_tta) == (True, 'tile', False)
+
+
 def test_flags_override_a_recipe_and_a_file_of_that_name_wins(tmp_path, monkeypatch):
     cfg = config_from_args({'data': str(tmp_path), 'epochs': 3, 'width': 12}, 'dsb2018')
     assert (cfg.epochs, cfg.model.width, cfg.model.depth) == (3, 12, 5)
