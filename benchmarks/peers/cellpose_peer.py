@@ -1,0 +1,319 @@
+"""Cellpose 3 as a peer of gluon_unet (issue 71): trained from scratch on a DSB-layout folder
+for a wall-time budget, with its size model, then predicting a folder into
+``<id>_labels.png`` (16-bit instance labels) that ``bin/evaluate`` scores like
+``bin/predict``'s.
+
+Install (its own venv, never the project's ``.venv``; Python 3.11, for which the CPU build of
+torch 2.13.0 lies on this machine's disk: install it first, so that cellpose's ``torch>=1.6``
+takes it and pip never pulls a CUDA build of several GB)::
+
+    /root/.pyenv/versions/3.11.7/bin/python -m venv /tmp/venv-cellpose
+    /tmp/venv-cellpose/bin/pip install torch==2.13.0
+    /tmp/venv-cellpose/bin/pip install -r benchmarks/peers/requirements-cellpose.txt
+
+Run (from the repository root)::
+
+    /tmp/venv-cellpose/bin/python benchmarks/peers/cellpose_peer.py train \\
+        --data /tmp/dsb/train --out /tmp/peers/cellpose --minutes 58
+    /tmp/venv-cellpose/bin/python benchmarks/peers/cellpose_peer.py predict \\
+        --model /tmp/peers/cellpose --input /tmp/dsb/holdout --output /tmp/peers/pred-cellpose
+    .venv/bin/python bin/evaluate --pred /tmp/peers/pred-cellpose --truth /tmp/dsb/holdout --csv cp.csv
+
+What it does, and why:
+
+* Cellpose 3.1 (the last U-Net Cellpose, ``CPnet`` 32-64-128-256; Cellpose 4's ``cpsam`` is a
+  ViT-L that cannot be trained on these CPUs) from random weights (``pretrained_model=False``,
+  what its CLI's ``--pretrained_model None`` means): nothing can be downloaded here, and the
+  comparison is of methods trained on the same images.
+* Nuclei setup: grey input, ``channels=[0, 0]`` (grey + an empty second channel, ``nchan=2``)
+  and ``diam_mean=17``, the size the built-in ``nuclei`` model rescales nuclei to. Training
+  takes the CLI's defaults for training (``python -m cellpose --train``): SGD, learning rate
+  0.2, momentum 0.9, weight decay 1e-5, batch 8, 224 px crops, each image rescaled by its
+  own mean nucleus diameter to ``diam_mean`` (+- scale augmentation), images with fewer
+  than 5 nuclei left out (``min_train_masks``), its percentile normalization (1-99).
+  Images are made grey as gluon_unet's ``--channels 1`` makes them (colour -> luma);
+  ``--invert-bright`` inverts bright-background images as gluon_unet's ``--normalize
+  auto`` does (off by default: Cellpose is run as it is).
+* The budget: the CLI's 500 epochs are sized by ``nimg_per_epoch`` so that they fill the
+  time (an epoch = that many images drawn at random), keeping Cellpose's learning-rate
+  schedule (10 warm-up epochs, then halvings over the last 100) whole; the time per batch
+  is measured first on a few batches at learning rate 0. If the machine slows down, a
+  guard stops training at the deadline anyway (``stopped_by_guard`` in the record).
+  ``--minutes`` is the wall time of the whole command, imports, flows and the size model
+  included.
+* Diameter: Cellpose 3 trains its size model from scratch too (``train.train_size``: a
+  linear regression from the network's style vector to the log nucleus diameter), in the
+  last ``--size-minutes`` of the budget; ``predict`` estimates each image's diameter with
+  it and segments at that diameter, as ``models.Cellpose.eval`` does with a built-in model.
+  ``--diameter N`` (predict) overrides it with a fixed value, 0 = the training mean.
+* ``MODEL_DIR/budget.json`` records wall and CPU seconds, epochs, batches, images seen, the
+  machine's load beside the run; ``predict`` records seconds, CPU seconds and peak resident
+  memory (``VmHWM``, reset before each image) per image in ``OUTPUT/prediction_times.csv``
+  and ``OUTPUT/prediction.json``.
+
+Threads: ``torch.set_num_threads`` from ``OMP_NUM_THREADS`` (else every allowed core). This
+script never imports gluon_unet (its venv has no MXNet); what it shares with
+``stardist_peer.py`` is in ``peer_common.py`` beside it.
+"""
+import argparse
+import os
+import sys
+import time
+
+_T0 = time.time()  # the budget counts from here: imports and data loading are part of it
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: Cellpose's nuclei setup and its CLI's training defaults (cellpose 3.1 ``cli.py``).
+DIAM_MEAN = 17.0
+CHANNELS = [0, 0]
+TRAIN = dict(learning_rate=0.2, weight_decay=1e-5, momentum=0.9, SGD=True, batch_size=8, min_train_masks=5)
+TARGET_EPOCHS = 500
+#: Batches timed at learning rate 0 before the plan: the time between the first two loss
+#: calls is one whole batch (backward, the next batch's crops, forward), without the first
+#: call's warm-up.
+CALIBRATION_BATCHES = 2
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest='command', required=True)
+    t = sub.add_parser('train', help='train from scratch (and its size model) on a DSB-layout folder for a budget')
+    t.add_argument('--data', required=True, help='DSB-layout folder: <id>/images/<id>.png + <id>/masks/*.png')
+    t.add_argument('--out', required=True, help='model folder to create (weights, size model, budget.json)')
+    t.add_argument('--minutes', type=float, required=True, help='wall time of the whole command, in minutes')
+    t.add_argument('--size-minutes', type=float, default=None,
+                   help='of the budget, kept for the size model (default: 8%% of --minutes, at least 0.3)')
+    t.add_argument('--epochs', type=int, default=TARGET_EPOCHS,
+                   help='epochs the budget is divided into (default %(default)s, the CLI\'s)')
+    t.add_argument('--invert-bright', action='store_true',
+                   help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto')
+    t.add_argument('--limit', type=int, default=0, help='use only the first N samples (smoke tests)')
+    t.add_argument('--seed', type=int, default=0)
+    q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
+    q.add_argument('--model', required=True, help='a folder made by train')
+    q.add_argument('--input', required=True, help='DSB layout or a folder of images')
+    q.add_argument('--output', required=True, help='folder for <id>_labels.png and the timing records')
+    q.add_argument('--diameter', type=float, default=None,
+                   help='a fixed nucleus diameter in pixels instead of the size model (0 = the training mean)')
+    q.add_argument('--limit', type=int, default=0, help='predict only the first N images (smoke tests)')
+    return p
+
+
+def _threads():
+    from peer_common import thread_count
+    import torch
+    n = thread_count()
+    torch.set_num_threads(n)
+    return dict(torch_threads=n)
+
+
+def _versions():
+    import cellpose
+    import numpy
+    import torch
+    from cellpose import version
+    return dict(cellpose=version, torch=torch.__version__, numpy=numpy.__version__,
+                python=sys.version.split()[0], cellpose_file=os.path.dirname(cellpose.__file__))
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+class _BatchClock:
+    """Wraps ``cellpose.train._loss_fn_seg``, which ``train_seg`` calls once per batch: it
+    counts batches and images, times them, and raises :class:`_OutOfTime` past a deadline
+    (``train_seg`` has no callback; the weights it trained stay in ``net``)."""
+
+    def __init__(self, train_module):
+        self.module = train_module
+        self.original = train_module._loss_fn_seg
+        self.deadline = float('inf')
+        self.reset()
+        train_module._loss_fn_seg = self
+
+    def reset(self):
+        self.batches, self.images, self.times = 0, 0, []
+
+    def __call__(self, lbl, y, device):
+        if time.time() > self.deadline:
+            raise _OutOfTime()
+        self.batches += 1
+        self.images += len(lbl)
+        self.times.append(time.time())
+        return self.original(lbl, y, device)
+
+
+def _grey_inputs(samples, invert_bright):
+    from peer_common import invert_if_bright, read_grey, read_labels
+    X, Y, n_inv = [], [], 0
+    for _sid, img_path, mask_paths in samples:
+        grey = read_grey(img_path)
+        if invert_bright:
+            grey, inv = invert_if_bright(grey)
+            n_inv += inv
+        X.append(grey)
+        Y.append(read_labels(mask_paths))
+    return X, Y, n_inv
+
+
+def train(args):
+    import numpy as np
+    from peer_common import Budget, cpu_seconds, list_dsb, machine_busy_seconds, machine_info, write_json
+    budget = Budget(args.minutes, start=_T0)
+    busy0 = machine_busy_seconds()
+    size_reserve = (args.size_minutes if args.size_minutes is not None else max(0.3, 0.08 * args.minutes)) * 60
+    if os.path.exists(os.path.join(args.out, 'budget.json')):
+        raise SystemExit('%s already holds a model; choose another --out' % args.out)
+    os.makedirs(args.out, exist_ok=True)
+    threads = _threads()
+    import torch
+    from cellpose import dynamics, models
+    from cellpose import train as cp_train
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+
+    samples = list_dsb(args.data)
+    if args.limit:
+        samples = samples[:args.limit]
+    X, Y, n_inv = _grey_inputs(samples, args.invert_bright)
+    # Flows once, here: train_seg would compute them again at each call (they are its
+    # target: the gradient of a heat diffusion from each nucleus's centre).
+    t_flow = time.time()
+    flows = dynamics.labels_to_flows(Y, device=torch.device('cpu'))
+    flow_seconds = time.time() - t_flow
+    n_masks = [int(f[0].max()) for f in flows]
+    kept = sum(n >= TRAIN['min_train_masks'] for n in n_masks)
+    print('%d images (%d inverted; %d with >= %d nuclei are trained on), flows in %.1f s, loaded at %.1f s'
+          % (len(X), n_inv, kept, TRAIN['min_train_masks'], flow_seconds, budget.elapsed()), flush=True)
+
+    cp = models.CellposeModel(gpu=False, pretrained_model=False, model_type=None, diam_mean=DIAM_MEAN, nchan=2)
+    clock = _BatchClock(cp_train)
+    common = dict(train_data=X, train_labels=flows, channels=CHANNELS, normalize=True, save_path=args.out,
+                  model_name='cellpose_peer', rescale=True, **TRAIN)
+
+    # 1. the time per batch, at learning rate 0 (train_seg's first epoch is the warm-up's 0)
+    t_cal = time.time()
+    cp_train.train_seg(cp.net, n_epochs=1, nimg_per_epoch=CALIBRATION_BATCHES * TRAIN['batch_size'], **common)
+    cal_seconds = time.time() - t_cal
+    ts = clock.times
+    per_batch = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else cal_seconds
+    overhead = max(0.0, cal_seconds - per_batch * len(ts))  # train_seg's own set-up per call
+    clock.reset()
+
+    # 2. the plan: the batches that fit before the size model's reserve, into the CLI's epochs
+    train_until = budget.deadline - size_reserve
+    fit = int((train_until - time.time() - overhead) / per_batch)
+    if fit < 1:  # train one batch anyway, so that the rest runs; the record shows the overrun
+        print('warning: the budget leaves no time to train (%.1f s per batch); one batch only' % per_batch)
+        fit = 1
+    per_epoch = max(1, fit // args.epochs)
+    n_epochs = max(1, fit // per_epoch)
+    nimg_per_epoch = per_epoch * TRAIN['batch_size']
+    print('calibration: %.2f s per batch of %d, set-up %.1f s; plan: %d epochs of %d images (%d batches) until '
+          '%.0f s' % (per_batch, TRAIN['batch_size'], overhead, n_epochs, nimg_per_epoch, n_epochs * per_epoch,
+                      train_until - budget.start), flush=True)
+    clock.deadline = max(train_until, time.time() + 1.5 * per_batch)
+    cpu0, t_train = cpu_seconds(), time.time()
+    stopped = False
+    try:
+        cp_train.train_seg(cp.net, n_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch, save_every=max(100, n_epochs),
+                           **common)
+    except _OutOfTime:
+        stopped = True
+    train_seconds, train_cpu = time.time() - t_train, cpu_seconds() - cpu0
+    batches, images = clock.batches, clock.images
+    clock.deadline = float('inf')
+    weights = os.path.join(args.out, 'models', 'cellpose_peer')
+    cp.net.save_model(weights)  # also when the guard stopped train_seg before its own save
+    cp.pretrained_model = weights
+    diam_labels = float(cp.net.diam_labels.item())
+
+    # 3. the size model in what is left: time one batch of style vectors, then as many as fit
+    t_size = time.time()
+    sz_common = dict(train_data=X, train_labels=flows, channels=CHANNELS, normalize=True,
+                     min_train_masks=TRAIN['min_train_masks'], batch_size=TRAIN['batch_size'])
+    t1 = time.time()
+    cp_train.train_size(cp.net, weights, n_epochs=1, nimg_per_epoch=TRAIN['batch_size'], **sz_common)
+    one = time.time() - t1
+    n_fit = max(1, int(max(0.0, budget.left() - one) / max(one, 1e-3)))  # batches (set-up is in `one` too)
+    size_epochs = max(1, min(10, (n_fit * TRAIN['batch_size']) // max(1, kept)))  # train_size's default: 10
+    size_nimg = max(TRAIN['batch_size'], min(kept, (n_fit * TRAIN['batch_size']) // size_epochs))
+    params = cp_train.train_size(cp.net, weights, n_epochs=size_epochs, nimg_per_epoch=size_nimg, **sz_common)
+    size_seconds = time.time() - t_size
+    del params
+
+    busy1 = machine_busy_seconds()
+    wall = budget.elapsed()
+    record = dict(
+        peer='cellpose', minutes=args.minutes, size_minutes=round(size_reserve / 60, 3),
+        wall_seconds=round(wall, 1), over_budget_seconds=round(max(0.0, wall - budget.seconds), 1),
+        flow_seconds=round(flow_seconds, 1), calibration_seconds=round(cal_seconds, 1),
+        seconds_per_batch=round(per_batch, 3), train_wall_seconds=round(train_seconds, 1),
+        train_cpu_seconds=round(train_cpu, 1), cpu_seconds=round(cpu_seconds(), 1),
+        size_model_seconds=round(size_seconds, 1), size_model_epochs=size_epochs, size_model_images=size_nimg,
+        machine_busy_seconds=None if busy0 is None else round(busy1 - busy0, 1),
+        machine_busy_note='CPU seconds of every process on the machine during the run; this run\'s own is '
+                          'cpu_seconds',
+        planned_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch, batches=batches, images_seen=images,
+        epochs=round(batches / per_epoch, 3), stopped_by_guard=stopped,
+        images_seen_note='training crops (%d px), one per image drawn' % 224,
+        train_images=len(X), trained_images=kept, inverted_images=n_inv, invert_bright=args.invert_bright,
+        diam_mean=DIAM_MEAN, diam_labels=round(diam_labels, 2), channels=CHANNELS, train_settings=TRAIN,
+        seed=args.seed, data=os.path.abspath(args.data), threads=threads, versions=_versions(),
+        machine=machine_info())
+    write_json(os.path.join(args.out, 'budget.json'), record)
+    write_json(os.path.join(args.out, 'peer.json'), dict(peer='cellpose', invert_bright=args.invert_bright,
+                                                         weights='models/cellpose_peer',
+                                                         size_model='models/cellpose_peer_size.npy',
+                                                         diam_mean=DIAM_MEAN, diam_labels=diam_labels,
+                                                         channels=CHANNELS))
+    print('done: %d batches (%.2f of %d planned epochs, %d images) in %.1f s of training%s, size model in %.1f s, '
+          '%.1f s in all (budget %.0f s); %s' % (batches, record['epochs'], n_epochs, images, train_seconds,
+                                                 ' (stopped by the guard)' if stopped else '', size_seconds, wall,
+                                                 budget.seconds, os.path.join(args.out, 'budget.json')), flush=True)
+
+
+def predict(args):
+    from peer_common import invert_if_bright, list_inputs, predict_loop, read_json, write_prediction_record
+    threads = _threads()
+    import numpy as np
+    from cellpose import models
+    settings = read_json(os.path.join(args.model, 'peer.json'))
+    cp = models.CellposeModel(gpu=False, pretrained_model=os.path.join(args.model, settings['weights']),
+                              nchan=2)
+    size = None
+    if args.diameter is None:
+        size = models.SizeModel(cp_model=cp, pretrained_size=os.path.join(args.model, settings['size_model']))
+    fixed = None if args.diameter is None else (args.diameter or settings['diam_labels'])
+    items = list_inputs(args.input)
+    if args.limit:
+        items = items[:args.limit]
+
+    def one(grey):
+        inverted = False
+        if settings['invert_bright']:
+            grey, inverted = invert_if_bright(grey)
+        # the diameter as models.Cellpose.eval gets it: the size model's estimate (styles ->
+        # diameter, refined by one segmentation at that size), then segment at it
+        diam = fixed if size is None else float(size.eval(grey, channels=CHANNELS)[0])
+        masks = cp.eval(grey, channels=CHANNELS, diameter=diam)[0]
+        return np.asarray(masks), dict(diameter=round(diam, 2), inverted=inverted)
+
+    rows = predict_loop(items, args.output, one)
+    s = write_prediction_record(args.output, rows, dict(
+        peer='cellpose', model=os.path.abspath(args.model), threads=threads, versions=_versions(),
+        diameter='size model' if size is not None else fixed, invert_bright=settings['invert_bright']))
+    print('predicted %d images in %.1f s (median %.2f s per image, peak %.0f MiB) into %s'
+          % (s['images'], s['seconds_total'], s['seconds_median'], s['peak_rss_mib_max'], args.output))
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    train(args) if args.command == 'train' else predict(args)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,96 @@
+"""The peers' shared rules (benchmarks/peers/peer_common.py) agree with gluon_unet's, without any
+peer installed: the same grey image, the same bright-background inversion as ``--normalize
+auto``, DSB masks merged as training reads them, labels that ``bin/evaluate`` reads back; and
+both peer scripts answer ``--help`` with the standard library alone (their frameworks are
+imported only by the subcommands, in the peers' own venvs)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEERS = os.path.join(ROOT, 'benchmarks', 'peers')
+sys.path.insert(0, PEERS)
+
+import peer_common  # noqa: E402
+from gluon_unet.data import io  # noqa: E402
+from gluon_unet.inference.evaluate import read_labels as evaluate_read_labels  # noqa: E402
+
+
+def test_the_bright_background_cut_is_gluon_unets():
+    assert peer_common.BRIGHT_BACKGROUND == io.BRIGHT_BACKGROUND
+
+
+@pytest.mark.parametrize('median', [0, 44, 80, 81, 127, 200])
+def test_inversion_decides_as_normalize_invert(median):
+    rng = np.random.RandomState(median)
+    grey = np.full((40, 50), median, np.uint8)
+    spots = rng.rand(40, 50) < 0.2  # a minority of nuclei, darker or brighter than the background
+    grey[spots] = rng.randint(0, 256, spots.sum())
+    ours, inverted = peer_common.invert_if_bright(grey)
+    theirs = io.normalize_image(grey[..., None], 'invert')[..., 0]
+    np.testing.assert_array_equal(ours, theirs)
+    assert inverted == (median > 80)
+
+
+def test_grey_is_the_grey_of_channels_1(tmp_path):
+    rng = np.random.RandomState(0)
+    colour = rng.randint(0, 256, (30, 20, 4)).astype(np.uint8)  # RGBA: alpha dropped
+    flat = np.repeat(rng.randint(0, 256, (30, 20, 1)).astype(np.uint8), 3, axis=2)  # grey stored as RGB
+    for name, arr in (('c.png', colour), ('g.png', flat)):
+        path = str(tmp_path / name)
+        import cv2
+        bgr = arr[..., [2, 1, 0, 3]] if arr.shape[2] == 4 else arr[..., ::-1]
+        assert cv2.imwrite(path, np.ascontiguousarray(bgr))
+        np.testing.assert_array_equal(peer_common.read_grey(path), io.read_image(path, channels=1)[..., 0])
+
+
+def test_dsb_folder_read_and_labels_written_as_bin_evaluate_reads_them(tmp_path):
+    import cv2
+    sample = tmp_path / 'data' / 'abc'
+    (sample / 'images').mkdir(parents=True)
+    (sample / 'masks').mkdir()
+    assert cv2.imwrite(str(sample / 'images' / 'abc.png'), np.zeros((16, 16, 3), np.uint8))
+    masks = []
+    for k, (r, c) in enumerate([(2, 2), (8, 8), (9, 9)]):  # the last two overlap: later wins
+        m = np.zeros((16, 16), np.uint8)
+        m[r:r + 4, c:c + 4] = 255
+        masks.append(str(sample / 'masks' / ('m%d.png' % k)))
+        assert cv2.imwrite(masks[-1], m)
+    (listed,) = peer_common.list_dsb(str(tmp_path / 'data'))
+    assert listed[0] == 'abc' and listed[2] == masks
+    np.testing.assert_array_equal(peer_common.read_labels(listed[2]), io.merge_object_masks(masks))
+    assert peer_common.list_inputs(str(tmp_path / 'data')) == [('abc', str(sample / 'images' / 'abc.png'))]
+
+    labels = np.zeros((16, 16), np.int64)
+    labels[0:3, 0:3], labels[5:9, 5:9], labels[12:, 12:] = 7, 70000, 300  # ids beyond 16 bits renumbered
+    out = str(tmp_path / 'abc_labels.png')
+    peer_common.write_labels(out, labels)
+    back = evaluate_read_labels(out)
+    assert sorted(np.unique(back)) == [0, 1, 2, 3]
+    for region in ((slice(0, 3), slice(0, 3)), (slice(5, 9), slice(5, 9)), (slice(12, 16), slice(12, 16))):
+        assert len(np.unique(back[region])) == 1 and back[region][0, 0] > 0
+    assert (back > 0).sum() == (labels > 0).sum()
+
+
+def test_validation_split_is_seeded_and_disjoint():
+    ids = ['id%02d' % i for i in range(20)]
+    trn, val = peer_common.split_ids(ids, 0.15, 42)
+    assert len(val) == 3 and sorted(trn + val) == ids
+    assert peer_common.split_ids(ids, 0.15, 42) == (trn, val)
+    assert peer_common.split_ids(ids, 0.0, 42) == (ids, [])
+
+
+@pytest.mark.parametrize('script', ['stardist_peer.py', 'cellpose_peer.py'])
+def test_peer_scripts_parse_without_their_frameworks(script):
+    path = os.path.join(PEERS, script)
+    for args in (['--help'], ['train', '--help'], ['predict', '--help']):
+        done = subprocess.run([sys.executable, path] + args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert 'usage:' in done.stdout
+    # the module doc says how to install and run it
+    with open(path) as f:
+        head = f.read(3000)
+    assert 'pip install -r benchmarks/peers/requirements-' in head and ' train ' in head and ' predict ' in head
