@@ -256,6 +256,25 @@ def find_csv(csv_path, skip_unpaired=False):
     return samples
 
 
+def csv_folders(csv_path):
+    """The folders the images and masks a CSV lists lie in (absolute, each once), resolved
+    as :func:`find_csv` resolves them: inputs of a run as much as the CSV itself (an output
+    there could replace a listed file, and ``--overwrite`` delete it). Empty when the CSV
+    cannot be read: reading the data then says why."""
+    base = os.path.dirname(os.path.abspath(os.fspath(csv_path)))
+    try:
+        with open(csv_path, newline='') as f:
+            rows = list(csv.DictReader(f))
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+    found = {}
+    for row in rows:
+        for key, value in row.items():
+            if (key or '').strip().lower() in ('image', 'mask') and isinstance(value, str) and value.strip():
+                found.setdefault(os.path.dirname(os.path.join(base, value.strip())), None)
+    return list(found)
+
+
 def discover(path, masks=None, layout='auto', mask_suffix='_mask', skip_unpaired=False, flag='--data'):
     """Find the samples of a dataset.
 

@@ -14,8 +14,9 @@ import warnings
 
 import numpy as np
 
-from . import readers
+from . import layouts, readers
 from ..errors import UserError
+from ..outputs import check_apart as paths_apart
 from .known import count_dsb2018
 from .sizes import nucleus_sizes
 from .augment import StainJitter, make_transform
@@ -150,6 +151,34 @@ def data_changed(old, new):
 
 #: The config fields that are paths a run reads, and their flags.
 PATH_FIELDS = (('data', '--data'), ('masks', '--masks'), ('val_data', '--val-data'), ('cache_dir', '--cache-dir'))
+
+
+def data_inputs(cfg, whose=''):
+    """What the data of ``cfg`` reads, as :func:`~gluon_unet.outputs.check_apart` takes it:
+    ``--data``, ``--masks``, ``--val-data`` and, for a CSV, each folder its images and masks
+    lie in (``whose``: ``"the run's "`` for a run's data read by another command)."""
+    found = []
+    for name, flag in PATH_FIELDS[:3]:
+        path = getattr(cfg, name)
+        if path:
+            found.append((whose + flag, path))
+            if os.path.isfile(path):
+                found += [('%s%s (its CSV lists files in)' % (whose, flag), folder)
+                          for folder in layouts.csv_folders(path)]
+    return found
+
+
+def check_data_apart(outputs, cfg, cache, command, whose='', also_read=(), own=()):
+    """Refuse, in one line, an output that is, or lies inside, what the run's data reads
+    (:func:`data_inputs`), the cache of decoded images ``cache`` or ``also_read``; and a
+    cache - which decoding the data writes - that is, or lies inside, what it reads.
+
+    ``own``: as :func:`~gluon_unet.outputs.check_apart`'s (the cache is never one of the
+    files an output folder's command writes there)."""
+    read = data_inputs(cfg, whose) + list(also_read)
+    label = whose + '--cache-dir'
+    paths_apart(outputs, read + [(label, cache)], command, own)
+    paths_apart([(label, cache)], read, command, own)
 
 
 def run_folder_of(checkpoint):

@@ -18,9 +18,10 @@ from typing import Optional
 # them: importing this module loads no mxnet.
 from .. import models
 from ..config import check_fields, option, within
-from ..data.prepare import check_run_data, run_data_config
+from ..data.cache import default_cache_dir
+from ..data.prepare import check_data_apart, check_run_data, run_data_config
 from ..errors import DamagedFile, Stopped, UserError, stop_signals
-from ..outputs import check_apart, check_inputs, check_owner, held_elsewhere, lock_folder
+from ..outputs import LOCK_NAME, check_apart, check_inputs, check_owner, held_elsewhere, lock_folder
 from ..paths import EXPORT_FILES, holds_run, is_export_sidecar, others_files, remove_leftovers
 from ..utils import check_writable
 from .export import check_export_folder, export_source, staged_export, write_export
@@ -104,6 +105,8 @@ def run_export(config):
     check_export_folder(out)
     check_writable(out, '--output')
     source = export_source(ckpt)
+    if config.tune_postprocess or config.int8:
+        check_run_data_apart(config, ckpt, out)
     # Held for the whole command: two exports into one folder never interleave.
     with lock_folder(out, '--output', 'export folder'):
         # What an export killed half way left here goes, unless the run this folder is the
@@ -134,8 +137,6 @@ def _export(config, ckpt, out, source, onnx):
         # The run's relative paths mean what they meant where it trained, and its data must
         # still be the images it trained on, as --resume requires.
         cfg = run_data_config(cfg, meta, ckpt)
-        check_apart([('--output', out)], [("the run's --data", cfg.data), ("the run's --masks", cfg.masks),
-                                          ("the run's --val-data", cfg.val_data)], what)
         check_run_data(cfg, meta, what)
     int8 = run_calibration(cfg, config.int8_inputs, config.int8_calibration) if config.int8 else None
     tuned, notes = None, []
@@ -205,6 +206,35 @@ def _export_again(config, prefix, onnx):
             with staged_export(out) as stage:
                 note = write_export(net, cfg, stage, record, sidecar_extra=extra, onnx=onnx)
     return os.path.join(os.path.abspath(out), 'model'), [note] if note else [], None
+
+
+def check_run_data_apart(config, ckpt, out):
+    """Refuse, before the export folder is made, an ``out`` that is, or lies inside, the
+    data ``--tune-postprocess`` / ``--int8`` read again (a CSV's folders included) or the
+    cache of decoded images that reading writes; and that cache inside what is read or
+    being one of the export's files."""
+    from ..checkpoint import load_checkpoint
+    from ..config import TrainConfig
+    try:
+        meta = load_checkpoint(ckpt)
+    except DamagedFile:
+        return  # the export says so, with the run's newest intact checkpoint
+    if not isinstance(meta.get('config'), dict):
+        return
+    cfg = run_data_config(TrainConfig.from_dict(meta['config']), meta, ckpt)
+    what = 'export --tune-postprocess' if config.tune_postprocess else 'export --int8'
+    cache = default_cache_dir() if cfg.cache_dir is None else cfg.cache_dir or None
+    folder = os.path.dirname(os.path.abspath(ckpt))
+    check_data_apart([('--output', out)], cfg, cache, what, whose="the run's ",
+                     also_read=[('RUN|CHECKPOINT', ckpt)] + ([("the run's checkpoints", folder)]
+                                                             if os.path.basename(folder) == 'checkpoints' else []),
+                     own=[('--output', out, _export_writes)])
+
+
+def _export_writes(name):
+    """Whether ``name`` (relative to an export folder) is, or lies in, what an export writes there."""
+    first = name.split(os.sep)[0]
+    return first in EXPORT_FILES or first == LOCK_NAME or first.startswith('.tmp-export-')
 
 
 def check_export_owner(out, source, default_out, overwrite):

@@ -24,14 +24,14 @@ from ..checkpoint import load_checkpoint
 from ..config import TrainConfig
 from ..data.cache import default_cache_dir
 from ..data.loader import default_workers, make_loader, set_loader_epoch
-from ..data.prepare import BALANCE_POWER, balanced_epoch_length, log_groups, prepare_data
+from ..data.prepare import BALANCE_POWER, balanced_epoch_length, check_data_apart, log_groups, prepare_data
 from ..errors import UserError
 from ..inference import postprocess
 from ..inference.postprocess_search import search_seconds, tune_on_dataset
 from ..inference.sidecar import geometry
 from ..machine.devices import context_names, make_contexts
 from ..machine.runtime import process_gpus
-from ..outputs import check_apart, check_inputs
+from ..outputs import check_inputs
 from ..reporting import log_to_files, setup_logging
 from .budget import epoch_estimate, planned_epochs
 from .ema import applied, make_average
@@ -109,10 +109,9 @@ def fit(cfg, train_ds=None, val_ds=None, verbose=True, callbacks=(), net=None, i
     if cfg.cache_dir and os.path.lexists(cfg.cache_dir):  # made when missing
         check_inputs([('--cache-dir', cfg.cache_dir, 'folder')])
     cache = cfg.cache_dir or (default_cache_dir() if cfg.data else None)
-    check_apart([('--output', cfg.output or default_base)],
-                [('--data', cfg.data), ('--masks', cfg.masks), ('--val-data', cfg.val_data), ('--cache-dir', cache),
-                 ('--init', models.resolve(models.split_reference(cfg.init)[0]) if cfg.init else None)],
-                'train')
+    # The data includes the folders a CSV's files lie in; the cache is written as well as read.
+    check_data_apart([('--output', cfg.output or default_base)], cfg, cache, 'train',
+                     also_read=[('--init', models.resolve(models.split_reference(cfg.init)[0]) if cfg.init else None)])
     source = None
     if cfg.init:  # MODEL's settings, then what was chosen against them, checked again
         source = find_source(cfg.init)
