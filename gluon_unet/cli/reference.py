@@ -139,6 +139,13 @@ def render_cli():
              'Every command: `gluon-unet COMMAND [flags]` (or `bin/COMMAND`, or `python -m gluon_unet '
              'COMMAND`). Each also takes `-h` / `--help` and `--version`. Bad input stops with one '
              'line, `error: ...`, naming the flag or file, and a non-zero exit code.', '',
+             'Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session; not under `nohup`) stop each '
+             'command that writes the same way: it says in one line what it keeps, removes its temporary files '
+             'and exits 130, 143 or 129 (`train` saves a resumable checkpoint first, `predict`\'s manifest records the '
+             'stop, `launch` forwards the signal to its job). After `kill -9`, the next command that owns the '
+             'folder removes the temporary files left there, and `launch`\'s processes die with it. '
+             '`--overwrite` replaces only what the output\'s own record says this command wrote: anything else '
+             'there stays and is named in one line ([outputs.md](outputs.md)).', '',
              '| command | what it does |', '|---|---|']
     lines += ['| [%s](#%s) | %s |' % (name, name, _cell(text)) for name, (_, text) in cli.COMMANDS.items()]
     lines.append('')

@@ -76,8 +76,9 @@ class PackageConfig:
                                         'of the new images it segmented, <run>/demo_inputs/)', metavar='FILE', path='in')
     license: str = option('CC-BY-4.0', "SPDX identifier of the model's licence (https://spdx.org/licenses/)",
                           metavar='SPDX')
-    name: Optional[str] = option(None, "the model's name: letters, digits, spaces and _+-() only, 5 to 128 characters "
-                                       "(default: 'gluon_unet nuclei U-Net' and its training data)", metavar='TEXT')
+    name: Optional[str] = option(None, "the model's name: letters, digits, spaces and _+-() only, 5 to 128 "
+                                       "characters (default: 'gluon_unet nuclei U-Net' and its training data)",
+                                 metavar='TEXT')
     training_data: Optional[str] = option(None, 'what the model trained on, in words, at most 128 characters '
                                                 '(default: DSB 2018 stage1_train when it is that data, else the '
                                                 'name of the data folder, or the demo\'s generated nuclei)',
