@@ -79,13 +79,14 @@ def test_fit_stores_the_tuned_settings_and_predict_uses_them(tiny, tmp_path, mon
     assert (model.threshold, model.min_size, model.h, model.min_score) == (
         tuned['threshold'], tuned['min_size'], tuned['h'], tuned['min_score'])
     seen = {}
-    real = predict_mod.instances_from_maps
+    import gluon_unet.inference.batched as batched_mod  # the one instance step (LoadedModel.instances)
+    real = batched_mod.instances_from_maps
 
     def spy(prob, **kw):
         seen.update(kw)
         return real(prob, **kw)
 
-    monkeypatch.setattr(predict_mod, 'instances_from_maps', spy)
+    monkeypatch.setattr(batched_mod, 'instances_from_maps', spy)
     from gluon_unet.data.synthetic import synthetic_nuclei
     import cv2
     os.makedirs(str(tmp_path / 'in'))
