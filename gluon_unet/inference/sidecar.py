@@ -373,7 +373,7 @@ def weights_digest(prefix):
     params = prefix + '-0000.params'
     onnx = os.path.join(os.path.dirname(prefix), ONNX)
     if not os.path.isfile(params) and os.path.isfile(onnx):
-        return 'onnx:' + _file_sha256(onnx)
+        return 'onnx:' + file_sha256(onnx)
     size = os.path.getsize(params)
     names = _variable_names(prefix + '-symbol.json')
     tail = 8 + sum(8 + len(('arg:' + n).encode()) for n in names)
@@ -400,7 +400,7 @@ def weights_digest(prefix):
     return 'arrays:' + digest.hexdigest()
 
 
-def _file_sha256(path):
+def file_sha256(path):
     """SHA-256 of a file's bytes, hex."""
     digest = hashlib.sha256()
     with open(path, 'rb') as f:

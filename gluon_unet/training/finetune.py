@@ -17,7 +17,6 @@ model without a local path: :func:`gluon_unet.models.reference_card`), and a pin
 ``--init nuclei@sha256:...`` refuses other weights.
 """
 import dataclasses
-import hashlib
 import os
 from dataclasses import dataclass
 
@@ -134,10 +133,11 @@ def _from_export(prefix, label, flag, given):
 
 def _from_checkpoint(path, label, flag, given):
     from ..checkpoint import load_checkpoint
+    from ..inference.sidecar import file_sha256
     meta = load_checkpoint(path)  # checks its digest: a damaged file is one line
     if not isinstance(meta.get('config'), dict):
         raise UserError('%s %s: the checkpoint holds no training config' % (flag, given))
-    return Source(label, 'checkpoint', path, _config(meta['config'], flag, given), 'sha256:' + _file_sha256(path))
+    return Source(label, 'checkpoint', path, _config(meta['config'], flag, given), 'sha256:' + file_sha256(path))
 
 
 def _config(saved, flag, given):
@@ -151,14 +151,6 @@ def _config(saved, flag, given):
 def _named_digest(digest):
     """:func:`~gluon_unet.inference.sidecar.weights_digest` with its algorithm named."""
     return digest if ':' in digest else 'sha256:' + digest
-
-
-def _file_sha256(path):
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 22), b''):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def chosen_settings(cfg, defaults=None):
