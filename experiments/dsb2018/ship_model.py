@@ -128,9 +128,10 @@ def main(argv=None):
     meta['source'] = {'run': 'runs/nuclei', 'checkpoint': 'runs/nuclei/checkpoints/best.ckpt'}
     with atomic_open(os.path.join(stage, SIDECAR)) as f:
         json.dump(meta, f, indent=2)
+    sizes = {n: os.path.getsize(os.path.join(stage, n)) for n in ('model-0000.params', 'model.onnx')}
     with atomic_open(os.path.join(stage, 'README.md')) as f:
         f.write(model_card_text(meta, per_group, macro, (mean, count, by_kind),
-                                *run_facts(args.run, os.path.join(stage, 'model-0000.params'))))
+                                *run_facts(args.run, os.path.join(stage, 'model-0000.params')), sizes))
     shutil.rmtree(TARGET, ignore_errors=True)
     os.makedirs(TARGET)
     for name in ('model-symbol.json', 'model-0000.params', 'model.onnx', SIDECAR, 'README.md'):
@@ -139,7 +140,7 @@ def main(argv=None):
     print('shipped %s: %.2f MB; random hold-out %.3f; grouped macro %.3f' % (TARGET, size / 1e6, mean, macro))
 
 
-def model_card_text(meta, per_group, macro, holdout, epochs, params):
+def model_card_text(meta, per_group, macro, holdout, epochs, params, sizes):
     """The README.md model card."""
     cfg, tuned = meta['config'], meta.get('postprocess') or {}
     mean, count, by_kind = holdout
@@ -149,7 +150,7 @@ def model_card_text(meta, per_group, macro, holdout, epochs, params):
     return """# `nuclei`: the shipped generalist for cell nuclei
 
 A U-Net (width {width}, depth {depth}, BatchNorm, grey input, `--normalize auto`, {params:,}
-parameters) that segments cell nuclei in 2-D microscopy - fluorescence, brightfield and
+parameters; {mb_params:.1f} MB of MXNet weights and {mb_onnx:.1f} MB of `model.onnx`) that segments cell nuclei in 2-D microscopy - fluorescence, brightfield and
 H&E tissue - before you train anything, and the start for adapting it to your own images
 from a few annotations (`bin/train --init nuclei`).
 
@@ -182,7 +183,8 @@ post-processing was searched on its validation images the way it predicts (`--mo
 
 The DSB 2018 score (per image, the mean over IoU thresholds 0.5 to 0.95 of TP / (TP + FP + FN)).
 
-Random hold-out, these weights: **{mean:.3f}** on {count} images.
+Random hold-out, these weights (`--mode tile`, no TTA, as `bin/predict` runs it by default):
+**{mean:.3f}** on {count} images.
 
 | kind | images | DSB |
 |---|---|---|
@@ -200,7 +202,8 @@ folds), what to expect on a kind of image it has not seen: **macro {macro:.3f}**
 {weak}
 """.format(width=cfg['model']['width'], depth=cfg['model']['depth'], params=params, epochs=epochs,
            best=meta.get('epoch'), post=settings_text(tuned) if tuned else 'the training defaults', rebuild=REBUILD,
-           mean=mean, count=count, kinds=kinds, macro=macro, rows=rows, weak=WEAK)
+           mean=mean, count=count, kinds=kinds, macro=macro, rows=rows, weak=WEAK,
+           mb_params=sizes['model-0000.params'] / 1e6, mb_onnx=sizes['model.onnx'] / 1e6)
 
 
 def run_facts(run_folder, params_file):
