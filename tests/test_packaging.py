@@ -98,12 +98,14 @@ def test_horovod_is_pinned_and_ci_builds_it_as_the_file_says():
 
 
 def _package_modules():
-    """The package's files as a wheel names them: ``gluon_unet/cli/train.py``, ..."""
+    """The package's files as a wheel names them: ``gluon_unet/cli/train.py``, ... - its
+    modules and its data (recipes, the napari manifest, the shipped models with their cards,
+    the lists of known ids and licences)."""
     found = []
     for folder, dirs, files in os.walk(os.path.join(ROOT, 'gluon_unet')):
         dirs[:] = [d for d in dirs if d != '__pycache__']
         found += [os.path.relpath(os.path.join(folder, f), ROOT).replace(os.sep, '/') for f in files
-                  if f.endswith(('.py', '.json', '.yaml'))]
+                  if f.endswith(('.py', '.json', '.yaml', '.txt', '.params', '.onnx', '.md'))]
     return sorted(found)
 
 
@@ -126,7 +128,9 @@ def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
                    'gluon_unet/data/io.py', 'bin/train', 'tests/conftest.py', 'pytest.ini',
                    # the recipes (package data), what the docs tests read and the scripts tests import
                    'gluon_unet/recipes/dsb2018.json', 'docs/reference/cli.md', 'gluon_unet/cli/reference.py',
-                   'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py', 'gluon_unet/napari/napari.yaml'):
+                   'experiments/dsb2018/dsb_split.py', 'benchmarks/bench_train.py', 'gluon_unet/napari/napari.yaml',
+                   # the shipped model: bin/predict --model nuclei from an installed package
+                   'gluon_unet/models/nuclei/model-0000.params', 'gluon_unet/models/nuclei/model.onnx'):
         assert needed in names, needed
     assert not any('__pycache__' in n or n.endswith('.pyc') for n in names)
     assert 'Requires-Python: >=3.9' in pkg_info
