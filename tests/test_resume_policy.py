@@ -39,7 +39,7 @@ def _other_value(cfg, name):
     special = {'kvstore': 'dist_async', 'lr_steps': '0.5', 'in_channels': 3, 'gpus': '0', 'val_data': 'v/',
                'data': 'elsewhere/', 'masks': 'm/', 'cache_dir': 'c/', 'output': 'o/', 'resume': 'auto',
                'workers': 4, 'update_on_kvstore': True, 'mask_suffix': '_m', 'scale_aug': '0.5,2.0',
-               'predict_diameter': 'range', 'init': 'nuclei@sha256:00'}
+               'predict_diameter': 'range', 'init': 'nuclei@sha256:00', 'plane': 1}
     if name in special:
         return special[name]
     if choices:

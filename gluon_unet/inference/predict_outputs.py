@@ -187,7 +187,7 @@ class Manifest:
         self.started = True
         if self.old is not None and self.overwrite:
             remove_files(self.folder, manifest_names(self.old))
-            kept = others_files(self.folder)
+            kept = others_files(self.folder, ignore=(MANIFEST,))  # the record is bin/predict's own
             if kept:  # said, so that --overwrite never looks as if it cleared the folder
                 print('note: --overwrite %s: kept what bin/predict did not write: %s' % (self.folder, kept),
                       file=sys.stderr)
