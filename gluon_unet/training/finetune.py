@@ -35,12 +35,13 @@ INHERITED = ('dropout', 'loss', 'dice_weight', 'weight_on', 'optimizer', 'moment
              'paste_rate', 'batch_size', 'monitor', 'threshold', 'tune_postprocess', 'tune_mode', 'tune_tta',
              'memory', 'hybridize')
 
-#: A fine-tune's own defaults, measured on the few-shot benchmark (docs/quality.md): a
+#: A fine-tune's own defaults, set before the few-shot benchmark measured them (docs/quality.md): a
 #: quarter of the dsb2018 recipe's peak rate, so the first steps on a handful of images
 #: do not undo what the model knows; an epoch of 128 crops however few the images (each
 #: repeat differently augmented); no validation split (every annotated image trains; the
 #: export keeps MODEL's searched post-processing unless --val-data or --val-split says
-#: otherwise). About 2 minutes on 2 CPU cores at the recipe's width.
+#: otherwise). The whole command takes 2 min 15 s for the shipped model on 3 images on the
+#: 2 cores of an AMD EPYC Zen 4 (docs/quality.md).
 FINE_TUNE_DEFAULTS = {'lr': 5e-4, 'epochs': 20, 'warmup_epochs': 1.0, 'epoch_samples': 128, 'val_split': 0.0,
                       'time_budget': 0.0, 'patience': 0}
 
