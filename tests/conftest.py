@@ -48,6 +48,24 @@ def load_dump(path):
         return {k: z[k] for k in z.files}
 
 
+class UnhandledSignal(Exception):
+    """What a signal does in the stop tests when gluon_unet has no handler for it (instead
+    of ending the test run)."""
+
+
+@pytest.fixture
+def guarded_signals():
+    """SIGTERM's and SIGHUP's default end the process: where gluon_unet lacks a handler,
+    the test fails with :class:`UnhandledSignal` instead of ending the test run (the stop
+    tests use it: ``pytestmark = pytest.mark.usefixtures('guarded_signals')``)."""
+    def unhandled(signum, frame):
+        raise UnhandledSignal(signal.Signals(signum).name)
+    old = {s: signal.signal(s, unhandled) for s in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, handler in old.items():
+        signal.signal(s, handler)
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return lambda **kw: tiny_config(tmp_path, **kw)

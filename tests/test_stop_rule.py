@@ -30,20 +30,7 @@ TRAIN = ['--width', '4', '--depth', '2', '--size', '32', '--batch-size', '8', '-
          '--no-hybridize', '--no-tune-postprocess']
 
 
-class _Unhandled(Exception):
-    """What a signal does here when gluon_unet has no handler for it (instead of ending pytest)."""
-
-
-@pytest.fixture(autouse=True)
-def guarded_signals():
-    """SIGTERM's and SIGHUP's default end the process: where gluon_unet lacks a handler,
-    the test fails with _Unhandled instead of ending the test run."""
-    def unhandled(signum, frame):
-        raise _Unhandled(signal.Signals(signum).name)
-    old = {s: signal.signal(s, unhandled) for s in (signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for s, handler in old.items():
-        signal.signal(s, handler)
+pytestmark = pytest.mark.usefixtures('guarded_signals')  # conftest: an unhandled stop fails the test
 
 
 def test_sighup_is_a_stop_unless_the_process_ignores_it():
