@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 from ..config import option
-from ..errors import signals_raise
+from ..errors import signals_raise, stop_signals
 from ..machine.runtime import prepare_training_process
 from .common import add_fields, asks_version, command_parser, parse_configs, reports_errors
 
@@ -69,7 +69,10 @@ def predict_main(argv=None):
         # cudnn_convolution-inl.h): its heuristics are the better deal there.
         os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
     from ..inference.predict import PredictConfig, predict_paths
-    with signals_raise():  # SIGTERM: temporary files removed, one line, exit 143
+    # Ctrl-C, SIGTERM and SIGHUP: temporary files removed, the manifest says why, one line,
+    # exit 130/143/129 - whatever SIGINT handler the process inherited (the Python API's
+    # caller, a test run, may have replaced Python's KeyboardInterrupt).
+    with signals_raise(stop_signals()):
         command, config = parse_configs(predict_parser(), argv, PredictCommand, PredictConfig)
         result = predict_paths(command.model, command.input, command.output, config)
     if result.failures:
