@@ -92,6 +92,12 @@ def train_work(argv, log_path):
         return _failure(UserError('cannot run %s: %s' % (argv[0], exc.strerror or exc)))
 
 
+def _path_of(file_edit):
+    """A FileEdit's path, '' when none is chosen (magicgui shows an empty one as '.')."""
+    value = file_edit.value
+    return '' if value is None or str(value) in ('', '.') else str(value)
+
+
 class SegmentWidget:
     """The manifest's widget (``gluon_unet.segment``): ``SegmentWidget(viewer)`` is the
     docked container of a :class:`SegmentPanel` for that viewer."""
@@ -188,18 +194,13 @@ class SegmentPanel:
     def _path(self):
         if self.choice.value != FOLDER:
             return models.folder(self.choice.value) or ''
-        value = self.model.value
-        return '' if value is None or str(value) in ('', '.') else str(value)
+        return _path_of(self.model)
 
     def _folder_chosen(self):
         """A folder typed or picked: it is the model now."""
-        if self._folder_value():
+        if _path_of(self.model):
             self.choice.value = FOLDER
         self._load_timer.start()
-
-    def _folder_value(self):
-        value = self.model.value
-        return '' if value is None or str(value) in ('', '.') else str(value)
 
     def _busy(self, busy):
         self.run_button.enabled = not busy
@@ -292,10 +293,10 @@ class SegmentPanel:
         if labels is None:
             return self.notify('segment %r first and correct its labels layer %r: those are what it trains on'
                                % (layer.name, '%s nuclei' % layer.name))
-        pairs = '' if self.pairs.value is None or str(self.pairs.value) in ('', '.') else str(self.pairs.value)
+        pairs = _path_of(self.pairs)
         if not pairs:
             return self.notify('choose a folder for the training pairs')
-        python = '' if self.python.value is None or str(self.python.value) in ('', '.') else str(self.python.value)
+        python = _path_of(self.python)
         if python:
             finetune.remember_python(python)
         worker = create_worker(prepare_pair_work, pairs, layer.name, layer.data, layer.rgb, np.asarray(labels.data),
