@@ -507,6 +507,13 @@ def check_types(values, cls, where=None):
                                                           shown(value, as_json=True)))
 
 
+def setting(cfg, name):
+    """The value of the setting ``name`` of a :class:`TrainConfig`, its own or its model's
+    (``width`` is ``cfg.model.width``)."""
+    return getattr(cfg.model, name) if name in {f.name for f in dataclasses.fields(ModelConfig)} else \
+        getattr(cfg, name)
+
+
 def flag_name(field_name):
     """``batch_size`` -> ``--batch-size`` (and ``in_channels`` -> ``--channels``)."""
     for f in dataclasses.fields(ModelConfig):

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli, tiny_config
 from gluon_unet import models
 from gluon_unet.cli import train_main
-from gluon_unet.config import _CHOICES, TrainConfig
+from gluon_unet.config import _CHOICES, TrainConfig, setting
 from gluon_unet.data.sampler import EpochSampler
 from gluon_unet.errors import UserError
 from gluon_unet.model import build_model
@@ -102,7 +102,7 @@ def _other_value(name, value):
 @pytest.mark.parametrize('name', finetune.KEPT)
 def test_a_flag_contradicting_the_model_is_refused_naming_both(source, tmp_path, name):
     src = finetune.find_source(source)
-    current = finetune._get(src.config, name)
+    current = setting(src.config, name)
     value = _other_value(name, current)
     cfg = tiny_config(tmp_path)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{name: value})) \

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from .. import models
-from ..config import ModelConfig, TrainConfig, flag_name, shown
+from ..config import ModelConfig, TrainConfig, flag_name, setting, shown
 from ..errors import UserError
 
 #: Set by MODEL; a flag that differs is refused. The network's shape, and what its input
@@ -166,10 +166,6 @@ def chosen_settings(cfg, defaults=None):
     return out
 
 
-def _get(cfg, name):
-    return getattr(cfg.model, name) if hasattr(cfg.model, name) else getattr(cfg, name)
-
-
 def fine_tune_config(cfg, source, given=None):
     """``cfg`` for fine-tuning ``source`` (a :class:`Source`): a new :class:`TrainConfig`.
 
@@ -197,12 +193,12 @@ def fine_tune_config(cfg, source, given=None):
         (model if name in model else rest)[name] = value
 
     for name in KEPT:
-        if name in given and _get(cfg, name) != _get(src, name):
+        if name in given and setting(cfg, name) != setting(src, name):
             raise UserError('%s %s contradicts --init %s, trained with %s %s: fine-tuning keeps the model\'s '
                             'architecture and input pixels; drop %s' % (
-                                flag_name(name), shown(_get(cfg, name)), source.label, flag_name(name),
-                                shown(_get(src, name)), flag_name(name)))
-        set_(name, _get(src, name))
+                                flag_name(name), shown(setting(cfg, name)), source.label, flag_name(name),
+                                shown(setting(src, name)), flag_name(name)))
+        set_(name, setting(src, name))
     _scale(cfg, src, source, given, set_)
     channels = cfg.model.in_channels if 'in_channels' in given and cfg.model.in_channels else src.model.in_channels
     if channels != src.model.in_channels and not {channels, src.model.in_channels} <= {1, 3}:
@@ -210,10 +206,10 @@ def fine_tune_config(cfg, source, given=None):
                         % (channels, source.label, src.model.in_channels))
     set_('in_channels', channels)
     for name in ('target', 'classes'):  # another one gets a new head
-        set_(name, _get(cfg, name) if name in given else _get(src, name))
+        set_(name, setting(cfg, name) if name in given else setting(src, name))
     for name in INHERITED:
         if name not in given:
-            set_(name, _get(src, name))
+            set_(name, setting(src, name))
     for name, value in FINE_TUNE_DEFAULTS.items():
         if name not in given:
             set_(name, value)
@@ -232,11 +228,11 @@ def _scale(cfg, src, source, given, set_):
         set_('crop', cfg.crop if 'crop' in given else src.crop)
         return
     for name in _SCALE:
-        if name in given and _get(cfg, name) != _get(src, name):
+        if name in given and setting(cfg, name) != setting(src, name):
             raise UserError('%s %s contradicts --init %s, trained resized to --size %d: another --size shows it '
-                            'nuclei at another scale; drop %s' % (flag_name(name), _get(cfg, name), source.label,
+                            'nuclei at another scale; drop %s' % (flag_name(name), setting(cfg, name), source.label,
                                                                   src.size, flag_name(name)))
-        set_(name, _get(src, name))
+        set_(name, setting(src, name))
 
 
 def source_arrays(source):

@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass
 
 from ..checkpoint import damaged_resume, load_checkpoint, resolve_resume
-from ..config import ModelConfig, TrainConfig, flag_name
+from ..config import ModelConfig, TrainConfig, flag_name, setting
 from ..data.prepare import data_changed
 from ..errors import DamagedFile, UserError
 
@@ -126,10 +126,6 @@ RESUME_POLICY = {
 _MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 
 
-def _setting(cfg, name):
-    return getattr(cfg.model, name) if name in _MODEL_FIELDS else getattr(cfg, name)
-
-
 #: The TrainConfig settings a resumed run must share with its checkpoint in every run.
 RESUME_FIXED = tuple(k for k, r in RESUME_POLICY.items() if r.kind == 'refuse' and r.key is None
                      and k not in _MODEL_FIELDS)
@@ -143,11 +139,11 @@ def resume_conflicts(saved, current, kind='refuse'):
     for name, rule in RESUME_POLICY.items():
         if rule.kind != kind:
             continue
-        compared = rule.key or (lambda cfg: _setting(cfg, name))
+        compared = rule.key or (lambda cfg: setting(cfg, name))
         # A conditional setting left as it was is not named when its condition changed:
         # the setting that changed is.
-        if compared(saved) != compared(current) and _setting(saved, name) != _setting(current, name):
-            out.append('%s %s (now %s)' % (flag_name(name), _setting(saved, name), _setting(current, name)))
+        if compared(saved) != compared(current) and setting(saved, name) != setting(current, name):
+            out.append('%s %s (now %s)' % (flag_name(name), setting(saved, name), setting(current, name)))
     return out
 
 
