@@ -34,8 +34,8 @@ def _run(block, kind, command, *args):
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
 
 
-#: (command, args, a module it imports inside its entry point)
-CASES = [('predict', ['--help'], 'cv2'), ('train', ['--epochs', '1'], 'mxnet')]
+#: (command, args, a module it imports inside its entry point; --help needs none)
+CASES = [('predict', ['--model', 'm', '--input', 'i', '--output', 'o'], 'cv2'), ('train', ['--epochs', '1'], 'mxnet')]
 
 
 @pytest.mark.parametrize('command, args, module', CASES, ids=['%s-%s' % (c[0], c[2]) for c in CASES])
@@ -52,10 +52,9 @@ def test_ctrl_c_while_importing_is_one_line_and_exit_130(command, args, module):
     assert code == 130 and err == ['interrupted'], (code, err)
 
 
-#: The commands whose --help needs nothing but the standard library and gluon_unet itself.
-#: (predict, evaluate, export and package build theirs from config classes that live beside
-#: numpy code: not yet.)
-STDLIB_HELP = ['train', 'launch', 'doctor', 'models']
+#: The commands whose --help needs nothing but the standard library and gluon_unet itself:
+#: all of them (their config classes live in numpy-free modules, e.g. config.py, inference/configs.py).
+STDLIB_HELP = ['train', 'launch', 'doctor', 'models', 'predict', 'evaluate', 'export', 'package']
 HEAVY = ('numpy', 'cv2', 'mxnet', 'skimage', 'scipy', 'tifffile', 'tqdm', 'matplotlib')
 
 

@@ -1,13 +1,13 @@
 """What every command's parser shares: one flag per config field, ``--version``, one-line
 usage errors.
 
-Each command's options are the fields of a config dataclass that lives next to the code
-it configures (``TrainConfig`` in ``config.py``, ``PredictConfig`` in ``predict.py``, ...):
+Each command's options are the fields of a config dataclass in a module free of numpy
+(``TrainConfig`` in ``config.py``, ``PredictConfig`` in ``inference/configs.py``, ...):
 :func:`add_fields` makes one flag per field (``batch_size`` -> ``--batch-size``), with the
 field's help, its default shown once, and a metavar saying what the value is; the parsed
 flags become the dataclass again (:func:`parse_configs`), whose own ``validate()`` refuses
-bad values in one line naming the flag. So an option has one name and one default, kept
-with the code that uses it, and no command writes its flags by hand.
+bad values in one line naming the flag. So an option has one name and one default, and
+no command writes its flags by hand.
 """
 import argparse
 import dataclasses

@@ -1,6 +1,7 @@
 """``gluon-unet evaluate`` / ``bin/evaluate``: flags generated from
-:class:`~gluon_unet.inference.evaluate.EvaluateConfig`, then the scores as a table (and a CSV)."""
+:class:`~gluon_unet.inference.configs.EvaluateConfig`, then the scores as a table (and a CSV)."""
 from ..errors import signals_raise
+from ..inference.configs import EvaluateConfig
 from ..machine.runtime import apply_runtime_defaults
 from .common import asks_version, config_parser, parse_configs, reports_errors
 
@@ -13,7 +14,6 @@ EXAMPLES = """examples:
 
 def evaluate_parser():
     """The ``bin/evaluate`` parser: one flag per :class:`EvaluateConfig` field."""
-    from ..inference.evaluate import EvaluateConfig
     return config_parser('evaluate', EvaluateConfig, epilog=EXAMPLES,
                          description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
                                      'instance score, pixel IoU and Dice per image and mean.')
@@ -25,9 +25,9 @@ def evaluate_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..inference.evaluate import EvaluateConfig, format_table, run_evaluate
     with signals_raise():
         config, = parse_configs(evaluate_parser(), argv, EvaluateConfig)
+        from ..inference.evaluate import format_table, run_evaluate  # numpy: after the flags (--help needs none)
         rows, mean, extra = run_evaluate(config)
     print(format_table(rows, mean))
     missing = [r['image_id'] for r in rows if r['status'] == 'missing']

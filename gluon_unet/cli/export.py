@@ -1,8 +1,9 @@
 """``gluon-unet export`` / ``bin/export``: flags generated from
-:class:`~gluon_unet.inference.export_run.ExportConfig`, then :func:`~gluon_unet.inference.export_run.run_export`."""
+:class:`~gluon_unet.inference.configs.ExportConfig`, then :func:`~gluon_unet.inference.export_run.run_export`."""
 import os
 
 from ..errors import signals_raise
+from ..inference.configs import ExportConfig
 from ..machine.runtime import apply_runtime_defaults
 from .common import asks_version, config_parser, parse_configs, reports_errors
 
@@ -15,7 +16,6 @@ EXAMPLES = """examples:
 
 def export_parser():
     """The ``bin/export`` parser: one flag per :class:`ExportConfig` field."""
-    from ..inference.export_run import ExportConfig
     return config_parser('export', ExportConfig, epilog=EXAMPLES,
                          description='Export a trained model for inference: model-symbol.json + model-0000.params\n'
                                      '+ model.json, loadable with mx.gluon.SymbolBlock.imports alone.')
@@ -27,12 +27,13 @@ def export_main(argv=None):
     if asks_version(argv):
         return 0
     apply_runtime_defaults()
-    from ..inference.export_run import ExportConfig, run_export
-    from ..inference.batched_onnx import ONNX_FILE
-    from ..inference.postprocess import settings_text
-    from ..inference.sidecar import INT8_PARAMS, INT8_SYMBOL
     with signals_raise():  # SIGTERM: the staging folder removed, one line, exit 143
         config, = parse_configs(export_parser(), argv, ExportConfig)
+        # numpy and OpenCV: after the flags (--help needs none)
+        from ..inference.export_run import run_export
+        from ..inference.batched_onnx import ONNX_FILE
+        from ..inference.postprocess import settings_text
+        from ..inference.sidecar import INT8_PARAMS, INT8_SYMBOL
         prefix, notes, tuned = run_export(config)
     files = [prefix + '-symbol.json', prefix + '-0000.params']
     onnx = os.path.join(os.path.dirname(prefix), ONNX_FILE)

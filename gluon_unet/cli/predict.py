@@ -1,5 +1,5 @@
 """``gluon-unet predict`` / ``bin/predict``: flags generated from
-:class:`~gluon_unet.inference.predict.PredictConfig` (and the files of :class:`PredictCommand`),
+:class:`~gluon_unet.inference.configs.PredictConfig` (and the files of :class:`PredictCommand`),
 then :func:`~gluon_unet.inference.predict.predict_paths`.
 
 This entry point imports no mxnet itself: the process settings its devices and mode need
@@ -12,13 +12,14 @@ from dataclasses import dataclass
 
 from ..config import option
 from ..errors import signals_raise, stop_signals
+from ..inference.configs import PredictConfig
 from ..machine.runtime import prepare_training_process
 from .common import add_fields, asks_version, command_parser, parse_configs, reports_errors
 
 
 @dataclass
 class PredictCommand:
-    """What ``bin/predict`` takes besides :class:`~gluon_unet.inference.predict.PredictConfig`: the
+    """What ``bin/predict`` takes besides :class:`~gluon_unet.inference.configs.PredictConfig`: the
     files, and whether failed images fail the command."""
     model: str = option(None, 'run folder (uses its export/), export folder or export prefix', required=True,
                         metavar='RUN_DIR|PREFIX', path='in')
@@ -33,7 +34,6 @@ class PredictCommand:
 def predict_parser():
     """The ``bin/predict`` parser: the files, every :class:`PredictConfig` field, then
     ``--allow-failures``."""
-    from ..inference.predict import PredictConfig
     parser = command_parser(
         'predict', description='Segment nuclei with an exported model, at the original resolution; writes\n'
                                '<id>_mask.png, <id>_labels.png (16-bit instance ids) and optionally overlays\n'
@@ -68,12 +68,12 @@ def predict_main(argv=None):
         # for each new shape on each GPU (the variable is read per new shape:
         # cudnn_convolution-inl.h): its heuristics are the better deal there.
         os.environ['MXNET_CUDNN_AUTOTUNE_DEFAULT'] = '0'
-    from ..inference.predict import PredictConfig, predict_paths
     # Ctrl-C, SIGTERM and SIGHUP: temporary files removed, the manifest says why, one line,
     # exit 130/143/129 - whatever SIGINT handler the process inherited (the Python API's
     # caller, a test run, may have replaced Python's KeyboardInterrupt).
     with signals_raise(stop_signals()):
         command, config = parse_configs(predict_parser(), argv, PredictCommand, PredictConfig)
+        from ..inference.predict import predict_paths  # numpy, OpenCV: after the flags (--help needs none)
         result = predict_paths(command.model, command.input, command.output, config)
     if result.failures:
         print('%s: %s' % ('warning' if command.allow_failures else 'error', result.summary()), file=sys.stderr)

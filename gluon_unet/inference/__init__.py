@@ -12,8 +12,8 @@ ONNX export imports without mxnet (``tests/test_architecture.py``).
 from .. import _lazy
 
 _EXPORTS = {'load_exported': 'batched', 'load_model': 'batched', 'predict_image': 'batched',
-            'PredictConfig': 'predict', 'predict_paths': 'predict', 'export_block': 'export',
-            'ExportConfig': 'export_run', 'run_export': 'export_run', 'instances_from_prob': 'postprocess',
+            'PredictConfig': 'configs', 'predict_paths': 'predict', 'export_block': 'export',
+            'ExportConfig': 'configs', 'run_export': 'export_run', 'instances_from_prob': 'postprocess',
             'instances_from_maps': 'postprocess', 'tune_on_maps': 'postprocess_search'}
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = _lazy(__name__, _EXPORTS)

@@ -33,22 +33,20 @@ import json
 import os
 import shlex
 import zipfile
-from dataclasses import dataclass
-from typing import Optional
 
 import cv2
 import numpy as np
 
 from .. import __version__
-from ..config import check_fields, option
 from ..data.io import read_image, input_image
 from ..errors import UserError
 from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_path, check_writable, file_crc32
 from .batched import match_channels, predict_image
 from .batched_onnx import ONNX_FILE, load_onnx_model, sigmoid
-from .bioimageio_fields import (author_list, check_authors, check_model_name, cite_entry, model_name, NAME_MAX,
-                                spdx_id, spdx_ids, public_sidecar, trained_on_dsb2018, training_data)
+from .bioimageio_fields import (author_list, check_model_name, model_name, spdx_ids, public_sidecar,
+                                trained_on_dsb2018, training_data)
+from .configs import PackageConfig  # noqa: F401 - its name here before configs.py held it
 from .overlay import overlay
 from .sidecar import SIDECAR, find_export
 from .tiling import pooling_multiple, tile_size
@@ -60,70 +58,6 @@ TEST_SIDE = 256
 #: The paper every package cites: the U-Net (and its training data's, when known).
 UNET = {'text': 'Ronneberger, Fischer, Brox. U-Net: Convolutional Networks for Biomedical Image Segmentation. '
                 'MICCAI 2015', 'doi': '10.1007/978-3-319-24574-4_28'}
-
-
-@dataclass
-class PackageConfig:
-    """What ``gluon-unet package`` packages and how it names it; one field per flag
-    (:mod:`gluon_unet.cli.package`)."""
-    export: str = option(None, "run folder (its export/), export folder, or a folder with an export's model.onnx and "
-                               "model.json", positional=True, metavar='EXPORT', path='in')
-    output: str = option(None, 'the package to write (.zip)', required=True, metavar='ZIP', path='out')
-    authors: str = option(None, "who trained the model: 'Name[, affiliation]; Name2' (the spec requires one)",
-                          required=True, metavar='NAMES')
-    image: Optional[str] = option(None, 'a validation or test image the model did not train on: the test tensors '
-                                        'and the cover are made from it (default: for the demo\'s model, the first '
-                                        'of the new images it segmented, <run>/demo_inputs/)', metavar='FILE', path='in')
-    license: str = option('CC-BY-4.0', "SPDX identifier of the model's licence (https://spdx.org/licenses/)",
-                          metavar='SPDX')
-    name: Optional[str] = option(None, "the model's name: letters, digits, spaces and _+-() only, 5 to 128 "
-                                       "characters (default: 'gluon_unet nuclei U-Net' and its training data)",
-                                 metavar='TEXT')
-    training_data: Optional[str] = option(None, 'what the model trained on, in words, at most 128 characters '
-                                                '(default: DSB 2018 stage1_train when it is that data, else the '
-                                                'name of the data folder, or the demo\'s generated nuclei)',
-                                          metavar='TEXT')
-    training_data_cite: Optional[str] = option(
-        None, "the training data's reference, ending in its DOI or URL: 'Authors. Title. Journal (2020) "
-              "doi:10.1234/x' (default: the paper of the DSB 2018 data when the model trained on it, recognised "
-              "by its image ids; without either, the description has no training_data)", metavar='TEXT')
-    training_data_license: Optional[str] = option(
-        None, "SPDX identifier of the training data's licence (default: CC0-1.0 for the DSB 2018 data)",
-        metavar='SPDX')
-    training_data_authors: Optional[str] = option(
-        None, "who made the training data, as --authors (default: --authors; the DSB 2018 data's own)",
-        metavar='NAMES')
-    overwrite: bool = option(False, 'replace a package of another export at --output (one of the same model.onnx '
-                                    'is replaced without it; a file gluon_unet did not write never is)')
-
-    def validate(self):
-        """Refuse, naming the flag, what bioimage.io would refuse in the description: an
-        output that is not a .zip, a name, author, licence or citation the spec rejects."""
-        check_fields(self)
-        if not str(self.output or '').lower().endswith('.zip'):
-            raise UserError('--output %s: a bioimage.io package is a .zip file; give a name ending in .zip'
-                            % self.output)
-        for flag, value in (('--license', self.license), ('--name', self.name), ('--training-data',
-                                                                                  self.training_data),
-                            ('--training-data-cite', self.training_data_cite),
-                            ('--training-data-license', self.training_data_license),
-                            ('--training-data-authors', self.training_data_authors)):
-            if value is not None and not str(value).strip():
-                raise UserError('%s is empty' % flag)
-        check_authors('--authors', self.authors)
-        if self.training_data_authors is not None:
-            check_authors('--training-data-authors', self.training_data_authors)
-        self.license = spdx_id('--license', self.license)
-        if self.training_data_license is not None:
-            self.training_data_license = spdx_id('--training-data-license', self.training_data_license)
-        if self.name is not None:
-            check_model_name('--name', self.name)
-        if self.training_data is not None and len(self.training_data.strip()) > NAME_MAX:
-            raise UserError('--training-data: %d characters; bioimage.io takes at most %d for a data set\'s name'
-                            % (len(self.training_data.strip()), NAME_MAX))
-        if self.training_data_cite is not None:
-            cite_entry('--training-data-cite', self.training_data_cite)
-        return self
 
 
 # -- what the spec can say about the inputs and outputs ------------------------------------------

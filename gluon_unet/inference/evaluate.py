@@ -10,18 +10,16 @@ code as the validation metrics in training.
 import contextlib
 import csv
 import os
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
-from ..config import check_fields, option, within
 from ..data.io import merge_object_masks, read_labels
 from ..data.layouts import is_dsb, is_dsb_sample, list_images
 from ..errors import UserError
 from ..metrics import dsb_image_score, pixel_scores
 from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_open, check_writable
+from .configs import EvaluateConfig
 
 __all__ = ['read_labels', 'find_images', 'load_truth', 'evaluate', 'mean_row', 'write_csv', 'format_table',
            'EvaluateConfig']
@@ -160,22 +158,6 @@ def format_table(rows, mean):
     out.append(line % (width, 'mean', mean['dsb'], mean['iou'], mean['dice'], mean['true_objects'],
                        mean['pred_objects']))
     return '\n'.join(out)
-
-
-@dataclass
-class EvaluateConfig:
-    """What ``bin/evaluate`` scores, and how; one field per flag (:mod:`gluon_unet.cli.evaluate`)."""
-    pred: str = option(None, 'predictions: label images, binary masks or float probability maps named <id>.png '
-                             '(suffixes _labels, _mask, ... allowed)', required=True, metavar='DIR', path='in')
-    truth: str = option(None, 'ground truth: DSB layout (<id>/masks/*.png) or a folder of mask/label images',
-                        required=True, metavar='DIR', path='in')
-    csv: Optional[str] = option(None, 'write the per-image scores to this CSV', metavar='FILE', path='out')
-    threshold: float = option(0.5, 'foreground cut for float probability-map predictions', within=within(0, 1, 'both'))
-
-    def validate(self):
-        """Raise :class:`UserError` naming the flag of a bad value."""
-        check_fields(self)
-        return self
 
 
 def run_evaluate(config):

@@ -34,16 +34,11 @@ import numpy as np
 
 from ..errors import UserError
 from ..utils import DIGEST, file_crc32
+from .configs import CALIB_MODES, DEFAULT_CALIB_INPUTS
 from .sidecar import INT8_PARAMS, INT8_SYMBOL, geometry
 
 #: The int8 variant's prefix in an export folder (its files: ``sidecar.INT8_SYMBOL``, ``INT8_PARAMS``).
 INT8_PREFIX = INT8_SYMBOL[:-len('-symbol.json')]
-#: ``bin/predict --precision``: the export's float32 network, or its int8 variant.
-PRECISIONS = ('float32', 'int8')
-#: Calibration modes ``bin/export --int8-calibration`` offers (MXNet's names).
-CALIB_MODES = ('naive', 'entropy')
-#: Network inputs the calibration uses unless told otherwise.
-DEFAULT_CALIB_INPUTS = 32
 # Operators of a quantized graph that run on int8 (or only convert): the others stay float32.
 _INT8_OPS = ('_contrib_quantize_v2', '_contrib_quantize', '_contrib_dequantize', '_contrib_requantize')
 #: Every HOLD_OUT_EVERY-th validation image (the 4th, 8th, ...) is kept out of calibration to
@@ -143,16 +138,6 @@ def check_signal(inputs, images):
                         '99.8 %% of their pixels lie between grey levels %d and %d of 255 (black or constant images), '
                         'and int8 ranges fitted to them would cut real images to nothing; check the run\'s validation '
                         'images (--val-data, --val-split), or export without --int8' % (len(inputs), shown, low, high))
-
-
-def check_options(int8, inputs, calibration):
-    """Refuse, naming the flag, ``bin/export``'s int8 options without ``--int8`` (their ranges:
-    :class:`~gluon_unet.inference.export_run.ExportConfig`)."""
-    for flag, given in (('--int8-inputs', inputs is not None), ('--int8-calibration', calibration is not None)):
-        if given and not int8:
-            raise UserError('%s goes with --int8 (it says how the int8 variant is calibrated)' % flag)
-    if calibration is not None and calibration not in CALIB_MODES:
-        raise UserError('--int8-calibration must be one of %s (got %r)' % (', '.join(CALIB_MODES), calibration))
 
 
 def check_support(flag):

@@ -11,13 +11,10 @@ last step, the folder keeps the export it had.
 import contextlib
 import os
 import signal
-from dataclasses import dataclass
-from typing import Optional
 
 # mxnet (and .checkpoint, .model, which import it) are imported in the functions that use
 # them: importing this module loads no mxnet.
 from .. import models
-from ..config import check_fields, option, within
 from ..data.cache import default_cache_dir
 from ..data.prepare import check_data_apart, check_run_data, run_data_config
 from ..errors import DamagedFile, Stopped, UserError, stop_signals
@@ -25,58 +22,12 @@ from ..outputs import LOCK_NAME, check_apart, check_inputs, check_owner, held_el
 from ..paths import EXPORT_FILES, holds_run, is_export_sidecar, others_files, remove_leftovers
 from ..utils import check_writable
 from .export import check_export_folder, export_source, staged_export, write_export
-from .export_int8 import CALIB_MODES, DEFAULT_CALIB_INPUTS, check_options, check_support, finish_int8, run_calibration
+from .configs import ExportConfig  # noqa: F401 - its name here before configs.py held it
+from .export_int8 import check_support, finish_int8, run_calibration
 from .export_onnx import onnx_available
 from .postprocess import settings_text
 from .postprocess_search import retune
 from .sidecar import PARAMS, SIDECAR, SYMBOL, read_sidecar, update_sidecar, verify_export, weights_digest
-from .tiling import MODES
-
-
-@dataclass
-class ExportConfig:
-    """What ``bin/export`` exports, where, and whether it searches the post-processing
-    again; one field per flag (:mod:`gluon_unet.cli.export`)."""
-    run: str = option(None, 'run folder (uses checkpoints/best.ckpt, else the latest) or a .ckpt file; or a '
-                            'shipped model (nuclei) or an export folder, written again into --output',
-                      positional=True, metavar='RUN_DIR|CHECKPOINT|MODEL', path='in')
-    output: Optional[str] = option(None, 'export folder (default: <run>/export)', metavar='DIR', path='out')
-    tune_postprocess: bool = option(False, "choose the threshold, markers and minimum object size again on the "
-                                           "run's own validation split (its data must still be where it trained) "
-                                           "and store them in the export, as training does at its end")
-    mode: Optional[str] = option(None, 'with --tune-postprocess: predict the validation images with this '
-                                       "bin/predict --mode (default: the run's --tune-mode), the one you will predict "
-                                       'with',
-                                 choices=MODES)
-    tta: Optional[bool] = option(None, "with --tune-postprocess: search on test-time-augmented maps, for a model "
-                                       "you will run with bin/predict --tta (8x the search's prediction time) "
-                                       "(default: the run's --tune-tta)")
-    onnx: Optional[bool] = option(None, 'also write model.onnx, checked against MXNet, for bin/predict where MXNet '
-                                        'is not installed (default: when the onnx package is installed: pip install '
-                                        '-r requirements-onnx-export.txt)')
-    int8: bool = option(False, "also write an int8 variant (model-int8-*) for bin/predict --precision int8 on the "
-                               "CPU, quantized with MXNet's oneDNN and calibrated on the run's own validation images "
-                               "(its data must still be where it trained); float32 stays the default")
-    int8_inputs: Optional[int] = option(None, 'with --int8: how many network inputs (windows of the first validation '
-                                              'images, as bin/predict --mode auto cuts them) to calibrate on '
-                                              '(default %d)' % DEFAULT_CALIB_INPUTS, metavar='N',
-                                        within=within(1, 100000))
-    overwrite: bool = option(False, 'replace an export in --output that another run (or checkpoint) wrote; an '
-                                    "export of the same run is replaced without it")
-    int8_calibration: Optional[str] = option(None, "with --int8: each layer's int8 range is its min..max on the "
-                                                   "inputs (naive) or the cut that loses the least information "
-                                                   "(entropy; slower) (default naive)", choices=CALIB_MODES)
-
-    def validate(self):
-        """Refuse, naming the flag, a search option without ``--tune-postprocess`` and an
-        int8 option without ``--int8`` or out of range (:func:`~gluon_unet.inference.export_int8.check_options`)."""
-        for flag, given in (('--mode', self.mode is not None), ('--tta', self.tta is not None)):
-            if given and not self.tune_postprocess:
-                raise UserError('%s goes with --tune-postprocess (it says how the search predicts the validation '
-                                'images)' % flag)
-        check_fields(self)
-        check_options(self.int8, self.int8_inputs, self.int8_calibration)
-        return self
 
 
 def run_export(config):

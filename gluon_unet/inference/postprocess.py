@@ -13,17 +13,9 @@ import warnings
 import numpy as np
 from scipy import ndimage as ndi
 
+from .configs import MARKERS, SECOND_MAPS, SPLITS
 from .watershed import _distance_watershed, h_maxima_markers
 
-#: Instance separation choices (``bin/predict --split``): distance watershed, or plain components.
-SPLITS = ('watershed', 'randomwalker', 'none')
-#: What a two-map model's second map can be (``OUTPUTS`` of :mod:`gluon_unet.data.targets`).
-#: A border or a contact map is a line: the markers are what it leaves of the foreground.
-#: A centre map is a hill over each nucleus: the markers are its tops.
-SECOND_MAPS = ('border', 'centre', 'contact')
-#: Where a two-map model's watershed seeds come from: its second map, or the distance
-#: transform of its foreground.
-MARKERS = SECOND_MAPS + ('distance',)
 #: The ``marker`` setting of each second map when none is given or chosen: the interior
 #: score a marker of a border or contact model exceeds, the depth of a centre model's hill top.
 DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1, 'contact': 0.5}

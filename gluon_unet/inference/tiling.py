@@ -46,8 +46,8 @@ import numpy as np
 from ..data.io import image_array
 from ..errors import UserError
 from ..machine.limits import safe_square, safe_window
+from .configs import MODES
 
-MODES = ('auto', 'resize', 'tile', 'whole')
 #: The 8 symmetries of the square: (quarter turns, horizontal flip).
 DIHEDRAL = tuple((k, flip) for flip in (False, True) for k in range(4))
 #: The same 8, grouped by the shape they give a (H, W) window: the 4 with an even number
