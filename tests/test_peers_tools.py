@@ -87,10 +87,46 @@ def test_validation_split_is_seeded_and_disjoint():
 def test_peer_scripts_parse_without_their_frameworks(script):
     path = os.path.join(PEERS, script)
     for args in (['--help'], ['train', '--help'], ['predict', '--help']):
-        done = subprocess.run([sys.executable, path] + args, capture_output=True, text=True, timeout=60)
+        # -S: no site-packages, the standard library alone
+        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         assert 'usage:' in done.stdout
-    # the module doc says how to install and run it
+    assert '--init MODEL_DIR' in subprocess.run([sys.executable, '-S', path, 'train', '--help'], capture_output=True,
+                                                text=True, timeout=60).stdout
+    # the module doc says how to install and run it, and how to fine-tune
     with open(path) as f:
         head = f.read(3000)
     assert 'pip install -r benchmarks/peers/requirements-' in head and ' train ' in head and ' predict ' in head
+    assert 'train --init' in head
+
+
+def test_fewshot_script_parses_without_the_project():
+    path = os.path.join(PEERS, 'fewshot_peers.py')
+    for args in (['--help'], ['run', '--help'], ['summary', '--help']):
+        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert 'usage:' in done.stdout
+
+
+@pytest.mark.parametrize('script', ['stardist_peer.py', 'cellpose_peer.py'])
+def test_a_missing_or_foreign_init_is_one_line_and_exit_2(script, tmp_path):
+    """Checked before any framework is imported, so the project's venv can run it."""
+    path = os.path.join(PEERS, script)
+    other = {'stardist_peer.py': 'cellpose', 'cellpose_peer.py': 'stardist'}[script]
+    foreign = tmp_path / 'foreign'
+    foreign.mkdir()
+    (foreign / 'peer.json').write_text('{"peer": "%s", "invert_bright": false}' % other)
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    damaged = tmp_path / 'damaged'
+    damaged.mkdir()
+    (damaged / 'peer.json').write_text('{"peer": ')
+    unfinished = tmp_path / 'unfinished'  # its own peer's, without the weights
+    unfinished.mkdir()
+    (unfinished / 'peer.json').write_text('{"peer": "%s", "invert_bright": false}' % script.split('_')[0])
+    for init in (tmp_path / 'missing', foreign, empty, damaged, unfinished):
+        done = subprocess.run([sys.executable, path, 'train', '--init', str(init), '--data', str(tmp_path),
+                               '--out', str(tmp_path / 'out')], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count('\n') == 1 and done.stderr.startswith('error: --init '), done.stderr
+    assert not (tmp_path / 'out').exists()

@@ -18,6 +18,9 @@ Run (from the repository root)::
     /tmp/venv-cellpose/bin/python benchmarks/peers/cellpose_peer.py predict \\
         --model /tmp/peers/cellpose --input /tmp/dsb/holdout --output /tmp/peers/pred-cellpose
     .venv/bin/python bin/evaluate --pred /tmp/peers/pred-cellpose --truth /tmp/dsb/holdout --csv cp.csv
+    # fine-tune that model on a few images (gluon_unet's few-shot protocol), then predict as above
+    /tmp/venv-cellpose/bin/python benchmarks/peers/cellpose_peer.py train --init /tmp/peers/cellpose \\
+        --data /tmp/fewshot/brightfield/k3/train --out /tmp/peers/cellpose-ft
 
 What it does, and why:
 
@@ -46,6 +49,15 @@ What it does, and why:
   last ``--size-minutes`` of the budget; ``predict`` estimates each image's diameter with
   it and segments at that diameter, as ``models.Cellpose.eval`` does with a built-in model.
   ``--diameter N`` (predict) overrides it with a fixed value, 0 = the training mean.
+* ``train --init MODEL_DIR`` fine-tunes a model this script trained (``pretrained_model=``
+  its weights; its ``diam_mean``, saved in them, and its inversion setting kept) with
+  Cellpose's own fine-tuning settings, those of its GUI's human-in-the-loop training (SGD at
+  0.1, half the CLI's rate; weight decay 1e-4; ``min_train_masks=0``; no test images), for
+  gluon_unet's 2,560 crops: 80 epochs of 32 (train_seg's 10 warm-up epochs, then flat, as
+  the GUI's 100). The source's size model is copied unless ``--retrain-size`` (the GUI
+  itself segments at the training images' mean diameter after training: ``predict
+  --diameter 0``). ``--minutes`` is then an optional cap. ``budget.json`` and ``peer.json``
+  record the source folder, its weights file and its SHA-256.
 * ``MODEL_DIR/budget.json`` records wall and CPU seconds, epochs, batches, images seen, the
   machine's load beside the run; ``predict`` records seconds, CPU seconds and peak resident
   memory (``VmHWM``, reset before each image) per image in ``OUTPUT/prediction_times.csv``
@@ -69,6 +81,16 @@ DIAM_MEAN = 17.0
 CHANNELS = [0, 0]
 TRAIN = dict(learning_rate=0.2, weight_decay=1e-5, momentum=0.9, SGD=True, batch_size=8, min_train_masks=5)
 TARGET_EPOCHS = 500
+#: A fine-tune's settings (``train --init``): those of Cellpose's own fine-tuning, its GUI's
+#: human-in-the-loop training (cellpose 3.1 ``gui/gui.py``: ``training_params`` and
+#: ``train_model``): SGD at learning rate 0.1 (half the CLI's 0.2), weight decay 1e-4,
+#: every annotated image trains (``min_train_masks=0``); its 100 epochs of max(8, n)
+#: images become gluon_unet's 2,560 crops (20 x 128) as 80 epochs of 32 (4 batches of 8),
+#: which keeps the same schedule shape (``train_seg``: 10 warm-up epochs from rate 0, then
+#: flat; it decays only beyond 100 epochs).
+FINE_TUNE = dict(learning_rate=0.1, weight_decay=1e-4, momentum=0.9, SGD=True, batch_size=8, min_train_masks=0)
+FT_SAMPLES = 2560
+FT_EPOCHS = 80
 #: Batches timed at learning rate 0 before the plan: the time between the first two loss
 #: calls is one whole batch (backward, the next batch's crops, forward), without the first
 #: call's warm-up.
@@ -79,18 +101,34 @@ def build_parser():
     p = argparse.ArgumentParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
-    t = sub.add_parser('train', help='train from scratch (and its size model) on a DSB-layout folder for a budget')
+    t = sub.add_parser('train', help='train from scratch (and its size model), or fine-tune (--init), on a '
+                                     'DSB-layout folder')
     t.add_argument('--data', required=True, help='DSB-layout folder: <id>/images/<id>.png + <id>/masks/*.png')
     t.add_argument('--out', required=True, help='model folder to create (weights, size model, budget.json)')
-    t.add_argument('--minutes', type=float, required=True, help='wall time of the whole command, in minutes')
+    t.add_argument('--minutes', type=float, default=None,
+                   help='wall time of the whole command, in minutes (required from scratch; with --init a cap, '
+                        'default none)')
     t.add_argument('--size-minutes', type=float, default=None,
                    help='of the budget, kept for the size model (default: 8%% of --minutes, at least 0.3)')
-    t.add_argument('--epochs', type=int, default=TARGET_EPOCHS,
-                   help='epochs the budget is divided into (default %(default)s, the CLI\'s)')
+    t.add_argument('--epochs', type=int, default=None,
+                   help='epochs the budget is divided into (default %d, the CLI\'s); with --init the epochs '
+                        'the --samples are divided into (default %d)' % (TARGET_EPOCHS, FT_EPOCHS))
     t.add_argument('--invert-bright', action='store_true',
-                   help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto')
+                   help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto '
+                        '(with --init: the source\'s setting, which this may not contradict)')
     t.add_argument('--limit', type=int, default=0, help='use only the first N samples (smoke tests)')
     t.add_argument('--seed', type=int, default=0)
+    f = t.add_argument_group('fine-tuning (--init)')
+    f.add_argument('--init', metavar='MODEL_DIR', default=None,
+                   help='start from a model folder made by this script\'s train: its weights (pretrained_model=), '
+                        'its diam_mean, its inversion setting and its size model')
+    f.add_argument('--samples', type=int, default=None,
+                   help='training crops in all (default %d, gluon_unet\'s 20 x 128), in whole batches of 8'
+                        % FT_SAMPLES)
+    f.add_argument('--learning-rate', type=float, default=None,
+                   help='SGD rate (default %g, the GUI\'s fine-tuning rate)' % FINE_TUNE['learning_rate'])
+    f.add_argument('--retrain-size', action='store_true',
+                   help='retrain the size model on the fine-tune\'s images (default: keep the source\'s)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
     q.add_argument('--model', required=True, help='a folder made by train')
     q.add_argument('--input', required=True, help='DSB layout or a folder of images')
@@ -125,7 +163,8 @@ class _OutOfTime(Exception):
 class _BatchClock:
     """Wraps ``cellpose.train._loss_fn_seg``, which ``train_seg`` calls once per batch: it
     counts batches and images, times them, and raises :class:`_OutOfTime` past a deadline
-    (``train_seg`` has no callback; the weights it trained stay in ``net``)."""
+    (``train_seg`` has no callback; the weights it trained stay in ``net``), never before
+    the first batch (as StarDist's stop, which comes after a step)."""
 
     def __init__(self, train_module):
         self.module = train_module
@@ -138,7 +177,7 @@ class _BatchClock:
         self.batches, self.images, self.times = 0, 0, []
 
     def __call__(self, lbl, y, device):
-        if time.time() > self.deadline:
+        if self.batches and time.time() > self.deadline:
             raise _OutOfTime()
         self.batches += 1
         self.images += len(lbl)
@@ -159,10 +198,161 @@ def _grey_inputs(samples, invert_bright):
     return X, Y, n_inv
 
 
+def _check_args(args):
+    """The flags' combinations, and a --init folder, checked before torch is imported (one
+    line on stderr, exit 2). Returns the source's ``(settings, weights path)`` or None."""
+    from peer_common import fail, read_init
+    if args.epochs is not None and args.epochs < 1:
+        fail('--epochs must be at least 1')
+    if args.init is None:
+        given = [n for n in ('samples', 'learning_rate') if getattr(args, n) is not None]
+        given += ['retrain_size'] if args.retrain_size else []
+        if given:
+            fail('--%s only with --init (a fine-tune)' % given[0].replace('_', '-'))
+        if args.minutes is None:
+            fail('--minutes is required when training from scratch')
+        return None
+    if args.samples is not None and args.samples < 1:
+        fail('--samples must be at least 1')
+    if args.minutes is not None and args.minutes <= 0:
+        fail('--minutes must be positive')
+    settings, weights = read_init(args.init, 'cellpose', 'cellpose_peer.py', 'models/cellpose_peer',
+                                  needed=() if args.retrain_size else ('size_model',))
+    if args.invert_bright and not settings.get('invert_bright'):
+        fail('--invert-bright contradicts --init %s, trained without it: a fine-tune keeps its source\'s '
+             'preprocessing' % args.init)
+    return settings, weights
+
+
+def fine_tune(args, init):
+    """``train --init``: Cellpose's own fine-tuning (its GUI's settings, :data:`FINE_TUNE`)
+    from a model of this script, for a number of crops rather than a budget; ``--minutes``,
+    when given, is a cap the batch guard keeps. The source's diam_mean (saved in its weights)
+    and size model are kept unless ``--retrain-size``."""
+    import shutil
+
+    import numpy as np
+    from peer_common import (Budget, cpu_seconds, fail, file_sha256, init_record, list_dsb, machine_busy_seconds,
+                             machine_info, write_json)
+    settings, src_weights = init
+    budget = Budget(args.minutes if args.minutes else 1e9, start=_T0)
+    busy0 = machine_busy_seconds()
+    if os.path.exists(os.path.join(args.out, 'budget.json')):
+        raise SystemExit('%s already holds a model; choose another --out' % args.out)
+    invert_bright = bool(settings.get('invert_bright'))
+    threads = _threads()
+    import torch
+    from cellpose import dynamics, models
+    from cellpose import train as cp_train
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+
+    samples = list_dsb(args.data)
+    if args.limit:
+        samples = samples[:args.limit]
+    try:
+        cp = models.CellposeModel(gpu=False, pretrained_model=src_weights, model_type=None, nchan=2)
+    except Exception as e:  # another network's file, or damaged
+        fail('--init %s: its weights %s do not load (%s)' % (args.init, os.path.relpath(src_weights, args.init),
+                                                             str(e).splitlines()[0] if str(e) else type(e).__name__))
+    diam_mean = float(cp.diam_mean)
+    source = init_record(args.init, src_weights, diam_mean=diam_mean, diam_labels=settings.get('diam_labels'))
+    os.makedirs(os.path.join(args.out, 'models'), exist_ok=True)
+    X, Y, n_inv = _grey_inputs(samples, invert_bright)
+    t_flow = time.time()
+    flows = dynamics.labels_to_flows(Y, device=torch.device('cpu'))
+    flow_seconds = time.time() - t_flow
+
+    settings_ft = dict(FINE_TUNE, learning_rate=args.learning_rate or FINE_TUNE['learning_rate'])
+    batch = settings_ft['batch_size']
+    n_epochs = args.epochs or FT_EPOCHS
+    wanted = args.samples or FT_SAMPLES
+    per_epoch = max(1, int(round(wanted / float(n_epochs * batch))))  # whole batches per epoch
+    nimg_per_epoch = per_epoch * batch
+    size_reserve = 0.0
+    if args.retrain_size and args.minutes:
+        size_reserve = (args.size_minutes if args.size_minutes is not None else max(0.3, 0.08 * args.minutes)) * 60
+    print('%d images (%d inverted), flows in %.1f s, loaded at %.1f s; fine-tune of %s: %d epochs x %d crops '
+          '(%d in all) at %g%s' % (len(X), n_inv, flow_seconds, budget.elapsed(), args.init, n_epochs, nimg_per_epoch,
+                                   n_epochs * nimg_per_epoch, settings_ft['learning_rate'],
+                                   ', cap %.1f min' % args.minutes if args.minutes else ''), flush=True)
+
+    clock = _BatchClock(cp_train)
+    clock.deadline = budget.deadline - size_reserve if args.minutes else float('inf')
+    cpu0, t_train = cpu_seconds(), time.time()
+    stopped = False
+    try:
+        cp_train.train_seg(cp.net, train_data=X, train_labels=flows, channels=CHANNELS, normalize=True,
+                           save_path=args.out, model_name='cellpose_peer', rescale=True, n_epochs=n_epochs,
+                           nimg_per_epoch=nimg_per_epoch, save_every=max(100, n_epochs), **settings_ft)
+    except _OutOfTime:
+        stopped = True
+    train_seconds, train_cpu = time.time() - t_train, cpu_seconds() - cpu0
+    batches, images = clock.batches, clock.images
+    clock.deadline = float('inf')
+    weights = os.path.join(args.out, 'models', 'cellpose_peer')
+    cp.net.save_model(weights)
+    cp.pretrained_model = weights
+    diam_labels = float(cp.net.diam_labels.item())  # train_seg sets it: the fine-tune images' mean
+
+    size_path = weights + '_size.npy'
+    t_size = time.time()
+    if args.retrain_size:
+        # as the from-scratch size model, on these images (all of them: min_train_masks 0)
+        cp_train.train_size(cp.net, weights, train_data=X, train_labels=flows, channels=CHANNELS, normalize=True,
+                            min_train_masks=0, batch_size=batch, n_epochs=10, nimg_per_epoch=max(batch, len(X)))
+        size_source = 'retrained on the fine-tune\'s images (train.train_size, 10 epochs of %d crops)' % max(batch,
+                                                                                                           len(X))
+    else:
+        shutil.copyfile(os.path.join(args.init, settings['size_model']), size_path)
+        size_source = 'the source\'s, copied (%s)' % file_sha256(size_path)
+    size_seconds = time.time() - t_size
+
+    busy1 = machine_busy_seconds()
+    wall = budget.elapsed()
+    record = dict(
+        peer='cellpose', minutes=args.minutes, wall_seconds=round(wall, 1),
+        over_budget_seconds=round(max(0.0, wall - budget.seconds), 1) if args.minutes else None,
+        flow_seconds=round(flow_seconds, 1), train_wall_seconds=round(train_seconds, 1),
+        train_cpu_seconds=round(train_cpu, 1), cpu_seconds=round(cpu_seconds(), 1),
+        seconds_per_batch=round(train_seconds / batches, 3) if batches else None,
+        size_model_seconds=round(size_seconds, 1), size_model=size_source,
+        machine_busy_seconds=None if busy0 is None else round(busy1 - busy0, 1),
+        machine_busy_note='CPU seconds of every process on the machine during the run; this run\'s own is '
+                          'cpu_seconds',
+        planned_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch, batches=batches, images_seen=images,
+        epochs=round(batches / per_epoch, 3), stopped_by_guard=stopped,
+        images_seen_note='training crops (%d px), one per image drawn; train_seg\'s first epoch runs at rate 0 '
+                         '(its warm-up starts there)' % 224,
+        train_images=len(X), trained_images=len(X), inverted_images=n_inv, invert_bright=invert_bright,
+        diam_mean=diam_mean, diam_labels=round(diam_labels, 2), channels=CHANNELS, train_settings=settings_ft,
+        seed=args.seed, data=os.path.abspath(args.data), threads=threads, versions=_versions(),
+        machine=machine_info(), init=source,
+        fine_tune=dict(samples=wanted, planned_crops=n_epochs * nimg_per_epoch, epochs=n_epochs,
+                       settings='Cellpose GUI fine-tuning (gui.py training_params, train_model): SGD 0.1, weight '
+                                'decay 1e-4, min_train_masks 0', learning_rate=settings_ft['learning_rate'],
+                       validation='none (train_seg without test data)', size_model=size_source))
+    write_json(os.path.join(args.out, 'budget.json'), record)
+    write_json(os.path.join(args.out, 'peer.json'), dict(peer='cellpose', invert_bright=invert_bright,
+                                                         weights='models/cellpose_peer',
+                                                         size_model='models/cellpose_peer_size.npy',
+                                                         diam_mean=diam_mean, diam_labels=diam_labels,
+                                                         channels=CHANNELS, init=source))
+    print('done: %d batches (%.2f of %d epochs, %d crops) in %.1f s of training%s, size model %s in %.1f s, '
+          '%.1f s in all; %s' % (batches, record['epochs'], n_epochs, images, train_seconds,
+                                 ' (stopped by the guard)' if stopped else '',
+                                 'retrained' if args.retrain_size else 'kept', size_seconds, wall,
+                                 os.path.join(args.out, 'budget.json')), flush=True)
+
+
 def train(args):
+    init = _check_args(args)
+    if init is not None:
+        return fine_tune(args, init)
     import numpy as np
     from peer_common import Budget, cpu_seconds, list_dsb, machine_busy_seconds, machine_info, write_json
     budget = Budget(args.minutes, start=_T0)
+    epochs = args.epochs or TARGET_EPOCHS
     busy0 = machine_busy_seconds()
     size_reserve = (args.size_minutes if args.size_minutes is not None else max(0.3, 0.08 * args.minutes)) * 60
     if os.path.exists(os.path.join(args.out, 'budget.json')):
@@ -209,7 +399,7 @@ def train(args):
     if fit < 1:  # train one batch anyway, so that the rest runs; the record shows the overrun
         print('warning: the budget leaves no time to train (%.1f s per batch); one batch only' % per_batch)
         fit = 1
-    per_epoch = max(1, fit // args.epochs)
+    per_epoch = max(1, fit // epochs)
     n_epochs = max(1, fit // per_epoch)
     nimg_per_epoch = per_epoch * TRAIN['batch_size']
     print('calibration: %.2f s per batch of %d, set-up %.1f s; plan: %d epochs of %d images (%d batches) until '

@@ -307,6 +307,66 @@ def read_json(path):
         return json.load(f)
 
 
+def fail(message):
+    """A usage error as the project reports one: one line on stderr, exit status 2, never a
+    traceback."""
+    sys.stderr.write('error: %s\n' % message)
+    sys.stderr.flush()
+    raise SystemExit(2)
+
+
+def file_sha256(path):
+    """SHA-256 of a file, as ``sha256:<hex>`` (the form of gluon_unet's ``--init`` digest)."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            h.update(block)
+    return 'sha256:' + h.hexdigest()
+
+
+def read_init(folder, peer, script, weights_default, needed=()):
+    """Check ``--init MODEL_DIR`` before any framework is imported: a folder made by
+    ``script``'s own ``train`` for ``peer`` (its ``peer.json`` says so) with its weights
+    file (``peer.json``'s ``weights``, else ``weights_default``) and the other files
+    ``needed`` names (keys of ``peer.json``). Returns ``(settings, weights_path)``;
+    anything else is one line on stderr and exit 2 (:func:`fail`)."""
+    if not os.path.isdir(folder):
+        fail('--init %s: no such directory' % folder)
+    peer_json = os.path.join(folder, 'peer.json')
+    if not os.path.isfile(peer_json):
+        fail('--init %s: not a model folder made by %s train (no peer.json)' % (folder, script))
+    try:
+        settings = read_json(peer_json)
+    except (OSError, ValueError) as e:
+        fail('--init %s: its peer.json cannot be read (%s)' % (folder, str(e).splitlines()[0] if str(e) else
+                                                                 type(e).__name__))
+    if not isinstance(settings, dict) or settings.get('peer') != peer:
+        other = settings.get('peer') if isinstance(settings, dict) else None
+        fail('--init %s: a %s model, not one made by %s train' % (folder, other or 'foreign', script))
+    weights = os.path.join(folder, settings.get('weights') or weights_default)
+    if not os.path.isfile(weights):
+        fail('--init %s: its weights %s are missing' % (folder, os.path.relpath(weights, folder)))
+    for key in needed:
+        if not settings.get(key) or not os.path.isfile(os.path.join(folder, settings[key])):
+            fail('--init %s: its %s (%s) is missing' % (folder, key.replace('_', ' '), settings.get(key)))
+    return settings, weights
+
+
+def init_record(folder, weights, **extra):
+    """What ``budget.json`` and ``peer.json`` say of a fine-tune's source: the folder, the
+    weights file and its digest, and what the source's own ``budget.json`` says it was
+    trained on (``data``, ``minutes``, ``init``: a fine-tune of a fine-tune keeps its chain)."""
+    rec = dict(model=os.path.abspath(folder), weights=os.path.abspath(weights), sha256=file_sha256(weights))
+    try:
+        src = read_json(os.path.join(folder, 'budget.json'))
+        rec.update({'source_' + k: src[k] for k in ('data', 'minutes', 'init') if k in src})
+    except (OSError, ValueError):
+        pass
+    rec.update(extra)
+    return rec
+
+
 def split_ids(ids, fraction, seed):
     """``(train, val)``: a seeded shuffle puts ``round(fraction * n)`` ids (at least 1 when
     fraction > 0 and n > 1) into validation, as StarDist's example splits its data."""
