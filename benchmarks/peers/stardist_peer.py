@@ -43,9 +43,9 @@ What it does, and why:
   ``weights_last.h5``), its inversion and percentiles (a contradicting ``--invert-bright``
   is refused) and its thresholds, kept as gluon_unet's fine-tune keeps its source's
   post-processing (no validation images to search them on). Defaults mirror gluon_unet's
-  fine-tune (20 epochs x 128 crops at a tenth of the recipe's rate, no validation split):
-  2,560 patches as 20 epochs of 32 steps x batch 4, Adam at a tenth of the source's rate
-  (3e-5; StarDist recommends no fine-tuning rate, its maintainers' advice is to continue
+  fine-tune (20 epochs x 128 crops at a quarter of the recipe's rate, no validation split):
+  2,560 patches as 20 epochs of 32 steps x batch 4, Adam at a quarter of the source's rate
+  (7.5e-5; StarDist recommends no fine-tuning rate, its maintainers' advice is to continue
   training from the model folder, stardist issue 127), every image trains (Keras's required
   validation data are the training images, a monitor only) and the last weights are kept.
   ``--minutes`` is then an optional cap. ``budget.json`` and ``peer.json`` record the source
@@ -73,13 +73,13 @@ PERCENTILES = (1.0, 99.8)
 VAL_FRACTION = 0.15
 SEED = 42
 #: A fine-tune's defaults (``train --init``), mirroring gluon_unet's (``FINE_TUNE_DEFAULTS``:
-#: 20 epochs x 128 crops at 5e-4, a tenth of the dsb2018 recipe's 5e-3, no validation split):
-#: the same 2,560 training patches as 20 epochs of 32 steps x batch 4, and a tenth of
+#: 20 epochs x 128 crops at 5e-4, a quarter of the dsb2018 recipe's 2e-3, no validation split):
+#: the same 2,560 training patches as 20 epochs of 32 steps x batch 4, and a quarter of
 #: StarDist's own rate (Adam 3e-4; StarDist's docs recommend no fine-tuning rate, its
 #: maintainers' advice is to continue training from the model's folder, stardist issue 127).
 FT_SAMPLES = 2560
 FT_EPOCHS = 20
-FT_LR_FACTOR = 0.1
+FT_LR_FACTOR = 0.25
 
 
 def build_parser():
@@ -113,7 +113,7 @@ def build_parser():
     f.add_argument('--epochs', type=int, default=None,
                    help='epochs the samples are divided into (default %d, as gluon_unet\'s fine-tune)' % FT_EPOCHS)
     f.add_argument('--learning-rate', type=float, default=None,
-                   help='Adam rate (default: a tenth of the source\'s, 3e-5 for StarDist\'s 3e-4)')
+                   help='Adam rate (default: a quarter of the source\'s, 7.5e-5 for StarDist\'s 3e-4)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
     q.add_argument('--model', required=True, help='a folder made by train (from scratch or --init)')
     q.add_argument('--input', required=True, help='DSB layout or a folder of images')
