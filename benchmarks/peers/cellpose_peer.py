@@ -224,6 +224,21 @@ def _check_args(args):
     return settings, weights
 
 
+def _start(args):
+    """What a training from scratch and a fine-tune do first: refuse an --out that holds a
+    model, set the threads and seeds, list the samples. Returns ``(threads, samples)``."""
+    import numpy as np
+    import torch
+    from peer_common import list_dsb
+    if os.path.exists(os.path.join(args.out, 'budget.json')):
+        raise SystemExit('%s already holds a model; choose another --out' % args.out)
+    threads = _threads()
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    samples = list_dsb(args.data)
+    return threads, samples[:args.limit] if args.limit else samples
+
+
 def fine_tune(args, init):
     """``train --init``: Cellpose's own fine-tuning (its GUI's settings, :data:`FINE_TUNE`)
     from a model of this script, for a number of crops rather than a budget; ``--minutes``,
@@ -231,25 +246,16 @@ def fine_tune(args, init):
     and size model are kept unless ``--retrain-size``."""
     import shutil
 
-    import numpy as np
-    from peer_common import (Budget, cpu_seconds, fail, file_sha256, init_record, list_dsb, machine_busy_seconds,
+    from peer_common import (Budget, cpu_seconds, fail, file_sha256, init_record, machine_busy_seconds,
                              machine_info, write_json)
     settings, src_weights = init
     budget = Budget(args.minutes if args.minutes else 1e9, start=_T0)
     busy0 = machine_busy_seconds()
-    if os.path.exists(os.path.join(args.out, 'budget.json')):
-        raise SystemExit('%s already holds a model; choose another --out' % args.out)
     invert_bright = bool(settings.get('invert_bright'))
-    threads = _threads()
+    threads, samples = _start(args)
     import torch
     from cellpose import dynamics, models
     from cellpose import train as cp_train
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-
-    samples = list_dsb(args.data)
-    if args.limit:
-        samples = samples[:args.limit]
     try:
         cp = models.CellposeModel(gpu=False, pretrained_model=src_weights, model_type=None, nchan=2)
     except Exception as e:  # another network's file, or damaged
@@ -349,25 +355,16 @@ def train(args):
     init = _check_args(args)
     if init is not None:
         return fine_tune(args, init)
-    import numpy as np
-    from peer_common import Budget, cpu_seconds, list_dsb, machine_busy_seconds, machine_info, write_json
+    from peer_common import Budget, cpu_seconds, machine_busy_seconds, machine_info, write_json
     budget = Budget(args.minutes, start=_T0)
     epochs = args.epochs or TARGET_EPOCHS
     busy0 = machine_busy_seconds()
     size_reserve = (args.size_minutes if args.size_minutes is not None else max(0.3, 0.08 * args.minutes)) * 60
-    if os.path.exists(os.path.join(args.out, 'budget.json')):
-        raise SystemExit('%s already holds a model; choose another --out' % args.out)
+    threads, samples = _start(args)
     os.makedirs(args.out, exist_ok=True)
-    threads = _threads()
     import torch
     from cellpose import dynamics, models
     from cellpose import train as cp_train
-    torch.manual_seed(args.seed)
-    np.random.seed(args.seed)
-
-    samples = list_dsb(args.data)
-    if args.limit:
-        samples = samples[:args.limit]
     X, Y, n_inv = _grey_inputs(samples, args.invert_bright)
     # Flows once, here: train_seg would compute them again at each call (they are its
     # target: the gradient of a heat diffusion from each nucleus's centre).
