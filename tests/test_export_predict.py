@@ -270,6 +270,21 @@ def test_predict_paths_writes_masks_labels_overlays_and_rle(tmp_path):
     assert sum(r[0] == 'b' for r in rows[1:]) == records[1]['objects']
 
 
+@pytest.mark.parametrize('progress', [True, False])
+def test_bin_predict_names_the_backend_in_its_summary_and_manifest(tmp_path, capsys, progress):
+    """The one-line summary says what ran the network (also under --no-progress: the bar goes,
+    the record stays), and the manifest keeps it beside the model."""
+    _brightness_model(str(tmp_path / 'model'))
+    cv2.imwrite(str(tmp_path / 'a.png'), _nuclei(48, seed=5)[0])
+    out = tmp_path / 'out'
+    argv = ['--model', str(tmp_path / 'model'), '--input', str(tmp_path / 'a.png'), '--output', str(out), '--cpus', '2']
+    assert _exit_code(predict_main, argv + ([] if progress else ['--no-progress'])) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith('predicted ')]
+    assert len(lines) == 1 and ' on 2 devices [cpu(0)' in lines[0] and ' with MXNet %s;' % mx.__version__ in lines[0]
+    backend = json.load(open(out / 'gluon_unet-predictions.json'))['model']['backend']
+    assert backend == {'name': 'mxnet', 'version': mx.__version__, 'devices': ['cpu(0)', 'cpu(1)']}
+
+
 def test_image_without_objects_still_gets_a_submission_row(tmp_path):
     _brightness_model(str(tmp_path / 'model'))
     cv2.imwrite(str(tmp_path / 'dark.png'), np.zeros((20, 24), np.uint8))

@@ -365,6 +365,10 @@ def test_predict_without_mxnet_writes_the_same_labels_as_mxnet(trained, flags):
     manifest = json.load(open(os.path.join(ort_out, 'gluon_unet-predictions.json')))
     assert manifest['complete'] and manifest['model']['weights_sha256'] == json.load(
         open(os.path.join(mx_out, 'gluon_unet-predictions.json')))['model']['weights_sha256']
+    # what ran the network, in the manifest and the summary line (bin/predict prints it on stdout)
+    backend = manifest['model']['backend']
+    assert backend['name'] == 'onnxruntime' and backend['providers'] == ['CPUExecutionProvider'], backend
+    assert ' with onnxruntime %s (CPUExecutionProvider);' % backend['version'] in done.stdout, done.stdout
 
 
 def test_onnx_environment_errors_are_one_line(trained, tmp_path):

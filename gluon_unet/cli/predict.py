@@ -75,6 +75,8 @@ def predict_main(argv=None):
         command, config = parse_configs(predict_parser(), argv, PredictCommand, PredictConfig)
         from ..inference.predict import predict_paths  # numpy, OpenCV: after the flags (--help needs none)
         result = predict_paths(command.model, command.input, command.output, config)
+    if not config.progress:  # --no-progress drops the bar, not the record of what ran
+        print(result.line)
     if result.failures:
         print('%s: %s' % ('warning' if command.allow_failures else 'error', result.summary()), file=sys.stderr)
         return 0 if command.allow_failures else 1

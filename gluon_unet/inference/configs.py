@@ -120,7 +120,7 @@ class PredictConfig:
                                        "MXNet with oneDNN on Linux x86-64; faster on CPUs with VNNI, probabilities "
                                        "a little off float32: its model.json says by how much)",
                             choices=PRECISIONS)
-    progress: bool = option(True, 'progress bar (stderr) and a one-line summary')
+    progress: bool = option(True, 'progress bar (stderr) and notes; bin/predict prints its one-line summary either way')
     overwrite: bool = option(False, '--output holds predictions by another model or with other settings (its %s '
                                     'says): remove the files it lists, then predict. Without it such a folder is '
                                     'refused, so two models\' outputs never mix; files gluon_unet did not write '

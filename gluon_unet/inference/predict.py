@@ -41,8 +41,9 @@ from .batched import ImageDone, load_model, match_channels, predict_image
 from .configs import PredictConfig
 from .export_int8 import check_support, int8_warning
 from .postprocess import SECOND_MAPS
-from .predict_outputs import (OUTPUT_SUFFIXES, Manifest, Predictions, error_text, failure_summary, model_record,
-                              stop_words, summary_line, tuning_note, write_image_outputs, writes_there)
+from .predict_outputs import (OUTPUT_SUFFIXES, Manifest, Predictions, backend_record, error_text, failure_summary,
+                              model_record, stop_words, summary_line, tuning_note, write_image_outputs,
+                              writes_there)
 from .scale import estimate_diameter, range_factor, rescale_factor, resolve_diameter
 from .sidecar import card_summary, find_export, tuned_prediction
 from .submission import submission_rows, write_submission
@@ -316,7 +317,8 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
             (lock_file(config.rle, '--rle') if config.rle else contextlib.nullcontext()):
         remove_leftovers(output_dir)  # ours now: what a prediction killed half way left
         run = _PredictionRun(loaded, files, output_dir, config)
-        run.manifest = Manifest(output_dir, model_record(prefix, loaded), run.settings(), config.overwrite)
+        backend = backend_record(runtime, loaded)
+        run.manifest = Manifest(output_dir, model_record(prefix, loaded, backend), run.settings(), config.overwrite)
         run.manifest.check(run.planned())
         if config.progress and card_summary(loaded.meta):
             print(card_summary(loaded.meta))
@@ -334,8 +336,10 @@ def predict_paths(model, inputs, output_dir, config=None, **overrides):
             run.manifest.finish(stopped=stop_words(exc))
             raise
         run.manifest.finish()
+    result.line = summary_line(result, time.time() - t0, loaded.ctxs, output_dir, config, run.inputs_per_device,
+                               backend)
     if config.progress:
-        print(summary_line(result, time.time() - t0, loaded.ctxs, output_dir, config, run.inputs_per_device))
+        print(result.line)
     return result
 
 

@@ -45,6 +45,7 @@ class Predictions(list):
     def __init__(self, records=(), failures=()):
         super().__init__(records)
         self.failures = list(failures)
+        self.line = ''  # the run's one-line summary (summary_line), set by predict_paths
 
     def summary(self):
         """One line about the failures (empty when there are none), e.g.
@@ -117,14 +118,35 @@ def _remove_quietly(path):
         pass
 
 
-def model_record(prefix, model):
+def model_record(prefix, model, backend=None):
     """Which model predictions come from, for the manifest: the export folder, a digest of
     its weights (:func:`~gluon_unet.inference.sidecar.weights_digest`: the same for every export of
-    the same weights), what its sidecar does to the inputs, and its card's epoch and date."""
+    the same weights), what its sidecar does to the inputs, its card's epoch and date, and
+    the ``backend`` that ran it (:func:`backend_record`)."""
     card = model.meta.get('card') if isinstance(model.meta.get('card'), dict) else {}
     return {'export': os.path.dirname(os.path.abspath(prefix)), 'weights_sha256': weights_digest(prefix),
             'normalize': model.normalize, 'denoise': model.denoise, 'epoch': model.meta.get('epoch'),
-            'created': card.get('created')}
+            'created': card.get('created'), 'backend': backend}
+
+
+def backend_record(runtime, model):
+    """What ran the network: ``{'name': 'mxnet', 'version': '1.9.1', 'devices': ['cpu(0)']}``,
+    or onnxruntime's version, devices and execution ``providers``. Recorded, not part of a
+    model's identity: the same export on either backend writes into the same folder."""
+    devices = [str(c) for c in model.ctxs]
+    if runtime == 'mxnet':
+        import mxnet as mx
+        return {'name': 'mxnet', 'version': mx.__version__, 'devices': devices}
+    from .batched_onnx import import_onnxruntime
+    return {'name': 'onnxruntime', 'version': import_onnxruntime().__version__, 'devices': devices,
+            'providers': sorted({s.get_providers()[0] for s in model.net.sessions})}
+
+
+def backend_text(backend):
+    """``'MXNet 1.9.1'`` / ``'onnxruntime 1.20.1 (CPUExecutionProvider)'`` for the summary line."""
+    if backend['name'] == 'mxnet':
+        return 'MXNet %s' % backend['version']
+    return 'onnxruntime %s (%s)' % (backend['version'], ', '.join(backend['providers']))
 
 
 #: The model record's keys that make two models different (the rest is for people).
@@ -240,17 +262,19 @@ def stop_words(exc):
     return 'an error (%s)' % type(exc).__name__
 
 
-def summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None):
-    """``predicted 6 images (101 objects) in 2.0 s: 3.00 images/s on 1 device [cpu(0)]; ...``;
-    with several devices each is followed by the network inputs it computed
-    (``[cpu(0) 3 inputs, cpu(1) 3 inputs]``)."""
+def summary_line(records, seconds, ctxs, output_dir, config, inputs_per_device=None, backend=None):
+    """``predicted 6 images (101 objects) in 2.0 s: 3.00 images/s on 1 device [cpu(0)] with
+    MXNet 1.9.1; ...``; with several devices each is followed by the network inputs it
+    computed (``[cpu(0) 3 inputs, cpu(1) 3 inputs]``); onnxruntime's devices are its
+    execution providers."""
     modes = {}
     for r in records:
         modes[r['mode']] = modes.get(r['mode'], 0) + 1
-    return ('predicted %d images (%d objects) in %.1f s: %.2f images/s on %d device%s [%s]; mode %s%s; '
+    return ('predicted %d images (%d objects) in %.1f s: %.2f images/s on %d device%s [%s]%s; mode %s%s; '
             'outputs in %s%s' % (len(records), sum(r['objects'] for r in records), seconds,
                                  len(records) / max(seconds, 1e-9), len(ctxs), 's' if len(ctxs) > 1 else '',
                                  _device_list(ctxs, inputs_per_device),
+                                 ' with %s' % backend_text(backend) if backend else '',
                                  ', '.join('%s %d' % kv for kv in sorted(modes.items())),
                                  ', tta' if config.tta else '', output_dir,
                                  (', submission %s' % config.rle) if config.rle else ''))
