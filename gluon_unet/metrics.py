@@ -6,7 +6,10 @@ Two families:
   validation set split over batches and devices gives the same number as one big array;
 * the Data Science Bowl 2018 instance metric: for each IoU threshold t in 0.50..0.95,
   TP / (TP + FP + FN) where a predicted and a true object match when their IoU > t;
-  averaged over thresholds, then over images.
+  averaged over thresholds, then over images;
+* the object-matching scores of StarDist's ``stardist.matching.matching`` and Cellpose's
+  ``metrics.average_precision`` at a few IoU thresholds (:func:`matching_scores`):
+  TP/FP/FN, precision, recall, F1, AP, mean matched IoU and panoptic quality.
 """
 import numpy as np
 
@@ -196,6 +199,62 @@ def dsb_score_from_iou(iou, thresholds=THRESHOLDS):
     tp = (cand[None, :] > th[:, None]).sum(axis=1)
     score = tp / (n_true + n_pred - tp)
     return float(score.mean())
+
+
+#: The IoU thresholds of :func:`matching_scores` in ``bin/evaluate`` (column suffixes 50, 75, 90).
+MATCH_THRESHOLDS = (0.5, 0.75, 0.9)
+
+#: The keys of each threshold's dict in :func:`matching_scores`.
+MATCH_KEYS = ('tp', 'fp', 'fn', 'precision', 'recall', 'f1', 'ap', 'matched_iou', 'pq')
+
+
+def _safe_divide(num, den):
+    """num / den, 0.0 when den is 0 - StarDist's ``_safe_divide`` convention (so, unlike
+    the DSB score, an image with no object in truth nor prediction scores 0, not 1)."""
+    return float(num) / den if den > 0 else 0.0
+
+
+def matching_scores(iou, thresholds=MATCH_THRESHOLDS):
+    """Object-matching scores of one image, as StarDist's ``matching`` defines them.
+
+    Predicted and true objects match one-to-one when their IoU > t (strictly, as in the
+    DSB score; StarDist and Cellpose use >=, which differs only for an IoU exactly t).
+    With t >= 0.5 an object overlaps at most one partner by more than t, so the pairs
+    with IoU > t already are the optimal (Hungarian) matching.
+
+    Parameters
+    ----------
+    iou : (n_true, n_pred) array
+        The image's :func:`iou_matrix`.
+    thresholds : sequence of float
+        IoU thresholds, each >= 0.5.
+
+    Returns
+    -------
+    dict
+        threshold -> ``{key: value for key in MATCH_KEYS}``: ``tp`` matched pairs,
+        ``fp = n_pred - tp``, ``fn = n_true - tp`` (ints); ``precision = tp/(tp+fp)``,
+        ``recall = tp/(tp+fn)``, ``f1 = 2tp/(2tp+fp+fn)``, ``ap = tp/(tp+fp+fn)`` (what
+        StarDist calls accuracy and StarDist, Cellpose and the DSB the average precision),
+        ``matched_iou`` = mean IoU of the matched pairs, ``pq`` = panoptic quality = sum of
+        the matched IoUs / (tp + fp/2 + fn/2). Every ratio with a zero denominator is 0,
+        as StarDist's ``_safe_divide`` makes it (e.g. all of them when both images are empty).
+    """
+    iou = np.asarray(iou, dtype=np.float64)
+    n_true, n_pred = iou.shape
+    out = {}
+    for t in thresholds:
+        if t < 0.5:
+            raise ValueError('matching_scores: threshold %g < 0.5, where a match is not unique' % t)
+        matched = iou[iou > t]
+        tp = int(matched.size)
+        fp, fn = n_pred - tp, n_true - tp
+        total = float(matched.sum())
+        out[t] = dict(tp=tp, fp=fp, fn=fn, precision=_safe_divide(tp, tp + fp),
+                      recall=_safe_divide(tp, tp + fn), f1=_safe_divide(2 * tp, 2 * tp + fp + fn),
+                      ap=_safe_divide(tp, tp + fp + fn), matched_iou=_safe_divide(total, tp),
+                      pq=_safe_divide(total, tp + fp / 2 + fn / 2))
+    return out
 
 
 def dsb_score(pred_list, true_list):

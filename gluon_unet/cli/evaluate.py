@@ -16,7 +16,10 @@ def evaluate_parser():
     """The ``bin/evaluate`` parser: one flag per :class:`EvaluateConfig` field."""
     return config_parser('evaluate', EvaluateConfig, epilog=EXAMPLES,
                          description='Score predicted nuclei against ground truth: Data Science Bowl 2018\n'
-                                     'instance score, pixel IoU and Dice per image and mean.')
+                                     'instance score, pixel IoU and Dice, and at IoU 0.5, 0.75 and 0.9\n'
+                                     'the object-matching scores of StarDist and Cellpose (TP, FP, FN,\n'
+                                     'precision, recall, F1, AP, mean matched IoU, panoptic quality),\n'
+                                     'per image and mean.')
 
 
 @reports_errors

@@ -5,7 +5,9 @@ Predictions are label images (one id per nucleus, e.g. the 16-bit PNGs of
 maps (thresholded, then components), named after the truth ids. Truth is either the
 Data Science Bowl layout (``ROOT/<id>/masks/*.png``, one nucleus per file) or a folder of
 mask / label images. Per image: the DSB instance score, pixel IoU and Dice - the same
-code as the validation metrics in training.
+code as the validation metrics in training - and, at IoU 0.5, 0.75 and 0.9, the
+object-matching scores of StarDist and Cellpose (:func:`~gluon_unet.metrics.matching_scores`:
+TP, FP, FN, precision, recall, F1, AP, mean matched IoU, panoptic quality).
 """
 import contextlib
 import csv
@@ -16,7 +18,7 @@ import numpy as np
 from ..data.io import merge_object_masks, read_labels
 from ..data.layouts import is_dsb, is_dsb_sample, list_images
 from ..errors import UserError
-from ..metrics import dsb_image_score, pixel_scores
+from ..metrics import MATCH_KEYS, MATCH_THRESHOLDS, dsb_score_from_iou, iou_matrix, matching_scores, pixel_scores
 from ..outputs import check_apart, check_inputs, check_replaceable, lock_file
 from ..utils import atomic_open, check_writable
 from .configs import EvaluateConfig
@@ -30,7 +32,18 @@ PRED_SUFFIXES = ('_labels', '_label', '_instances', '', '_mask', '_pred', '_pred
 TRUTH_SUFFIXES = ('_mask', '_labels', '_label', '_instances', '')
 #: Pictures for people (``bin/predict --overlay``), not predictions.
 IGNORED_SUFFIXES = ('_overlay',)
-COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status')
+#: The matching-score columns: ``<key>_<threshold in percent>``, e.g. ``ap_50``, ``pq_75``.
+MATCH_COLUMNS = tuple('%s_%d' % (k, round(100 * t)) for t in MATCH_THRESHOLDS for k in MATCH_KEYS)
+#: The CSV's columns: the first seven are older and read by other tools; keep them first.
+COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status') + MATCH_COLUMNS
+#: Matching columns summed, not averaged, in :func:`mean_row`.
+COUNT_COLUMNS = tuple(c for c in MATCH_COLUMNS if c.split('_')[0] in ('tp', 'fp', 'fn'))
+
+
+def match_columns(iou):
+    """The :data:`MATCH_COLUMNS` of one image from its IoU matrix (n_true, n_pred)."""
+    scores = matching_scores(iou, MATCH_THRESHOLDS)
+    return {'%s_%d' % (k, round(100 * t)): scores[t][k] for t in MATCH_THRESHOLDS for k in MATCH_KEYS}
 
 
 def find_images(folder):
@@ -84,7 +97,8 @@ def evaluate(pred_dir, truth_dir, threshold=0.5):
     -------
     rows : list of dict
         One per truth id, keys :data:`COLUMNS`; a missing prediction scores 0 with
-        ``status='missing'``.
+        ``status='missing'`` (and is scored as an empty prediction: every true object a
+        false negative).
     extra : list of str
         Prediction ids without truth (ignored).
     """
@@ -105,7 +119,7 @@ def evaluate(pred_dir, truth_dir, threshold=0.5):
         n_true = int(len(np.unique(true[true > 0])))
         if image_id not in preds:
             rows.append(dict(image_id=image_id, dsb=0.0, iou=0.0, dice=0.0, true_objects=n_true,
-                             pred_objects=0, status='missing'))
+                             pred_objects=0, status='missing', **match_columns(np.zeros((n_true, 0)))))
             continue
         pred = read_labels(preds[image_id], threshold)
         if pred.shape != true.shape:
@@ -113,18 +127,22 @@ def evaluate(pred_dir, truth_dir, threshold=0.5):
                             % (preds[image_id], pred.shape[1], pred.shape[0], image_id,
                                true.shape[1], true.shape[0]))
         px = pixel_scores(pred, true)
-        rows.append(dict(image_id=image_id, dsb=dsb_image_score(pred, true), iou=px['iou'],
+        iou = iou_matrix(pred, true)
+        rows.append(dict(image_id=image_id, dsb=dsb_score_from_iou(iou), iou=px['iou'],
                          dice=px['dice'], true_objects=n_true,
-                         pred_objects=int(len(np.unique(pred[pred > 0]))), status='ok'))
+                         pred_objects=int(len(np.unique(pred[pred > 0]))), status='ok', **match_columns(iou)))
     extra = sorted(set(preds) - set(truth))
     return rows, extra
 
 
 def mean_row(rows):
-    """The column means (missing predictions included as 0)."""
-    return {'image_id': 'mean', **{k: float(np.mean([r[k] for r in rows])) for k in ('dsb', 'iou', 'dice')},
-            'true_objects': int(sum(r['true_objects'] for r in rows)),
-            'pred_objects': int(sum(r['pred_objects'] for r in rows)), 'status': ''}
+    """The column means (missing predictions included as 0); object counts and TP, FP, FN
+    are summed instead. Per-image ratios are averaged (StarDist's ``matching_dataset``
+    would pool TP, FP and FN over the images first)."""
+    means = ('dsb', 'iou', 'dice') + tuple(c for c in MATCH_COLUMNS if c not in COUNT_COLUMNS)
+    sums = ('true_objects', 'pred_objects') + COUNT_COLUMNS
+    return {'image_id': 'mean', **{k: float(np.mean([r[k] for r in rows])) for k in means},
+            **{k: int(sum(r[k] for r in rows)) for k in sums}, 'status': ''}
 
 
 def write_csv(path, rows):
@@ -145,18 +163,36 @@ def check_csv(path):
     check_writable(path, '--csv', is_file=True)
 
 
+#: Matching columns shown per image in :func:`format_table` (all of them are in the CSV).
+TABLE_MATCH = (('ap50', 'ap_50'), ('ap75', 'ap_75'), ('ap90', 'ap_90'), ('f1@.5', 'f1_50'), ('pq@.5', 'pq_50'))
+
+
 def format_table(rows, mean):
-    """A plain-text table, one line per image, then the mean."""
+    """A plain-text table, one line per image, then the mean; below it, every matching
+    score per IoU threshold, summed (TP, FP, FN) or averaged over the images."""
     width = max([len('image_id')] + [len(r['image_id']) for r in rows])
-    head = '%-*s  %6s  %6s  %6s  %5s  %5s' % (width, 'image_id', 'dsb', 'iou', 'dice', 'true', 'pred')
-    line = '%-*s  %6.4f  %6.4f  %6.4f  %5d  %5d'
+    head = '%-*s  %6s  %6s  %6s  %5s  %5s' % (width, 'image_id', 'dsb', 'iou', 'dice', 'true', 'pred') \
+        + ''.join('  %6s' % name for name, _ in TABLE_MATCH)
+    line = '%-*s  %6.4f  %6.4f  %6.4f  %5d  %5d' + '  %6.4f' * len(TABLE_MATCH)
+
+    def fields(label, r):
+        return ((width, label, r['dsb'], r['iou'], r['dice'], r['true_objects'], r['pred_objects'])
+                + tuple(r[c] for _, c in TABLE_MATCH))
     out = [head, '-' * len(head)]
     for r in rows:
-        out.append(line % (width, r['image_id'], r['dsb'], r['iou'], r['dice'], r['true_objects'],
-                           r['pred_objects']) + ('  (missing)' if r['status'] == 'missing' else ''))
+        out.append(line % fields(r['image_id'], r) + ('  (missing)' if r['status'] == 'missing' else ''))
     out.append('-' * len(head))
-    out.append(line % (width, 'mean', mean['dsb'], mean['iou'], mean['dice'], mean['true_objects'],
-                       mean['pred_objects']))
+    out.append(line % fields('mean', mean))
+    out.append('')
+    sub = '%-9s  %6s  %6s  %6s  %9s  %6s  %6s  %6s  %11s  %6s' % (
+        'IoU >', 'tp', 'fp', 'fn', 'precision', 'recall', 'f1', 'ap', 'matched_iou', 'pq')
+    out += ['matching scores over the %d images (tp, fp, fn summed; the rest averaged per image)' % len(rows),
+            sub, '-' * len(sub)]
+    for t in MATCH_THRESHOLDS:
+        m = {k: mean['%s_%d' % (k, round(100 * t))] for k in MATCH_KEYS}
+        out.append('%-9.2f  %6d  %6d  %6d  %9.4f  %6.4f  %6.4f  %6.4f  %11.4f  %6.4f' % (
+            t, m['tp'], m['fp'], m['fn'], m['precision'], m['recall'], m['f1'], m['ap'], m['matched_iou'],
+            m['pq']))
     return '\n'.join(out)
 
 
