@@ -79,7 +79,11 @@ def test_the_widget_segments_an_image_layer_as_bin_predict_does(panel, qtbot, tm
     expected = _predict_labels(path, tmp_path)
     assert labels.data.shape == expected.shape and labels.data.max() >= 3
     np.testing.assert_array_equal(labels.data, expected)
-    assert viewer.layers['%s probability' % layer.name].data.shape == expected.shape
+    probability = viewer.layers['%s probability' % layer.name]
+    assert probability.data.shape == expected.shape
+    # the default view: outlines, the probability hidden under the labels
+    assert labels.contour > 0 and not probability.visible
+    assert list(viewer.layers).index(probability) < list(viewer.layers).index(labels)
     assert panel.result.predicted and 'nuclei in' in panel.status.value and not _errors()
     # Only the post-processing changed: the maps are reused, the labels are bin/predict's with that flag.
     panel.threshold.value, panel.min_size.value = 0.7, 4

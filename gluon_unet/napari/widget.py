@@ -33,6 +33,8 @@ WHO = 'gluon_unet napari widget'
 MARK = 'gluon_unet'
 #: The model choice that means "the folder below" rather than a shipped model.
 FOLDER = 'folder below'
+#: Outline width (pixels) of a new labels layer: outlines, not filled labels.
+LABEL_OUTLINE = 2
 
 
 class Failure:
@@ -370,9 +372,10 @@ class SegmentPanel:
         self._use(segmenter)
         self.result = result
         count = int(result.labels.max())
-        self._put('labels', '%s nuclei' % layer.name, result.labels, layer)
+        # The probability first, so that a new one lies under the labels (and starts hidden).
         if self.probability.value:
             self._put('image', '%s probability' % layer.name, result.maps[0], layer)
+        self._put('labels', '%s nuclei' % layer.name, result.labels, layer)
         rescaled = ', rescaled x%.2f' % result.scale if result.scale != 1.0 else ''
         self.status.value = ('%d nuclei in %.2f s%s%s' % (count, result.seconds, rescaled, '' if result.predicted
                                                           else ' (post-processing only)'))
@@ -384,6 +387,12 @@ class SegmentPanel:
             if existing.name == name and existing.metadata.get(MARK) == kind:
                 existing.data = data
                 return existing
+        # A new layer's look (a layer already there keeps the user's): outlines, so the
+        # nuclei stay visible under them, and the probability hidden until asked for.
         add = self.viewer.add_labels if kind == 'labels' else self.viewer.add_image
-        extra = {} if kind == 'labels' else {'colormap': 'magma', 'contrast_limits': (0, 1), 'blending': 'additive'}
-        return add(data, name=name, scale=source.scale, translate=source.translate, metadata={MARK: kind}, **extra)
+        extra = {} if kind == 'labels' else {'colormap': 'magma', 'contrast_limits': (0, 1), 'blending': 'additive',
+                                             'visible': False}
+        added = add(data, name=name, scale=source.scale, translate=source.translate, metadata={MARK: kind}, **extra)
+        if kind == 'labels':
+            added.contour = LABEL_OUTLINE
+        return added

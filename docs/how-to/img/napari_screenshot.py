@@ -40,10 +40,8 @@ def main(image, out):
     panel.probability.value = True
     panel.run()
     _wait(panel)
-    labels = viewer.layers['%s nuclei' % layer.name]
-    labels.contour = 2  # outlines: the nuclei under them stay visible
-    viewer.layers.selection.active = labels
-    viewer.layers['%s probability' % layer.name].visible = False
+    # the widget's own view: outlines, the probability hidden under them
+    viewer.layers.selection.active = viewer.layers['%s nuclei' % layer.name]
     viewer.reset_view()
     for _ in range(20):  # let the canvas draw the new layers before the grab
         QApplication.processEvents()
