@@ -239,6 +239,25 @@ def _start(args):
     return threads, samples[:args.limit] if args.limit else samples
 
 
+def _train_seg(cp_train, clock, cp, out, **kwargs):
+    """Cellpose's ``train_seg`` on ``cp.net`` until it ends or ``clock``'s guard stops it;
+    the weights are saved either way (the guard stops it before its own save) and ``cp``
+    predicts with them. Returns ``(stopped, seconds, cpu_seconds, weights_path)``."""
+    from peer_common import cpu_seconds
+    cpu0, t0 = cpu_seconds(), time.time()
+    stopped = False
+    try:
+        cp_train.train_seg(cp.net, **kwargs)
+    except _OutOfTime:
+        stopped = True
+    seconds, cpu = time.time() - t0, cpu_seconds() - cpu0
+    clock.deadline = float('inf')
+    weights = os.path.join(out, 'models', 'cellpose_peer')
+    cp.net.save_model(weights)
+    cp.pretrained_model = weights
+    return stopped, seconds, cpu, weights
+
+
 def fine_tune(args, init):
     """``train --init``: Cellpose's own fine-tuning (its GUI's settings, :data:`FINE_TUNE`)
     from a model of this script, for a number of crops rather than a budget; ``--minutes``,
@@ -285,20 +304,11 @@ def fine_tune(args, init):
 
     clock = _BatchClock(cp_train)
     clock.deadline = budget.deadline - size_reserve if args.minutes else float('inf')
-    cpu0, t_train = cpu_seconds(), time.time()
-    stopped = False
-    try:
-        cp_train.train_seg(cp.net, train_data=X, train_labels=flows, channels=CHANNELS, normalize=True,
-                           save_path=args.out, model_name='cellpose_peer', rescale=True, n_epochs=n_epochs,
-                           nimg_per_epoch=nimg_per_epoch, save_every=max(100, n_epochs), **settings_ft)
-    except _OutOfTime:
-        stopped = True
-    train_seconds, train_cpu = time.time() - t_train, cpu_seconds() - cpu0
+    stopped, train_seconds, train_cpu, weights = _train_seg(
+        cp_train, clock, cp, args.out, train_data=X, train_labels=flows, channels=CHANNELS, normalize=True,
+        save_path=args.out, model_name='cellpose_peer', rescale=True, n_epochs=n_epochs,
+        nimg_per_epoch=nimg_per_epoch, save_every=max(100, n_epochs), **settings_ft)
     batches, images = clock.batches, clock.images
-    clock.deadline = float('inf')
-    weights = os.path.join(args.out, 'models', 'cellpose_peer')
-    cp.net.save_model(weights)
-    cp.pretrained_model = weights
     diam_labels = float(cp.net.diam_labels.item())  # train_seg sets it: the fine-tune images' mean
 
     size_path = weights + '_size.npy'
@@ -403,19 +413,10 @@ def train(args):
           '%.0f s' % (per_batch, TRAIN['batch_size'], overhead, n_epochs, nimg_per_epoch, n_epochs * per_epoch,
                       train_until - budget.start), flush=True)
     clock.deadline = max(train_until, time.time() + 1.5 * per_batch)
-    cpu0, t_train = cpu_seconds(), time.time()
-    stopped = False
-    try:
-        cp_train.train_seg(cp.net, n_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch, save_every=max(100, n_epochs),
-                           **common)
-    except _OutOfTime:
-        stopped = True
-    train_seconds, train_cpu = time.time() - t_train, cpu_seconds() - cpu0
+    stopped, train_seconds, train_cpu, weights = _train_seg(
+        cp_train, clock, cp, args.out, n_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch,
+        save_every=max(100, n_epochs), **common)
     batches, images = clock.batches, clock.images
-    clock.deadline = float('inf')
-    weights = os.path.join(args.out, 'models', 'cellpose_peer')
-    cp.net.save_model(weights)  # also when the guard stopped train_seg before its own save
-    cp.pretrained_model = weights
     diam_labels = float(cp.net.diam_labels.item())
 
     # 3. the size model in what is left: time one batch of style vectors, then as many as fit
