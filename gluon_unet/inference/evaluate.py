@@ -32,8 +32,13 @@ PRED_SUFFIXES = ('_labels', '_label', '_instances', '', '_mask', '_pred', '_pred
 TRUTH_SUFFIXES = ('_mask', '_labels', '_label', '_instances', '')
 #: Pictures for people (``bin/predict --overlay``), not predictions.
 IGNORED_SUFFIXES = ('_overlay',)
-#: The matching-score columns: ``<key>_<threshold in percent>``, e.g. ``ap_50``, ``pq_75``.
-MATCH_COLUMNS = tuple('%s_%d' % (k, round(100 * t)) for t in MATCH_THRESHOLDS for k in MATCH_KEYS)
+def match_column(key, threshold):
+    """A matching-score column: ``<key>_<threshold in percent>``, e.g. ``ap_50``, ``pq_75``."""
+    return '%s_%d' % (key, round(100 * threshold))
+
+
+#: The matching-score columns, threshold by threshold.
+MATCH_COLUMNS = tuple(match_column(k, t) for t in MATCH_THRESHOLDS for k in MATCH_KEYS)
 #: The CSV's columns: the first seven are older and read by other tools; keep them first.
 COLUMNS = ('image_id', 'dsb', 'iou', 'dice', 'true_objects', 'pred_objects', 'status') + MATCH_COLUMNS
 #: Matching columns summed, not averaged, in :func:`mean_row`.
@@ -43,7 +48,7 @@ COUNT_COLUMNS = tuple(c for c in MATCH_COLUMNS if c.split('_')[0] in ('tp', 'fp'
 def match_columns(iou):
     """The :data:`MATCH_COLUMNS` of one image from its IoU matrix (n_true, n_pred)."""
     scores = matching_scores(iou, MATCH_THRESHOLDS)
-    return {'%s_%d' % (k, round(100 * t)): scores[t][k] for t in MATCH_THRESHOLDS for k in MATCH_KEYS}
+    return {match_column(k, t): scores[t][k] for t in MATCH_THRESHOLDS for k in MATCH_KEYS}
 
 
 def find_images(folder):
@@ -189,7 +194,7 @@ def format_table(rows, mean):
     out += ['matching scores over the %d images (tp, fp, fn summed; the rest averaged per image)' % len(rows),
             sub, '-' * len(sub)]
     for t in MATCH_THRESHOLDS:
-        m = {k: mean['%s_%d' % (k, round(100 * t))] for k in MATCH_KEYS}
+        m = {k: mean[match_column(k, t)] for k in MATCH_KEYS}
         out.append('%-9.2f  %6d  %6d  %6d  %9.4f  %6.4f  %6.4f  %6.4f  %11.4f  %6.4f' % (
             t, m['tp'], m['fp'], m['fn'], m['precision'], m['recall'], m['f1'], m['ap'], m['matched_iou'],
             m['pq']))
