@@ -12,7 +12,7 @@ devices its flags name, then imports the modules that need mxnet.
 import sys
 
 from .. import version_string
-from .common import default_signals
+from .common import default_signals, printed
 from .doctor import doctor_main
 from .evaluate import evaluate_main
 from .export import export_main
@@ -67,11 +67,9 @@ def main(argv=None, prog='gluon-unet'):
         return 2
     command, rest = argv[0], argv[1:]
     if command in ('-h', '--help', 'help'):
-        print(overview(prog))
-        return 0
+        return printed(overview(prog), prog)
     if command == '--version':
-        print(version_string())
-        return 0
+        return printed(version_string(), prog)
     if command not in COMMANDS:
         print('%s: error: unknown command %r (choose from %s)' % (prog, command, ', '.join(COMMANDS)),
               file=sys.stderr)

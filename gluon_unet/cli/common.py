@@ -228,7 +228,21 @@ def _boundary(main, command):
     @functools.wraps(main)
     def wrapper(argv=None, **kwargs):
         try:
-            return main(argv, **kwargs)
+            # A pipe's buffered output is written here, not at exit, so that a reader that
+            # closed early (`| head`) is met below rather than by the interpreter's shutdown;
+            # argparse's --help and usage errors end in SystemExit, so those are flushed too.
+            try:
+                code = main(argv, **kwargs)
+            except SystemExit:
+                sys.stdout.flush()
+                raise
+            sys.stdout.flush()
+            return code
+        except BrokenPipeError as exc:
+            if not _stdout_closed():
+                print('error: %s' % unexpected_error(command, exc, _debugging(argv)), file=sys.stderr)
+                return 1
+            return _reader_gone(command)
         except UserError as exc:
             print('error: %s' % exc, file=sys.stderr)
             if getattr(exc, 'process_unusable', False):
@@ -249,6 +263,47 @@ def _boundary(main, command):
             print('error: %s' % unexpected_error(command, exc, _debugging(argv)), file=sys.stderr)
             return 1
     return wrapper
+
+
+def printed(text, command):
+    """Print ``text`` to stdout now (buffer flushed); exit code 0, or 141 when stdout's
+    reader has closed it, as the error boundary says it for the commands. For what prints
+    outside a command's boundary (``gluon-unet --help``)."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _reader_gone(command)
+    return 0
+
+
+def _stdout_closed():
+    """Whether standard output is a pipe whose reader has gone (its write end polls as an error)."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _reader_gone(command):
+    """The reader of standard output closed it (``bin/evaluate ... | head``): stop quietly
+    as a pipeline's writer does (exit 141, 128 + SIGPIPE), saying so on stderr if it is
+    elsewhere. Everything the command had written to files is written; stdout is pointed
+    at /dev/null so that the interpreter's last flush does not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    try:
+        print('%s: stopped writing: its standard output was closed (broken pipe)' % command, file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:
+        pass
+    return 128 + int(signal.SIGPIPE)
 
 
 def _debugging(argv):
