@@ -141,9 +141,25 @@ def paired_interval(a, b, n=10000, seed=0):
     return d.mean(), np.percentile(means, 2.5), np.percentile(means, 97.5)
 
 
+def macro_interval(pairs, n=10000, seed=0):
+    """Macro (mean over groups of each group's mean) of a, of b, of b - a and the 95 %
+    interval of the last, each group's images resampled on their own (a group of 6 images
+    weighs as much as one of 218, as in the grouped validation's macro)."""
+    rng = np.random.default_rng(seed)
+    draws = []
+    for a, b in pairs:
+        d = np.asarray(b) - np.asarray(a)
+        draws.append(d[rng.integers(0, len(d), size=(n, len(d)))].mean(axis=1))
+    means = np.mean(draws, axis=0)
+    return (np.mean([np.mean(a) for a, _ in pairs]), np.mean([np.mean(b) for _, b in pairs]),
+            np.mean([np.mean(np.asarray(b) - np.asarray(a)) for a, b in pairs]),
+            np.percentile(means, 2.5), np.percentile(means, 97.5))
+
+
 def cmd_summary(args):
     print('| group | k | scored | zero-shot | fold model fine-tuned | from scratch | shipped `nuclei` fine-tuned |')
     print('|---|---|---|---|---|---|---|')
+    per_k = {}  # k -> method -> group -> (zero scores, method scores), for the macro rows
     for group in sorted(os.listdir(args.out)):
         record_path = os.path.join(args.out, group, 'runs.json')
         if not os.path.isfile(record_path):
@@ -161,10 +177,18 @@ def cmd_summary(args):
                     cells.append('')
                     continue
                 s = read_scores(got[method]['scores'])
-                d, lo, hi = paired_interval([zero[i] for i in ids], [s[i] for i in ids])
-                cells.append('%.3f (%+.3f, %+.3f to %+.3f; %.1f min)' % (np.mean([s[i] for i in ids]), d, lo, hi,
+                pair = ([zero[i] for i in ids], [s[i] for i in ids])
+                per_k.setdefault(k, {}).setdefault(method, {})[group] = pair
+                d, lo, hi = paired_interval(*pair)
+                cells.append('%.3f (%+.3f, %+.3f to %+.3f; %.1f min)' % (np.mean(pair[1]), d, lo, hi,
                                                                         got[method]['train_seconds'] / 60))
             print('| %s | %d | %d | %s |' % (group, k, len(ids), ' | '.join(cells)))
+    # The macro over the groups every method of a k has, so each column averages the same groups.
+    for k in sorted(per_k):
+        for method, groups in sorted(per_k[k].items()):
+            za, mb, d, lo, hi = macro_interval([groups[g] for g in sorted(groups)])
+            print('macro k=%d %s over %d groups (%s): zero-shot %.3f, %s %.3f (%+.3f, %+.3f to %+.3f)'
+                  % (k, method, len(groups), ', '.join(sorted(groups)), za, method, mb, d, lo, hi))
 
 
 def main(argv=None):
