@@ -251,3 +251,40 @@ def test_the_scale_is_kept_crops_stay_crops_of_any_size_a_resized_model_keeps_it
         finetune.fine_tune_config(TrainConfig(model=dataclasses.replace(TrainConfig().model, in_channels=2)),
                                   source(model=dataclasses.replace(TrainConfig().model, in_channels=1)),
                                   given={'in_channels'})
+
+
+def test_with_validation_images_the_fine_tune_is_compared_with_its_source(source, tmp_path):
+    """The --init model is scored on the validation images before the first step; the card
+    keeps that score, a resumed run keeps it, and the log warns exactly when the best epoch
+    does not beat it."""
+    out = tmp_path / 'ft'
+    data = write_pairs(tmp_path / 'pairs', 4)
+    argv = ['--init', source, '--output', str(out), '--data', data, '--val-split', '0.5', '--epochs', '2',
+            '--epoch-samples', '8', '--batch-size', '4', '--workers', '0', '--no-progress', '--no-tune-postprocess']
+    assert run_cli(train_main, argv) == 0
+    log = open(out / 'train.log').read()
+    assert 'before fine-tuning, %s on the 2 validation images: val_iou ' % os.path.abspath(source) in log
+    meta = json.load(open(out / 'export' / 'model.json'))
+    before = meta['card']['init']['val_before']
+    assert set(before) >= {'val_iou', 'val_loss'}
+    best = meta['card']['best_metrics']
+    monitor = json.load(open(out / 'config.json'))['monitor']
+    worse = not best[monitor] > before[monitor]  # val_iou and val_dsb: higher is better
+    assert ('the fine-tune does not beat' in log) == worse, (best, before)
+    # --resume: the score from before the fine-tune comes back from the checkpoint.
+    last = [n for n in sorted(os.listdir(out / 'checkpoints')) if n.startswith('epoch')][-1]
+    os.remove(out / 'checkpoints' / last)
+    assert run_cli(train_main, argv + ['--resume', 'auto']) == 0
+    assert json.load(open(out / 'export' / 'model.json'))['card']['init']['val_before'] == before
+
+
+@pytest.mark.parametrize('mode, before, after, warned', [('max', 0.5, 0.6, False), ('max', 0.5, 0.5, True),
+                                                         ('max', 0.5, 0.4, True), ('min', 0.5, 0.4, False),
+                                                         ('min', 0.5, 0.6, True)])
+def test_the_warning_says_when_the_source_was_better(mode, before, after, warned):
+    from gluon_unet.training.recorder import init_comparison
+    line = init_comparison({'val_iou': before}, {'val_iou': after}, 'val_iou', mode, 'nuclei@sha256:ab')
+    assert bool(line) == warned
+    if warned:
+        assert 'does not beat nuclei' in line and 'val_iou %.4f at its best epoch, %.4f before' % (after, before) in line
+    assert init_comparison({}, {'val_iou': after}, 'val_iou', mode, 'nuclei') is None

@@ -316,7 +316,7 @@ def model_card(cfg, meta):
                  # how many of them are DSB 2018 stage1_train's, by id: what gluon-unet package cites
                  'dsb2018_ids': data.get('dsb2018_ids')},
         # The model it was fine-tuned from (bin/train --init), by name and weights' digest.
-        'init': models.reference_card(cfg.init),
+        'init': _init_card(cfg.init, meta.get('init_scores')),
         'best_epoch': meta.get('epoch'),
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
@@ -324,6 +324,15 @@ def model_card(cfg, meta):
                         'instances': _INSTANCES[(OUTPUTS[cfg.model.target][1:] or ('distance',))[0]],
                         'chosen': 'the training config (no search)'},
     }
+
+
+def _init_card(init, scores):
+    """The card's ``init``: the model a run started from, and how it scored on the run's
+    validation images before the first step (a fine-tune with validation images)."""
+    card = models.reference_card(init)
+    if card is not None and scores:
+        card['val_before'] = dict(scores)
+    return card
 
 
 # How instances grow, by the markers (the second map's name, or the distance watershed).

@@ -192,6 +192,14 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None, sou
              'worker(s)%s', len(ctxs), context_names(ctxs),
              ' (worker %d of %d)' % (strategy.rank, strategy.num_workers) if strategy.num_workers > 1 else '',
              len(train_ds), 0 if val_ds is None else len(val_ds), run.steps_per_epoch, cfg.workers, workers_note)
+    if source is not None and not resume_path and run.val_ds is not None and len(run.val_ds):
+        # What the fine-tune has to beat: its --init model on the same validation images
+        # (a few annotated images can make a model worse on the others: docs/quality.md).
+        state.init_scores = {k: v for k, v in validate(net, ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn,
+                                                        cfg.threshold).items() if k.startswith('val_')}
+        log.info('before fine-tuning, %s on the %d validation images: %s', source.label, len(run.val_ds),
+                 ', '.join('%s %.4f' % (k, state.init_scores[k]) for k in ('val_iou', 'val_dice', 'val_dsb',
+                                                                            'val_loss') if k in state.init_scores))
     # One flag from the first step to the export: a signal that lands between two phases
     # (as the last epoch's checkpoint is written) is carried into the next, never dropped.
     stop = StopFlag().install()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import models
 from ..checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from ..errors import WriteError
 from ..inference.export import export_block, export_checkpoint, export_in_subprocess
@@ -36,6 +37,9 @@ class RunState:
     # far including an interrupted one's part; a resumed run goes on counting.
     epoch_seconds: list = field(default_factory=list)
     train_seconds: float = 0.0
+    # A fine-tune's --init model on the validation images before the first step (its
+    # val_* metrics), what the best epoch is compared with; {} without --init or validation.
+    init_scores: dict = field(default_factory=dict)
 
     def to_meta(self, cfg, data_id=None):
         """The checkpoint's JSON record (the saver adds the best value and epoch)."""
@@ -44,13 +48,14 @@ class RunState:
         return {'config': cfg.to_dict(), 'data': data_id, 'cwd': os.getcwd(), 'epoch': self.epoch, 'step': self.step,
                 'step_in_epoch': self.step_in_epoch, 'history': self.history, 'seed': cfg.seed,
                 'metrics': self.history[-1] if self.history else {},
-                'epoch_seconds': self.epoch_seconds, 'train_seconds': self.train_seconds}
+                'epoch_seconds': self.epoch_seconds, 'train_seconds': self.train_seconds,
+                'init_scores': self.init_scores}
 
     @classmethod
     def from_meta(cls, meta):
         return cls(epoch=meta['epoch'], step=meta['step'], step_in_epoch=meta.get('step_in_epoch', 0),
                    history=meta.get('history', []), epoch_seconds=meta.get('epoch_seconds', []),
-                   train_seconds=meta.get('train_seconds', 0.0))
+                   train_seconds=meta.get('train_seconds', 0.0), init_scores=meta.get('init_scores') or {})
 
 
 class CheckpointSaver:
@@ -260,6 +265,9 @@ class RunRecorder:
         self.log.info('done: %d epochs; best %s at epoch %d (%s); run folder %s; model %s',
                       state.epoch, self.monitor, self.saver.best_epoch,
                       metrics or 'train_loss %.4f' % best['train_loss'], self.cfg.output, out)
+        line = init_comparison(state.init_scores, best, self.monitor, self.saver.mode, self.cfg.init)
+        if line:
+            self.log.warning(line)
 
     def _plot(self, history):
         path = os.path.join(self.cfg.output, 'curves.png')
@@ -269,6 +277,21 @@ class RunRecorder:
             raise
         except Exception as exc:  # a plotting problem must never cost a training run
             self.log.info('could not draw %s: %s', path, exc)
+
+
+def init_comparison(init_scores, best, monitor, mode, init):
+    """The warning when a fine-tune's best epoch does not beat, on the validation images,
+    the --init model it started from (``init_scores``, measured before the first step);
+    None when it does, or when there is nothing to compare."""
+    if monitor not in init_scores or monitor not in best:
+        return None
+    before, after = init_scores[monitor], best[monitor]
+    if (after > before) if mode == 'max' else (after < before):
+        return None
+    label = models.split_reference(init)[0] if init else 'the --init model'
+    return ('the fine-tune does not beat %s on the validation images (%s %.4f at its best epoch, %.4f before '
+            'fine-tuning): keep %s, or fine-tune on more images like the ones you will segment'
+            % (label, monitor, after, before, label))
 
 
 def epoch_line(row, monitor, ndev):
