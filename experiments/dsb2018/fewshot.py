@@ -65,6 +65,16 @@ def run(cmd, log):
     return time.time() - started
 
 
+def predict_and_score(model, test, preds, scores, log, flags=()):
+    """``model`` on the ``test`` folder as the recipe is scored (``--mode tile``, no TTA, the
+    export's --diameter, plus ``flags``) into ``preds``, then ``bin/evaluate`` into the CSV
+    ``scores``; the prediction's wall time in seconds."""
+    seconds = run([sys.executable, 'bin/predict', '--model', model, '--input', test, '--output', preds,
+                   '--mode', 'tile', '--no-progress'] + list(flags), log)
+    run([sys.executable, 'bin/evaluate', '--pred', preds, '--truth', test, '--csv', scores], log)
+    return seconds
+
+
 def train_command(method, train, out, fold_run, shipped, steps):
     py = sys.executable
     if method == 'fold':
@@ -114,10 +124,8 @@ def cmd_run(args):
                 model = out
             preds = os.path.join(kdir, 'pred-' + method)
             shutil.rmtree(preds, ignore_errors=True)
-            predict_s = run([sys.executable, 'bin/predict', '--model', model, '--input', test, '--output', preds,
-                             '--mode', 'tile', '--no-progress'], log)
             scores = os.path.join(kdir, '%s.csv' % method)
-            run([sys.executable, 'bin/evaluate', '--pred', preds, '--truth', test, '--csv', scores], log)
+            predict_s = predict_and_score(model, test, preds, scores, log)
             records[key] = {'k': k, 'method': method, 'train_ids': picks[k], 'train_seconds': round(seconds, 1),
                             'predict_seconds': round(predict_s, 1), 'scored': len(test_ids), 'scores': scores}
             with open(record_path + '.tmp', 'w') as f:

@@ -14,13 +14,14 @@ setting. Run from the repository root after ``fewshot.py run`` made OUT/<group>/
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, '..', '..'))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+from fewshot import paired_interval, predict_and_score, read_scores  # noqa: E402
 
 
 def main():
@@ -54,6 +55,7 @@ def main():
     chosen = tune_on_maps(pairs, base=dict(inherited))
     search_s = time.time() - t0
     key = '%s-k%d-%s' % (args.group, args.k, args.method)
+    os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, key)
     flags = ['--threshold', str(chosen['threshold']), '--min-size', str(chosen['min_size']),
              '--min-score', str(chosen['min_score'])]
@@ -61,23 +63,15 @@ def main():
         flags += ['--h', str(chosen['h'])]
     if chosen.get('split'):
         flags += ['--split', chosen['split']]
-    subprocess.run([sys.executable, 'bin/predict', '--model', model_dir, '--input', os.path.join(base, 'test'),
-                    '--output', out, '--mode', 'tile', '--no-progress'] + flags, cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
-    subprocess.run([sys.executable, 'bin/evaluate', '--pred', out, '--truth', os.path.join(base, 'test'),
-                    '--csv', out + '.csv'], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    import csv
-    mine = {r['image_id']: float(r['dsb']) for r in csv.DictReader(open(out + '.csv'))}
-    old = {r['image_id']: float(r['dsb']) for r in csv.DictReader(open(os.path.join(base, args.method + '.csv')))}
+    predict_and_score(model_dir, os.path.join(base, 'test'), out, out + '.csv', os.path.join(args.out, key + '.log'),
+                      flags)
+    mine, old = read_scores(out + '.csv'), read_scores(os.path.join(base, args.method + '.csv'))
     ids = sorted(old)
-    d = np.array([mine[i] - old[i] for i in ids])
-    rng = np.random.default_rng(0)
-    boot = d[rng.integers(0, len(d), (10000, len(d)))].mean(1)
+    diff, lo, hi = (float(x) for x in paired_interval([old[i] for i in ids], [mine[i] for i in ids]))
     rec = dict(group=args.group, k=args.k, method=args.method, inherited=inherited,
                chosen={k: v for k, v in chosen.items()}, search_seconds=round(search_s, 1),
                inherited_dsb=float(np.mean([old[i] for i in ids])), insample_dsb=float(np.mean([mine[i] for i in ids])),
-               diff=float(d.mean()), lo=float(np.percentile(boot, 2.5)), hi=float(np.percentile(boot, 97.5)),
-               scored=len(ids))
+               diff=diff, lo=lo, hi=hi, scored=len(ids))
     print(json.dumps(rec))
     with open(os.path.join(args.out, 'results.jsonl'), 'a') as f:
         f.write(json.dumps(rec) + '\n')

@@ -10,7 +10,6 @@ DSB score beside the default fine-tune's (``k<k>/fold.csv``) and the fold model'
         --fold-run runs/g1 --name lr1.25e-4 --out /tmp/variants -- --lr 1.25e-4
 """
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -21,17 +20,13 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, '..', '..'))
-
-
-def scores(path):
-    with open(path, newline='') as f:
-        return {r['image_id']: float(r['dsb']) for r in csv.DictReader(f)}
+sys.path.insert(0, HERE)
+from fewshot import paired_interval, predict_and_score, read_scores  # noqa: E402
 
 
 def paired(a, b, ids):
-    d = np.array([b[i] - a[i] for i in ids])
-    boot = d[np.random.default_rng(0).integers(0, len(d), (10000, len(d)))].mean(1)
-    return float(d.mean()), float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
+    """:func:`fewshot.paired_interval` of two ``{id: score}`` on ``ids``, as floats."""
+    return tuple(float(x) for x in paired_interval([a[i] for i in ids], [b[i] for i in ids]))
 
 
 def main():
@@ -56,12 +51,11 @@ def main():
     subprocess.run([py, args.trainer, '--init', args.fold_run, '--data', os.path.join(base, 'train'), '--output',
                     out, '--no-progress'] + args.train_args, cwd=ROOT, check=True, stdout=log, stderr=log)
     seconds = time.time() - started
-    subprocess.run([py, 'bin/predict', '--model', out, '--input', os.path.join(base, 'test'), '--output',
-                    out + '-pred', '--mode', 'tile', '--no-progress'], cwd=ROOT, check=True, stdout=log, stderr=log)
-    subprocess.run([py, 'bin/evaluate', '--pred', out + '-pred', '--truth', os.path.join(base, 'test'), '--csv',
-                    out + '.csv.tmp'], cwd=ROOT, check=True, stdout=log, stderr=log)
+    log.close()
+    predict_and_score(out, os.path.join(base, 'test'), out + '-pred', out + '.csv.tmp', out + '.log')
     os.replace(out + '.csv.tmp', out + '.csv')
-    mine, fold, zero = scores(out + '.csv'), scores(os.path.join(base, 'fold.csv')), scores(os.path.join(base, 'zero.csv'))
+    mine, fold, zero = (read_scores(out + '.csv'), read_scores(os.path.join(base, 'fold.csv')),
+                        read_scores(os.path.join(base, 'zero.csv')))
     ids = sorted(zero)
     rec = dict(group=args.group, k=args.k, name=args.name, trainer=args.trainer, flags=args.train_args, train_seconds=round(seconds, 1),
                scored=len(ids), zero=float(np.mean([zero[i] for i in ids])),

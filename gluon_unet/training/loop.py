@@ -38,7 +38,7 @@ from .ema import applied, make_average
 from .finetune import find_source, fine_tune_config, load_source_weights
 from .optim import make_lr_scheduler, resize_lr_scheduler
 from .parallel import DataParallelStep, check_sync_bn_batch
-from .recorder import RunRecorder, RunState
+from .recorder import RunRecorder, RunState, val_metrics_text
 from .resume import find_resume_point
 from .step import build_network, check_amp_support, init_amp, make_step, resolve_update_on_kvstore, train_epoch
 from .stops import AfterTraining, Interrupted, StopFlag, on_write_error
@@ -198,8 +198,7 @@ def _train(cfg, ctxs, strategy, datasets, verbose, callbacks, user_net=None, sou
         state.init_scores = {k: v for k, v in validate(net, ctxs, run.val_ds, cfg.batch_size, run.step.loss_fn,
                                                         cfg.threshold).items() if k.startswith('val_')}
         log.info('before fine-tuning, %s on the %d validation images: %s', source.label, len(run.val_ds),
-                 ', '.join('%s %.4f' % (k, state.init_scores[k]) for k in ('val_iou', 'val_dice', 'val_dsb',
-                                                                            'val_loss') if k in state.init_scores))
+                 val_metrics_text(state.init_scores))
     # One flag from the first step to the export: a signal that lands between two phases
     # (as the last epoch's checkpoint is written) is carried into the next, never dropped.
     stop = StopFlag().install()

@@ -260,8 +260,7 @@ class RunRecorder:
             prefix = export_checkpoint(best_ckpt, out, extra)
         self.log.info('exported %s-symbol.json / -0000.params', prefix)
         best = next((r for r in state.history if r['epoch'] == self.saver.best_epoch), state.history[-1])
-        metrics = ', '.join('%s %.4f' % (k, best[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss')
-                            if k in best)
+        metrics = val_metrics_text(best)
         self.log.info('done: %d epochs; best %s at epoch %d (%s); run folder %s; model %s',
                       state.epoch, self.monitor, self.saver.best_epoch,
                       metrics or 'train_loss %.4f' % best['train_loss'], self.cfg.output, out)
@@ -277,6 +276,11 @@ class RunRecorder:
             raise
         except Exception as exc:  # a plotting problem must never cost a training run
             self.log.info('could not draw %s: %s', path, exc)
+
+
+def val_metrics_text(row):
+    """``val_iou 0.8123, val_dice ..., val_dsb ..., val_loss ...``: those of ``row`` it has."""
+    return ', '.join('%s %.4f' % (k, row[k]) for k in ('val_iou', 'val_dice', 'val_dsb', 'val_loss') if k in row)
 
 
 def init_comparison(init_scores, best, monitor, mode, init):
