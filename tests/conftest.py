@@ -9,6 +9,8 @@ import warnings
 
 import pytest
 
+from hang import HANG_SECONDS
+
 # Tests check correctness, not speed: one OpenMP thread per process keeps the multi-process
 # tests (launcher jobs of 4 processes, subprocess CLIs) from oversubscribing small CI
 # machines. Set before gluon_unet (and so mxnet) is imported; inherited by subprocesses.
@@ -190,7 +192,7 @@ def reaped_tag(prefix):
     assert not left, 'processes left behind: %s' % left
 
 
-def run_in_own_group(argv, timeout, **kw):
+def run_in_own_group(argv, timeout=HANG_SECONDS, **kw):
     """``(exit code, stdout + stderr)`` of ``argv`` run from the repository root in a
     process group of its own; on ``timeout`` seconds the whole group is killed (workers it
     forked too) and the test fails with its output."""

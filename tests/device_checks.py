@@ -22,6 +22,7 @@ from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.training.optim import make_trainer
 from gluon_unet.training.parallel import DataParallelStep
 from gluon_unet.training.step import build_network
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -215,13 +216,13 @@ AMP_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def check_amp_trains_and_exports_float32(tmp_path, devices, timeout=300):
+def check_amp_trains_and_exports_float32(tmp_path, devices):
     """``--amp`` on ``devices`` (``{'cpus': 2}``: bfloat16; ``{'gpus': '0,1'}``: float16)
     trains (the loss falls) and exports a float32 model without casts. In a child
     process: ``amp.init()`` patches MXNet for the whole process."""
     out = tmp_path / 'run'
     done = subprocess.run([sys.executable, '-c', AMP_SCRIPT, str(out), json.dumps(devices)],
-                          capture_output=True, text=True, timeout=timeout, cwd=str(tmp_path), env=child_env())
+                          capture_output=True, text=True, timeout=HANG_SECONDS, cwd=str(tmp_path), env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     losses = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(np.isfinite(losses)) and losses[-1] < losses[0] * 0.8, losses

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+from hang import HANG_SECONDS
 
 CASE = json.loads(os.environ.get('GLUON_UNET_NAPARI_CASE', '{}'))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +60,7 @@ def _predict_labels(image, tmp_path, *flags):
     out = str(tmp_path / 'predicted')
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', CASE['export'], '--input',
                            image, '--output', out, '--no-progress'] + list(flags), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     stem = os.path.splitext(os.path.basename(image))[0]
     return read_labels(os.path.join(out, stem + '_labels.png'))

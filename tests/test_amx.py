@@ -15,6 +15,7 @@ from gluon_unet.config import ModelConfig
 from gluon_unet.machine.cpu import cpu_has_amx, request_amx_tiles
 from gluon_unet.machine.onednn import Float32ReLU, OneDNNLayers, amx_float32_relus
 from gluon_unet.model import Layers, UNet, build_model
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +77,7 @@ def _run(script, *args, **env):
         full.pop(key)
     full.pop(runtime.ISA_VARIABLE, None) if runtime.ISA_VARIABLE not in env else None
     return subprocess.run([sys.executable, '-c', script, *args], env=full, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                          timeout=HANG_SECONDS, cwd=ROOT)
 
 
 def _amx_expected():

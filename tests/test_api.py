@@ -2,6 +2,7 @@
 import numpy as np
 
 from gluon_unet.training.loop import EpochContext, fit
+from hang import HANG_SECONDS
 
 
 class Recorder:
@@ -64,7 +65,7 @@ def test_fit_trains_checkpoints_and_exports_your_own_hybridblock(tiny, tmp_path)
     x = np.random.RandomState(0).rand(2, 1, 32, 32).astype(np.float32)
     np.save(str(tmp_path / 'x.npy'), x)
     done = subprocess.run([sys.executable, '-c', code, prefix, str(tmp_path / 'x.npy'), str(tmp_path / 'y.npy')],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     rebuilt = TinyNet()
     rebuilt.initialize()

@@ -13,6 +13,7 @@ from gluon_unet.data import load_dataset
 from gluon_unet.data.io import image_kind, input_image, normalize_image, read_image
 from gluon_unet.data.sampler import EpochSampler, balanced_order
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -262,7 +263,7 @@ def test_training_and_predict_feed_the_network_the_same_stain_normalized_input(t
 def test_bin_train_refuses_bad_values_in_one_line_with_exit_2(argv, flag, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train')] + argv + ['--output', str(tmp_path / 'r')],
-                       capture_output=True, text=True, env=env, timeout=120)
+                       capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and flag in lines[0], r.stderr

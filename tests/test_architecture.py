@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from gluon_unet import reporting
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, 'gluon_unet')
@@ -135,7 +136,7 @@ def test_every_module_imports_in_a_fresh_interpreter():
     env.pop('OMP_NUM_THREADS', None)  # conftest's; the check is that nothing sets it
     names = sorted(_modules())
     done = subprocess.run([sys.executable, '-c', code] + names, cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0 and done.stdout.strip() == str(len(names)), done.stderr[-2000:]
 
 
@@ -405,7 +406,7 @@ def test_setup_logging_prints_each_line_once(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     for mode, prefix in (('alone', ''), ('configured', 'app ')):
         done = subprocess.run([sys.executable, '-c', code, mode, str(tmp_path / mode)], env=env,
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr
         lines = [l for l in done.stderr.splitlines() if 'hello' in l]
         assert len(lines) == 1 and lines[0].startswith(prefix), done.stderr

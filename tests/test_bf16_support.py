@@ -17,6 +17,7 @@ import pytest
 from conftest import skip_unless_cpu_bfloat16
 from gluon_unet.machine import cpu as hardware
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 ONEDNN_ERROR = ('MXNetError: Traceback (most recent call last):\n'
@@ -152,7 +153,7 @@ def test_train_amp_on_a_cpu_without_bf16_stops_with_one_line_before_training(tmp
     done = subprocess.run([sys.executable, '-c', script, '--amp', '--epochs', '1', '--synthetic-count', '16',
                            '--size', '32', '--width', '4', '--depth', '2', '--no-progress',
                            '--output', str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, cwd=str(tmp_path), env=env)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith('error: --amp: bfloat16 mixed precision needs a CPU '

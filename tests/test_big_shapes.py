@@ -17,6 +17,7 @@ from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.errors import UserError
 from gluon_unet.machine.limits import conv1x1_crashes, safe_window, unet_crash
 from gluon_unet.inference.tiling import plan_image
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +86,7 @@ def test_bin_predict_whole_on_a_2048_by_1024_image_runs(tmp_path):
     cv2.imwrite(str(tmp_path / 'tall.png'), image)
     code, out = run_in_own_group([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model, '--input',
                                   str(tmp_path / 'tall.png'), '--output', str(tmp_path / 'out'), '--mode', 'whole',
-                                  '--tta'], timeout=180)
+                                  '--tta'])
     assert code == 0, out[-2000:]
     mask = cv2.imread(str(tmp_path / 'out' / 'tall_mask.png'), cv2.IMREAD_UNCHANGED)
     assert mask.shape == (2048, 1024) and mask[900, 500] > 0 and mask[100, 100] == 0
@@ -95,7 +96,7 @@ def test_bin_predict_whole_on_a_2048_by_1024_image_runs(tmp_path):
 def test_bin_train_refuses_a_side_the_cpu_build_dies_on_in_one_line(tmp_path, flag):
     out = tmp_path / 'run'
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), flag, '2048', '--depth', '4',
-                           '--output', str(out), '--no-progress'], capture_output=True, text=True, timeout=120)
+                           '--output', str(out), '--no-progress'], capture_output=True, text=True, timeout=HANG_SECONDS)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert '%s 2048' % flag in lines[0] and '%s 2032 or %s 2064' % (flag, flag) in lines[0]
@@ -134,6 +135,6 @@ def test_the_boundary_is_where_onednn_divides_by_zero_on_this_cpu():
     codes = {}
     for h, w in ((2048, 1024), (1024, 2048)):
         codes[h, w] = subprocess.run([sys.executable, '-c', script, str(h), str(w)], capture_output=True,
-                                     timeout=120).returncode
+                                     timeout=HANG_SECONDS).returncode
     assert codes[1024, 2048] == 0
     assert codes[2048, 1024] == (-8 if _avx512() else 0)  # SIGFPE

@@ -15,14 +15,15 @@ import pytest
 
 from conftest import tiny_config
 from test_napari import napari_python
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_there(args, timeout=600):
+def run_there(args):
     """``args`` run by the napari environment's Python, this checkout first, no web access."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1', BIOIMAGEIO_PERFORM_IO_CHECKS='false')
-    return subprocess.run([napari_python()] + args, capture_output=True, text=True, env=env, timeout=timeout,
+    return subprocess.run([napari_python()] + args, capture_output=True, text=True, env=env, timeout=HANG_SECONDS,
                           cwd=ROOT)
 
 

@@ -23,6 +23,7 @@ from gluon_unet.metrics import dsb_image_score
 from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob
 from gluon_unet.inference.postprocess_search import tune_on_maps
 from gluon_unet.training.validation import validate
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -188,7 +189,7 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', path, '--input',
                                str(tmp_path / 'a.png'), '--output', out, '--tta', '--mode', 'tile', '--marker', '0.4',
                                '--rle', out + '/sub.csv', '--no-progress'],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr
         assert os.path.exists(os.path.join(out, 'a_labels.png')) and os.path.exists(out + '/sub.csv')
 
@@ -197,12 +198,13 @@ def test_bad_target_values_are_one_line(tmp_path):
     for flags, words in ((['--target', 'borders'], '--target must be one of mask, mask-gap, mask+border'),
                          (['--target', 'mask+border', '--loss', 'ce', '--classes', '3'], '--target mask+border')):
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'r'),
-                               '--epochs', '1', '--no-progress'] + flags, capture_output=True, text=True, timeout=120)
+                               '--epochs', '1', '--no-progress'] + flags, capture_output=True, text=True,
+                                   timeout=HANG_SECONDS)
         assert proc.returncode == 2 and words in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'r')
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', str(tmp_path),
                            '--input', str(tmp_path), '--output', str(tmp_path / 'o'), '--marker', '1.5'],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 2 and '--marker must be a number in (0, 1)' in proc.stderr, proc.stderr
 
 

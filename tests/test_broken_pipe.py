@@ -16,6 +16,7 @@ import pytest
 
 from gluon_unet import cli
 from test_evaluate import squares, write_dsb_truth
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [[command, '--version'] for command in cli.COMMANDS] + [['--version'], ['--help']]
@@ -30,7 +31,7 @@ def run_into_closed_pipe(args, unbuffered):
         env['PYTHONUNBUFFERED'] = '1'
     try:
         return subprocess.run([sys.executable, '-m', 'gluon_unet'] + args, cwd=ROOT, env=env, stdout=write_end,
-                              stderr=subprocess.PIPE, text=True, timeout=600)
+                              stderr=subprocess.PIPE, text=True, timeout=HANG_SECONDS)
     finally:
         os.close(write_end)
 

@@ -16,6 +16,7 @@ from gluon_unet.metrics import dsb_image_score
 from gluon_unet.inference.postprocess import instances_from_maps, instances_from_prob, settings_text
 from gluon_unet.inference.postprocess_search import tune_on_maps
 from test_border_target import _touching_pair
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -150,6 +151,6 @@ def test_predict_refuses_centre_markers_for_a_model_without_a_centre_map(tmp_pat
     cv2.imwrite(str(tmp_path / 'in' / 'a.png'), np.zeros((32, 32), np.uint8))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', folder, '--input',
                            str(tmp_path / 'in'), '--output', str(tmp_path / 'o'), '--markers', 'centre',
-                           '--no-progress'], capture_output=True, text=True, timeout=120)
+                           '--no-progress'], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode != 0 and '--markers centre needs a mask+centre model' in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'o')

@@ -20,6 +20,7 @@ import pytest
 
 from gluon_unet.machine import devices, gpus as hardware, runtime
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 # What MXNet 1.9.1 raises at the first kernel on a GPU its wheel has no SASS for
 # (src/operator/mxnet_op.h:1120, MSHADOW_CUDA_POST_KERNEL_CHECK; apache/mxnet#21166).
@@ -148,7 +149,7 @@ MXNET_SOURCE = '/work/.mirror/apache+mxnet/repo'
 def test_the_arch_table_is_mxnets_own():
     for tag, archs in hardware.WHEEL_CUDA_ARCHS.items():
         text = subprocess.run(['git', '-C', MXNET_SOURCE, 'show', 'v1.9.x:config/distribution/linux_%s.cmake' % tag],
-                              capture_output=True, text=True).stdout
+                              capture_output=True, text=True, timeout=HANG_SECONDS).stdout
         assert 'set(MXNET_CUDA_ARCH "%s"' % archs in text, tag
         assert 'PTX' not in text
 
@@ -341,7 +342,7 @@ def test_a_failed_probe_prints_one_line_and_leaves_no_error_in_the_engine(tmp_pa
     env.pop('CUDA_VISIBLE_DEVICES', None)
     # A time-out only against a hang: a busy machine took over 120 s to import and probe.
     done = subprocess.run([sys.executable, '-c', PROBE_FAILS_IN_THE_ENGINE, root, str(tmp_path / 'run')],
-                          capture_output=True, text=True, timeout=900, env=env)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith('error: --gpus 0: GPU 0 (NVIDIA H100 80GB HBM3, compute 9.0) cannot run this MXNet '

@@ -170,7 +170,7 @@ def test_launch_prefixes_output_and_propagates_a_failure_fast(marker):
     script = ('echo hello $DMLC_ROLE $DMLC_NUM_WORKER $DMLC_NUM_SERVER; '
               'if [ $DMLC_ROLE = worker ]; then sleep 0.5; exit 3; fi; sleep 60; : %s' % marker)
     t0 = time.time()
-    code, out = run_in_own_group(LAUNCH + ['-n', '2', '-s', '1', '--grace', '2', '--', 'sh', '-c', script], 30)
+    code, out = run_in_own_group(LAUNCH + ['-n', '2', '-s', '1', '--grace', '2', '--', 'sh', '-c', script])
     assert code == 3 and time.time() - t0 < 10, out
     for prefix in ('[scheduler] hello scheduler 2 1', '[server 0] hello server', '[worker 0] hello worker',
                    '[worker 1] hello worker'):
@@ -220,14 +220,14 @@ def test_two_workers_match_one_process_and_resume(tmp_path, marker):
     # Reference: one process, 2 devices, the global batch of 8, two epochs unbroken.
     ref_cfg = write_config(tmp_path / 'ref.json', dist_config(
         tmp_path, cpus=2, batch_size=8, kvstore='device', epochs=2, output=str(tmp_path / 'ref-run')))
-    code, out = run_in_own_group(HELPER + [ref_cfg, str(ref_dump), marker], 60)
+    code, out = run_in_own_group(HELPER + [ref_cfg, str(ref_dump), marker])
     assert code == 0, out
 
     # Distributed: 2 workers x batch 4 for one epoch, then resumed for the second.
     for epochs, resume in ((1, None), (2, 'auto')):
         cfg = write_config(tmp_path / ('dist%d.json' % epochs), dist_config(tmp_path, epochs=epochs, resume=resume))
         code, out = run_in_own_group(
-            LAUNCH + ['-n', '2', '-s', '1', '--grace', '3', '--'] + HELPER + [cfg, str(dump), marker], 60)
+            LAUNCH + ['-n', '2', '-s', '1', '--grace', '3', '--'] + HELPER + [cfg, str(dump), marker])
         assert code == 0, out
     wall = time.time() - t_start
 

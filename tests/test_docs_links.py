@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ['README.md', 'benchmarks/README.md'] + [
@@ -142,7 +143,7 @@ def test_module_paths_the_docs_name_exist():
                 names.setdefault(match.group(0), '%s:%d' % (page, line))
     assert 'gluon_unet.inference.load_exported' in names  # the check sees what the docs say
     done = subprocess.run([sys.executable, '-c', RESOLVE, json.dumps(sorted(names))], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr[-2000:]
     bad = json.loads(done.stdout.strip().splitlines()[-1])
     assert not bad, 'module paths in the docs that do not resolve:\n' + '\n'.join(

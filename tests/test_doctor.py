@@ -8,6 +8,7 @@ import pytest
 
 from gluon_unet.cli import doctor
 from gluon_unet.cli import doctor as doctor_cli, doctor_main
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = ('gluon_unet', 'mxnet', 'Python', 'build', 'GPUs', 'CPU', 'threads', 'bfloat16', 'AMX', 'int8', '--amp',
@@ -18,7 +19,7 @@ def _doctor(*args):
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop('OMP_NUM_THREADS', None)  # conftest's: let doctor choose, as bin/train does
     return subprocess.run([sys.executable, '-m', 'gluon_unet', 'doctor'] + list(args), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def test_doctor_prints_the_table():

@@ -11,14 +11,15 @@ import pytest
 import gluon_unet
 from gluon_unet import cli
 from gluon_unet.config import _CHOICES, ModelConfig, TrainConfig, flag_name
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(args, timeout=120):
+def _run(args):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=HANG_SECONDS)
 
 
 def _main(argv, capsys):

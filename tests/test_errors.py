@@ -5,6 +5,7 @@ import pytest
 from gluon_unet.cli.common import OneLineParser
 from gluon_unet.cli.common import reports_errors
 from gluon_unet.errors import UserError, mxnet_message
+from hang import HANG_SECONDS
 
 
 def test_one_line_parser_usage_error_is_one_line_exit_2(capsys):
@@ -83,7 +84,7 @@ def test_a_library_mxnet_cannot_load_is_one_line_naming_it(tmp_path, library, pr
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / 'site'), root]))
     done = subprocess.run([sys.executable, '-m', 'gluon_unet', 'train', '--width', '4', '--depth', '2',
                            '--size', '32', '--output', str(tmp_path / 'run')],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=env, cwd=str(tmp_path))
     assert done.returncode == 1 and done.stderr.count('\n') == 1, done.stderr
     assert done.stderr.startswith('error: mxnet cannot load: %s is missing; it comes with %s' % (library, provider))
 

@@ -11,6 +11,7 @@ import pytest
 from gluon_unet.cli import evaluate_main as main
 from gluon_unet.errors import UserError
 from gluon_unet.inference.evaluate import evaluate, read_labels
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,7 +123,7 @@ def test_missing_dir_and_no_match_exit_2(dirs, tmp_path, capsys):
 def test_shim_runs(dirs):
     truth, pred = dirs
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'evaluate'), '--pred', str(pred),
-                           '--truth', str(truth / 'nowhere')], capture_output=True, text=True, timeout=120)
+                           '--truth', str(truth / 'nowhere')], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith('error: --truth')
 

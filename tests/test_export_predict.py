@@ -23,6 +23,7 @@ from gluon_unet.model import build_model
 from gluon_unet.inference.predict import find_inputs, predict_paths
 from gluon_unet.inference.submission import rle_decode
 from gluon_unet.inference.tiling import blend_window, choose_mode, tile_starts
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,7 +98,8 @@ def test_export_loads_in_a_fresh_process_and_matches_the_trained_block(tiny, tmp
     x = np.random.default_rng(0).random((2, 1, 32, 48)).astype(np.float32)
     np.save(tmp_path / 'x.npy', x)
     done = subprocess.run([sys.executable, '-c', FRESH_LOADER, os.path.join(cfg.output, 'export', 'model'),
-                           str(tmp_path / 'x.npy'), str(tmp_path / 'y.npy')], capture_output=True, text=True)
+                           str(tmp_path / 'x.npy'), str(tmp_path / 'y.npy')], capture_output=True, text=True,
+                               timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     expected = _trained_block(cfg.output)(mx.nd.array(x)).asnumpy()
     got = np.load(tmp_path / 'y.npy')
@@ -139,7 +141,7 @@ def test_export_errors_are_one_line(tiny, tmp_path, capsys):
     # bin/export re-exports a run, through the shim
     out = tmp_path / 'again'
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'export'), cfg.output, '--output', str(out)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(out)) == export_names()
 
@@ -327,6 +329,7 @@ def test_bad_inputs_fail_in_one_line_and_leave_no_files(tmp_path, capsys):
         assert not out.exists() and not (tmp_path / 's.csv').exists()
     # the shim: exit code and a single line, nothing written
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model,
-                           '--input', str(bad), '--output', str(out)], capture_output=True, text=True)
+                           '--input', str(bad), '--output', str(out)], capture_output=True, text=True,
+                               timeout=HANG_SECONDS)
     assert done.returncode == 2 and done.stderr.strip().count('\n') == 0 and 'cut.png' in done.stderr
     assert not out.exists()

@@ -13,6 +13,7 @@ from conftest import export_names
 from gluon_unet.checkpoint import save_checkpoint
 from gluon_unet.inference.export import export_in_subprocess
 from gluon_unet.model import build_model
+from hang import HANG_SECONDS
 
 
 def tiny_checkpoint(cfg, path):
@@ -46,7 +47,7 @@ def not_installed(tmp_path, monkeypatch):
     # the simulation holds: this interpreter has mxnet but no gluon_unet
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     probe = subprocess.run([str(wrapper), '-c', 'import mxnet\nimport gluon_unet'], capture_output=True,
-                           text=True, env=env, timeout=120)
+                           text=True, env=env, timeout=HANG_SECONDS)
     assert probe.returncode != 0 and "No module named 'gluon_unet'" in probe.stderr, probe.stderr
     return wrapper
 

@@ -26,6 +26,7 @@ from device_checks import (GPU_TOL, check_amp_trains_and_exports_float32, check_
                            check_sync_bn_uneven_batch_matches_one_device, child_env, engine_step_trainer,
                            gpu_contexts)
 from gluon_unet.machine import devices, gpus as hardware
+from hang import HANG_SECONDS
 
 
 def _gpus():
@@ -110,7 +111,7 @@ def test_gpus_4_7_style_renumbering_shows_mxnet_only_the_requested_gpus():
     env = child_env()
     env.pop('CUDA_VISIBLE_DEVICES', None)
     env.pop('OMP_NUM_THREADS', None)
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()
     assert lines[-3] == '{0: 1}'
@@ -157,7 +158,7 @@ def test_the_pinned_memory_benchmark_prints_the_three_ways():
     done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                         'benchmarks', 'bench_pinned.py'),
                            '--batch', '4', '--side', '64', '--batches', '3', '--rounds', '1'],
-                          capture_output=True, text=True, timeout=300, env=child_env())
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=child_env())
     assert done.returncode == 0, done.stderr[-2000:]
     import json
     record = json.loads(done.stdout.strip().splitlines()[-1])
@@ -170,5 +171,6 @@ def test_probing_a_gpu_leaves_nothing_for_exit():
     # probe_gpu waits for the engine after its kernels: nothing is rethrown at exit.
     code = ('from gluon_unet.machine import gpus as hardware\n'
             'print(hardware.probe_gpu(0))\n')
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=child_env())
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=HANG_SECONDS,
+                          env=child_env())
     assert done.returncode == 0 and done.stdout.strip() == 'None' and not done.stderr.strip(), done.stderr

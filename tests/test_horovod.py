@@ -255,7 +255,7 @@ def test_two_processes_match_one_at_twice_the_batch_and_resume(tmp_path, marker)
         cfg = write_config(tmp_path / ('hvd%d-%s.json' % (epochs, marker)),
                            hvd_config(tmp_path, epochs=epochs, resume=resume))
         code, out = run_in_own_group([horovodrun, '-np', '2', '-H', 'localhost:2', '--gloo'] + HELPER
-                                     + [cfg, str(dump), marker], 120)
+                                     + [cfg, str(dump), marker])
         assert code == 0, out
     wall = time.time() - t_start
     ranks = {(r, e): load_dump(dump / ('rank%d-epoch%d.npz' % (r, e))) for r in (0, 1) for e in (1, 2)}

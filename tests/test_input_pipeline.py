@@ -214,7 +214,7 @@ def test_a_loader_whose_idle_workers_were_killed_still_ends(tmp_path):
         gc.collect()
         print('ended in %.1f s' % (time.monotonic() - t0))
     """)
-    code, out = run_in_own_group([sys.executable, '-c', script, ROOT], timeout=60)
+    code, out = run_in_own_group([sys.executable, '-c', script, ROOT])
     assert code == 0 and 'ended in' in out, out[-2000:]
     assert 'killed by SIGKILL' in out, out[-2000:]
 
@@ -251,5 +251,5 @@ def test_a_loader_ends_even_when_a_worker_never_finishes_its_item(how, tmp_path)
             loader.close()
         print('ending')
     """)
-    code, out = run_in_own_group([sys.executable, '-c', script, ROOT, how, str(tmp_path / 'deaf')], timeout=90)
+    code, out = run_in_own_group([sys.executable, '-c', script, ROOT, how, str(tmp_path / 'deaf')])
     assert code == 0 and 'ending' in out, out[-2000:]

@@ -16,6 +16,7 @@ from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.training.loop import fit
 from gluon_unet.training.parallel import DataParallelStep, MirroredStep
 from gluon_unet.training.step import build_network, make_step
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,7 +103,7 @@ def _peak_rss_mib(memory):
             '    step(*batch)\n'
             'mx.nd.waitall()\n'
             'print((rss("VmHWM") - base) / 1024)\n' % (ROOT, memory))
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     return float(done.stdout.strip().splitlines()[-1])
 
@@ -139,7 +140,7 @@ def test_memory_setting_may_change_on_resume_and_continues_the_same_run(tmp_path
 def _train_cli(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--width', '4', '--depth', '2',
                            '--size', '32', '--workers', '0', '--no-progress'] + list(args),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 @pytest.mark.parametrize('argv, words', [(['--memory', 'bogus'], ['--memory', 'speed, balanced, low']),
@@ -174,7 +175,7 @@ def test_bin_train_applies_the_setting_before_mxnet_loads(tmp_path, memory, copi
                            '--size', '32', '--workers', '0', '--no-progress', '--synthetic-count', '16',
                            '--epochs', '1', '--batch-size', '4', '--no-tune-postprocess', '--memory', memory,
                            '--output', str(tmp_path / 'run')],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=env)
     assert done.returncode == 0, done.stderr
     logged = done.stdout + done.stderr
     assert 'MXNET_CPU_TEMP_COPY=%d,' % copies in logged, logged

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from gluon_unet.errors import REQUIRED
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +31,7 @@ runpy.run_path(script, run_name='__main__')
 def _run(block, kind, command, *args):
     env = dict(os.environ, OMP_NUM_THREADS='1')
     proc = subprocess.run([sys.executable, '-c', WRAPPER, block, kind, os.path.join(ROOT, 'bin', command)] + list(args),
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=HANG_SECONDS, env=env, cwd=ROOT)
     return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
 
 
@@ -65,5 +66,6 @@ def test_help_needs_only_the_standard_library(command):
     wrapper = wrapper.replace("runpy.run_path(script, run_name='__main__')",
                               "runpy.run_module('gluon_unet', run_name='__main__', alter_sys=True)")
     proc = subprocess.run([sys.executable, '-c', wrapper, ','.join(HEAVY), 'missing', 'gluon_unet', command, '--help'],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                          capture_output=True, text=True, timeout=HANG_SECONDS, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0 and proc.stdout.startswith('usage: '), proc.stderr[-2000:]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from gluon_unet._moved import MOVED, SPLIT
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +33,7 @@ print(json.dumps(found))
 
 
 def test_every_old_path_is_its_new_module_with_a_warning():
-    done = subprocess.run([sys.executable, '-c', CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300,
+    done = subprocess.run([sys.executable, '-c', CHECK], cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS,
                           env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIABLE = 'GLUON_UNET_NAPARI_PYTHON'
@@ -84,7 +85,7 @@ def test_the_widget_in_a_headless_napari_viewer(case):
                QT_QPA_PLATFORM='xcb')
     done = subprocess.run(prefix + [python, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-rs', '--noconftest', '-p', 'napari_checks',
                                     os.path.join(ROOT, 'tests', 'napari_checks.py')],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+                          capture_output=True, text=True, env=env, timeout=HANG_SECONDS, cwd=ROOT)
     tail = done.stdout[-3000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
     summary = [line for line in done.stdout.splitlines() if ' passed' in line]

@@ -22,6 +22,7 @@ import pytest
 from conftest import tiny_config
 from gluon_unet.config import ModelConfig, TrainConfig
 from gluon_unet.errors import DamagedFile, UserError
+from hang import HANG_SECONDS
 
 onnx = pytest.importorskip('onnx')  # requirements-dev.txt installs it; a bare install may not have it
 
@@ -43,10 +44,10 @@ def onnx_python():
     pytest.skip(why)
 
 
-def run_onnx(args, timeout=300):
+def run_onnx(args):
     """Run ``args`` with the ONNX environment's Python, this checkout first on its path."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS='1')
-    return subprocess.run([onnx_python()] + args, capture_output=True, text=True, env=env, timeout=timeout)
+    return subprocess.run([onnx_python()] + args, capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
 
 
 # -- every kind of model converts, and matches MXNet ---------------------------------------
@@ -234,7 +235,7 @@ def test_predict_imports_no_mxnet_until_it_predicts_with_mxnet():
             'gluon_unet.inference.batched, gluon_unet.data.io; '
             'assert not [m for m in sys.modules if m.split(".")[0] in ("mxnet", "onnx", "onnxruntime")], '
             'sorted(m for m in sys.modules if "mxnet" in m)[:5]')
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=HANG_SECONDS, cwd=ROOT)
     assert done.returncode == 0, done.stderr
 
 
@@ -307,12 +308,12 @@ def test_without_the_onnx_package_an_export_says_so_in_one_line(trained, tmp_pat
     ''')
     env = dict(os.environ, PYTHONPATH=ROOT)
     asked = subprocess.run([sys.executable, '-c', script, run, '--output', str(tmp_path / 'a'), '--onnx'],
-                           capture_output=True, text=True, env=env, timeout=300)
+                           capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     assert asked.returncode == 2 and asked.stderr.count('\n') == 1, asked.stderr
     assert asked.stderr.startswith('error: --onnx: ONNX export needs the onnx package')
     assert 'pip install -r requirements-onnx-export.txt' in asked.stderr and not (tmp_path / 'a').exists()
     default = subprocess.run([sys.executable, '-c', script, run, '--output', str(tmp_path / 'b')],
-                             capture_output=True, text=True, env=env, timeout=300)
+                             capture_output=True, text=True, env=env, timeout=HANG_SECONDS)
     assert default.returncode == 0, default.stderr
     notes = [line for line in default.stdout.splitlines() if line.startswith('note:')]
     assert len(notes) == 1 and notes[0].startswith('note: no model.onnx (it predicts without MXNet): ONNX export '
@@ -324,7 +325,8 @@ def test_providers_choose_onnxruntime_even_where_mxnet_is_installed(trained, tmp
     # Here (mxnet, no onnxruntime) --providers routes bin/predict to the export's model.onnx
     # on onnxruntime: the one line says what to install for it.
     from gluon_unet.cli import predict_main
-    if subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True).returncode == 0:
+    if subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True,
+                      timeout=HANG_SECONDS).returncode == 0:
         pytest.skip('onnxruntime is installed beside mxnet here')
     run, images, _ = trained
     assert predict_main(['--model', run, '--input', images, '--output', str(tmp_path / 'out'),
@@ -445,7 +447,8 @@ def test_on_mxnet_model_onnx_names_its_export_and_alone_says_both_ways_on(traine
     assert record['export'] == export and not record['weights_sha256'].startswith('onnx:')  # MXNet's weights
     capsys.readouterr()
     # Another .onnx, a missing model.onnx, model.onnx without MXNet's files: one line each.
-    ort_here = subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True).returncode == 0
+    ort_here = subprocess.run([sys.executable, '-c', 'import onnxruntime'], capture_output=True,
+                              timeout=HANG_SECONDS).returncode == 0
     (tmp_path / 'other.onnx').write_bytes(open(os.path.join(export, ONNX_FILE), 'rb').read())
     copy = _onnx_only_copy(run, str(tmp_path / 'copy'))
     for given, words in ((str(tmp_path / 'other.onnx'), ["an export's model.onnx is read beside its model.json"]),

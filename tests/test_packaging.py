@@ -14,6 +14,7 @@ import pytest
 
 import gluon_unet
 import gluon_unet.cli
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 tomllib = pytest.importorskip('tomllib')  # Python 3.11+
@@ -109,13 +110,14 @@ def _package_modules():
     return sorted(found)
 
 
-@pytest.mark.skipif(subprocess.run([sys.executable, '-c', 'import build'], capture_output=True).returncode,
+@pytest.mark.skipif(subprocess.run([sys.executable, '-c', 'import build'], capture_output=True,
+                                   timeout=HANG_SECONDS).returncode,
                     reason='needs the build package (pip install build)')
 def test_sdist_and_the_wheel_built_from_it_hold_what_installing_needs(tmp_path):
     # python -m build makes the sdist, then the wheel from the unpacked sdist: a file the
     # sdist leaves out is missing from the wheel too.
     done = subprocess.run([sys.executable, '-m', 'build', '--no-isolation', '--outdir', str(tmp_path), ROOT],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     path = tmp_path / ('gluon_unet-%s.tar.gz' % gluon_unet.__version__)
     with tarfile.open(path) as tar:
@@ -175,15 +177,15 @@ def test_pip_install_dot_installs_the_package_and_its_commands(tmp_path):
     target = tmp_path / 'installed'
     done = subprocess.run([sys.executable, '-m', 'pip', 'install', '--quiet', '--no-deps', '--no-build-isolation',
                            '--no-index', '--target', str(target), str(tree)], capture_output=True, text=True,
-                          timeout=180)
+                          timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     env = dict(os.environ, PYTHONPATH=str(target))
     version = subprocess.run([str(target / 'bin' / 'gluon-unet'), '--version'], capture_output=True, text=True,
-                             env=env, cwd=str(tmp_path), timeout=60)
+                             env=env, cwd=str(tmp_path), timeout=HANG_SECONDS)
     assert version.returncode == 0 and version.stdout.strip() == gluon_unet.version_string(), version.stderr
     where = subprocess.run([sys.executable, '-c', 'import gluon_unet.cli, gluon_unet.recipes as r; '
                             'print(gluon_unet.cli.__file__); print(r.path("dsb2018"))'],
-                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=60)
+                           capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=HANG_SECONDS)
     module, recipe = where.stdout.split()
     assert module.startswith(str(target)) and recipe.startswith(str(target)) and os.path.isfile(recipe), where
 
@@ -192,7 +194,7 @@ def test_the_recipes_are_package_data(tmp_path):
     # build_py lays out what a wheel (and so pip install .) installs: --config NAME must
     # find its recipe there, not only in a checkout.
     done = subprocess.run([sys.executable, 'setup.py', '-q', 'build_py', '-d', str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     shipped = sorted(p.name for p in (tmp_path / 'gluon_unet' / 'recipes').glob('*.json'))
     from gluon_unet import recipes

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.path.join(ROOT, 'benchmarks', 'peers')
@@ -88,11 +89,11 @@ def test_peer_scripts_parse_without_their_frameworks(script):
     path = os.path.join(PEERS, script)
     for args in (['--help'], ['train', '--help'], ['predict', '--help']):
         # -S: no site-packages, the standard library alone
-        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr
         assert 'usage:' in done.stdout
     assert '--init MODEL_DIR' in subprocess.run([sys.executable, '-S', path, 'train', '--help'], capture_output=True,
-                                                text=True, timeout=60).stdout
+                                                text=True, timeout=HANG_SECONDS).stdout
     # the module doc says how to install and run it, and how to fine-tune
     with open(path) as f:
         head = f.read(3000)
@@ -103,7 +104,7 @@ def test_peer_scripts_parse_without_their_frameworks(script):
 def test_fewshot_script_parses_without_the_project():
     path = os.path.join(PEERS, 'fewshot_peers.py')
     for args in (['--help'], ['run', '--help'], ['summary', '--help']):
-        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr
         assert 'usage:' in done.stdout
 
@@ -126,7 +127,7 @@ def test_a_missing_or_foreign_init_is_one_line_and_exit_2(script, tmp_path):
     (unfinished / 'peer.json').write_text('{"peer": "%s", "invert_bright": false}' % script.split('_')[0])
     for init in (tmp_path / 'missing', foreign, empty, damaged, unfinished):
         done = subprocess.run([sys.executable, path, 'train', '--init', str(init), '--data', str(tmp_path),
-                               '--out', str(tmp_path / 'out')], capture_output=True, text=True, timeout=60)
+                               '--out', str(tmp_path / 'out')], capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 2, done.stderr
         assert done.stderr.count('\n') == 1 and done.stderr.startswith('error: --init '), done.stderr
     assert not (tmp_path / 'out').exists()

@@ -9,11 +9,12 @@ import pytest
 from gluon_unet.errors import UserError
 from gluon_unet.inference.predict import PredictConfig, predict_paths
 from gluon_unet.inference.tiling import padding_to_multiple, plan_image
+from hang import HANG_SECONDS
 
 
 def test_tiling_is_pure_numpy():
     code = 'import sys, gluon_unet.inference.tiling; assert "mxnet" not in sys.modules'
-    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
 
 

@@ -12,6 +12,7 @@ from gluon_unet.errors import UserError
 from gluon_unet.inference.predict import predict_paths
 
 from conftest import export_brightness_model, nuclei_png, run_cli
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD = ('a', 'b', 'd', 'e', 'f')
@@ -39,7 +40,7 @@ def test_one_truncated_png_costs_only_itself(tmp_path):
     out, rle = tmp_path / 'out', tmp_path / 'sub.csv'
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model,
                            '--input', str(inputs), '--output', str(out), '--rle', str(rle), '--no-progress'],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 1, done.stderr
     assert _masks(out) == list(GOOD)
     assert 'Traceback' not in done.stderr

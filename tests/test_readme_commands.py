@@ -17,11 +17,11 @@ import time
 import pytest
 
 from conftest import pids_with
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 README = os.path.join(ROOT, 'README.md')
 MULTI_NODE = os.path.join(ROOT, 'docs', 'how-to', 'multi-node.md')
-TIMEOUT = 300
 
 
 def _section(title, path=README):
@@ -59,13 +59,13 @@ def _find(title, wanted, describe, path=README):
 
 def _run(argv, marker):
     """Run ``argv`` from the repository root with ``python`` on PATH being this
-    interpreter; stop it (and every process carrying ``marker``) after TIMEOUT seconds."""
+    interpreter; stop it (and every process carrying ``marker``) after HANG_SECONDS."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get('PATH', ''))
     env = {k: v for k, v in env.items() if not k.startswith('DMLC_')}
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
+        out, _ = proc.communicate(timeout=HANG_SECONDS)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # bin/launch stops its job on SIGTERM ...
         try:
@@ -73,7 +73,8 @@ def _run(argv, marker):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate(timeout=30)
-        pytest.fail('%s: timed out after %ds:\n%s' % (' '.join(argv), TIMEOUT, out.decode(errors='replace')[-3000:]))
+        pytest.fail('%s: timed out after %ds:\n%s'
+                    % (' '.join(argv), HANG_SECONDS, out.decode(errors='replace')[-3000:]))
     finally:
         # ... whose processes run in sessions of their own: none may outlive the test.
         deadline = time.time() + 10
@@ -127,7 +128,7 @@ def test_ci_runs_the_quick_start_commands_it_reads_from_the_readme():
     # .ci/run runs, in a fresh .venv, exactly the lines .ci/readme_commands.py prints: the
     # quick start's two commands (install and demo; install the test tools and test).
     done = subprocess.run([sys.executable, os.path.join(ROOT, '.ci', 'readme_commands.py')], capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 2

@@ -9,6 +9,7 @@ import pytest
 from gluon_unet import recipes
 from gluon_unet.cli.train import config_from_args
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Keys that name a place on one machine: a recipe leaves them to the flags.
@@ -78,7 +79,7 @@ def test_bin_train_trains_a_recipe_on_your_data(tmp_path):
            '--data', str(tmp_path / 'im'), '--masks', str(tmp_path / 'mask'), '--crop', '32', '--width', '4',
            '--epochs', '1', '--val-split', '0.25', '--workers', '0', '--no-tune-postprocess', '--no-progress',
            '--cache-dir', str(tmp_path / 'cache'), '--output', str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SECONDS, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     with open(out / 'config.json') as f:
         saved = json.load(f)

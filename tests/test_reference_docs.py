@@ -7,6 +7,7 @@ import sys
 from gluon_unet import recipes
 from gluon_unet.cli import COMMANDS
 from gluon_unet.config import ModelConfig, TrainConfig, flag_name
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +20,7 @@ def _read(name):
 def test_committed_reference_matches_the_code():
     # In a child: the entry points it asks for their parsers set process-wide knobs.
     done = subprocess.run([sys.executable, '-m', 'gluon_unet.cli.reference', '--check'], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -12,15 +12,16 @@ from gluon_unet.data import synthetic_dataset
 from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
 from gluon_unet.training.run_folder import claim_run_folder
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train(*argv, cwd=None, timeout=240):
+def _train(*argv, cwd=None):
     cmd = [sys.executable, os.path.join(ROOT, 'bin', 'train'), '--width', '4', '--depth', '2', '--size', '32',
            '--synthetic-count', '24', '--batch-size', '8', '--workers', '0', '--no-progress',
            '--lr-schedule', 'constant'] + list(argv)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SECONDS, cwd=cwd)
 
 
 def _one_line(stderr):
@@ -123,7 +124,7 @@ def test_two_runs_started_at_once_on_one_folder_do_not_interleave(tmp_path):
          '--synthetic-count', '24', '--batch-size', '8', '--workers', '0', '--no-progress', '--epochs', '2',
          '--output', str(out)], stderr=subprocess.PIPE, text=True)
     a, b = cmd(), cmd()
-    results = sorted([(p.wait(timeout=300), p.stderr.read()) for p in (a, b)])
+    results = sorted([(p.wait(timeout=HANG_SECONDS), p.stderr.read()) for p in (a, b)])
     assert [rc for rc, _ in results] == [0, 2], results
     assert 'in use by another run' in results[1][1] or 'already holds a run' in results[1][1]
     with open(out / 'metrics.csv') as f:

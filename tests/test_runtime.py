@@ -12,6 +12,7 @@ import pytest
 from gluon_unet.machine import runtime
 from gluon_unet.machine.devices import cpu_context_count
 from gluon_unet.reporting import LOGGER_NAME
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,9 +150,9 @@ def _child_env():
     return env
 
 
-def _python(code, env=None, timeout=120):
+def _python(code, env=None):
     done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=env or _child_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
@@ -200,7 +201,7 @@ def test_bin_train_gives_each_cpu_context_its_share_of_the_cores(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, 'bin', 'train'), '--cpus', '2', '--output', str(out),
            '--width', '4', '--depth', '2', '--size', '32', '--synthetic-count', '24', '--batch-size', '4',
            '--epochs', '1', '--workers', '0', '--no-progress']
-    done = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=_child_env(), capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     expected = max(1, runtime.physical_cores() // 2)
     line = [l for l in (out / 'train.log').read_text().splitlines() if ' runtime: ' in l]
@@ -227,7 +228,7 @@ PREPARE = ('import os, sys; from gluon_unet.machine import runtime\n'
 
 def _prepare(spec, env, *flags):
     done = subprocess.run([sys.executable, '-c', PREPARE, spec] + list(flags), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()
 
@@ -290,13 +291,13 @@ def test_bin_predict_sets_its_devices_and_whole_mode_knobs_before_mxnet_loads():
             'os.environ.get("OMP_NUM_THREADS"))')
     env = {k: v for k, v in os.environ.items() if not k.startswith(('OMP_', 'MXNET_'))}
     whole = subprocess.run([sys.executable, '-c', code, '--mode', 'whole', '--cpus', '2'], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=HANG_SECONDS)
     cores = runtime.physical_cores()
     assert whole.stdout.split()[-3:] == ['0', '64', str(max(1, cores // 2))], whole.stdout + whole.stderr
     tiles = subprocess.run([sys.executable, '-c', code, '--mode', 'tile'], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=HANG_SECONDS)
     assert tiles.stdout.split()[-3:-1] == ['None', 'None'], tiles.stdout + tiles.stderr
     mine = subprocess.run([sys.executable, '-c', code, '--mode', 'whole'], cwd=ROOT,
                           env=dict(env, MXNET_CUDNN_AUTOTUNE_DEFAULT='2'), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_SECONDS)
     assert mine.stdout.split()[-3] == '2'  # the user's value wins

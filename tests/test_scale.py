@@ -14,6 +14,7 @@ from gluon_unet.data import sizes
 from gluon_unet.inference import batched as inference, scale
 from gluon_unet.training.loop import fit
 from gluon_unet.inference.predict import predict_paths
+from hang import HANG_SECONDS
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..'))
 
@@ -74,7 +75,7 @@ def test_training_records_the_median_diameter_in_the_export(tiny):
 def test_bad_predict_diameter_is_one_line(tmp_path, argv, words):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--output', str(tmp_path / 'run'),
                            '--epochs', '1', '--no-progress', '--crop', '32'] + argv,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'run')
 
@@ -138,7 +139,7 @@ def test_bad_diameter_use_is_one_line(tmp_path, sidecar, argv, words):
     cv2.imwrite(str(tmp_path / 'a.png'), np.zeros((40, 40), np.uint8))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', model, '--input',
                            str(tmp_path / 'a.png'), '--output', str(tmp_path / 'out'), '--no-progress'] + argv,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert proc.returncode == 2 and words in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(tmp_path / 'out')
 

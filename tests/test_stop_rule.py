@@ -23,6 +23,7 @@ from gluon_unet.outputs import LOCK_NAME
 from gluon_unet.paths import MANIFEST, leftovers
 
 from conftest import ROOT, export_brightness_model, nuclei_png, pids_with, run_cli
+from hang import HANG_SECONDS
 
 SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
 TRAIN = ['--width', '4', '--depth', '2', '--size', '32', '--batch-size', '8', '--synthetic-count', '16',
@@ -235,7 +236,7 @@ def test_a_warning_is_one_line_naming_no_source_file(category):
             return 0
         raise SystemExit(demo_main())
     ''' % category.__name__)
-    done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     expected = 'warning: the thing you should know' + ('' if category is UserWarning else ' (%s)' % category.__name__)
     assert done.stderr.splitlines() == [expected], done.stderr

@@ -12,6 +12,7 @@ from device_checks import (check_amp_trains_and_exports_float32, check_sync_bn_m
                            check_sync_bn_uneven_batch_matches_one_device, cpu_contexts)
 from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 
 # The assertions live in device_checks, shared with the GPU lane (tests/test_gpu.py).
@@ -48,7 +49,7 @@ def test_sync_bn_skips_a_batch_smaller_than_the_device_count_instead_of_hanging(
     ''')
     try:
         done = subprocess.run([sys.executable, '-c', script, str(tmp_path), os.path.dirname(__file__)],
-                              capture_output=True, text=True, timeout=240, cwd=str(tmp_path), env=_env())
+                              capture_output=True, text=True, timeout=HANG_SECONDS, cwd=str(tmp_path), env=_env())
     except subprocess.TimeoutExpired:
         pytest.fail('SyncBatchNorm training hung on a batch smaller than the device count')
     assert done.returncode == 0, done.stderr[-2000:]
@@ -84,7 +85,7 @@ def test_sync_bn_on_cpu_contexts_does_not_hang_with_a_single_scratch_buffer(tmp_
     env = dict(_env(), MXNET_CPU_TEMP_COPY='1')
     try:
         done = subprocess.run([sys.executable, '-c', script, str(tmp_path), os.path.dirname(__file__)],
-                              capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env)
+                              capture_output=True, text=True, timeout=HANG_SECONDS, cwd=str(tmp_path), env=env)
     except subprocess.TimeoutExpired as exc:
         pytest.fail('SyncBatchNorm on 3 CPU contexts hung with MXNET_CPU_TEMP_COPY=1 (after %d of 12 epochs of '
                     '4 steps)' % len((exc.stdout or b'').splitlines()))

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +72,7 @@ os._exit(1)
 @pytest.mark.parametrize('mode', ['queue', 'engine'])
 def test_a_failing_device_in_the_first_syncbn_step_is_named_not_a_hang(mode):
     done = subprocess.run([sys.executable, '-c', SCRIPT % {'root': ROOT, 'mode': mode}],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stdout + done.stderr
     line = [l for l in done.stdout.splitlines() if l.startswith('DeviceFailure')][0]
     failing = 'cpu(1)' if mode == 'queue' else 'cpu(0)'
@@ -92,7 +93,7 @@ def main(argv=None):
 
 sys.exit(main())
 '''
-    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 1, done.stderr
     lines = [l for l in done.stderr.splitlines() if l.startswith('error:')]
     assert len(lines) == 1 and 'cpu(0) failed at the first training step' in lines[0]

@@ -10,6 +10,7 @@ import pytest
 
 from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +86,7 @@ def test_tensorboard_logs_without_loading_an_installed_pytorch(tmp_path):
         import torch  # the guard is gone: a user's own import still works
         print('ok', torch.__file__)
     ''' % (str(tmp_path / 'site'), str(tmp_path / 'tb'))
-    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert out.returncode == 0, out.stderr[-2000:]
     assert str(fake) in out.stdout
     assert os.listdir(tmp_path / 'tb'), 'no event file written'

@@ -14,6 +14,7 @@ from gluon_unet.checkpoint import list_checkpoints, load_checkpoint
 from gluon_unet.data import synthetic_dataset
 from gluon_unet.training.loop import fit
 from gluon_unet.training.step import Diverged
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +88,7 @@ def _train_cmd(out, *extra):
                                         (['--bogus-flag'], '--bogus-flag')])
 def test_cli_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, argv, flag):
     out = tmp_path / 'run'
-    done = subprocess.run(_train_cmd(out, *argv), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(_train_cmd(out, *argv), capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 2
     lines = [l for l in done.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and flag in lines[0] and 'Traceback' not in done.stderr, done.stderr
@@ -106,7 +107,8 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_exits_after_its_
     deadline = time.time() + 120
     while time.time() < deadline and not (log.exists() and 'epoch 1 |' in log.read_text()):
         time.sleep(0.2)
-    workers = subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True,
+                             timeout=HANG_SECONDS).stdout.split()
     assert len(workers) >= 3  # the main process and its two loader workers
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -117,7 +119,8 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_exits_after_its_
     assert proc.returncode == 143 and 'SIGTERM' in err and 'Traceback' not in err, err
     assert load_checkpoint(list_checkpoints(str(out / 'checkpoints'))[-1])['epoch'] >= 1
     time.sleep(1)
-    assert not subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not subprocess.run(['pgrep', '-g', str(proc.pid)], capture_output=True, text=True,
+                              timeout=HANG_SECONDS).stdout.split()
 
 
 def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
@@ -138,7 +141,7 @@ def test_sigterm_saves_a_resumable_checkpoint_then_resume_finishes(tmp_path):
     assert meta['epoch'] >= 1
     done = subprocess.run(_train_cmd(out, '--epochs', str(meta['epoch'] + 2), '--lr-schedule', 'constant',
                                      '--resume', 'auto'),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     assert 'resumed from' in done.stderr
     with open(out / 'metrics.csv') as f:

@@ -17,6 +17,7 @@ from gluon_unet.training.losses import SegmentationLoss
 from gluon_unet.model import build_model
 from gluon_unet.training.optim import make_lr_scheduler, make_trainer
 from gluon_unet.training.recorder import CheckpointSaver
+from hang import HANG_SECONDS
 
 
 def _loss(kind, logits, target, weight=None, **kw):
@@ -179,7 +180,7 @@ def test_amp_init_leaves_the_root_logger_alone():
         assert init_amp(TrainConfig(amp=True), [mx.cpu()]) == 'bfloat16'
         print('root handlers', len(logging.getLogger().handlers))
     ''')
-    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=HANG_SECONDS)
     assert done.returncode == 0, done.stderr
     assert 'root handlers 0' in done.stdout
 

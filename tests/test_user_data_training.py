@@ -6,6 +6,7 @@ import sys
 import cv2
 
 from gluon_unet.data import synthetic_nuclei
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +34,7 @@ def _write_dsb(root, count=10, size=40):
 def _train(*args):
     cmd = [sys.executable, os.path.join(ROOT, 'bin', 'train'), '--width', '4', '--depth', '2', '--epochs', '1',
            '--batch-size', '4', '--workers', '0', '--no-progress'] + list(args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_SECONDS)
 
 
 def test_paired_folders_train_with_rgb_and_crops(tmp_path):

@@ -23,6 +23,7 @@ from gluon_unet.paths import holds_run
 from gluon_unet.training.run_folder import claim_run_folder
 
 from conftest import BRIGHTNESS_SIDECAR, export_brightness_model, export_names, nuclei_png, run_cli, tiny_config
+from hang import HANG_SECONDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPORT = export_names()
@@ -176,7 +177,7 @@ def test_sigterm_during_the_export_search_leaves_the_previous_export_intact(run)
     export = os.path.join(run, 'export')
     before = _snapshot(export)
     done = subprocess.run([sys.executable, '-c', _STOPPED_SEARCH % ROOT, run], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_SECONDS)
     assert _snapshot(export) == before
     assert done.returncode == 143, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip() and 'runtime:' not in line]
@@ -295,7 +296,8 @@ def test_a_config_nested_too_deep_or_endless_is_one_line(tmp_path):
     def limit_memory():  # the unfixed reader would fill the memory with zeros
         resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
     done = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'train'), '--config', '/dev/zero'],
-                          capture_output=True, text=True, timeout=120, preexec_fn=limit_memory, cwd=str(tmp_path))
+                          capture_output=True, text=True, timeout=HANG_SECONDS, preexec_fn=limit_memory,
+                              cwd=str(tmp_path))
     assert done.returncode == 2 and done.stderr.count('\n') == 1, done.stderr
     assert '--config /dev/zero: not a regular file' in done.stderr
     big = tmp_path / 'big.json'

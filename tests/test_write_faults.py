@@ -24,6 +24,7 @@ from gluon_unet.inference.batched import load_exported
 from gluon_unet.utils import WriteFaults
 
 from conftest import run_cli
+from hang import HANG_SECONDS
 
 CAUSES = {errno.ENOSPC: 'no space left on device (ENOSPC)', errno.EACCES: 'permission denied (EACCES)',
           errno.EROFS: 'read-only file system (EROFS)'}
@@ -223,7 +224,8 @@ def test_the_fault_variable_fails_the_nth_write_of_a_child_process(tmp_path):
     cmd = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'bin', 'evaluate'),
            '--pred', str(masks), '--truth', str(masks), '--csv', str(tmp_path / 's.csv')]
     cv2.imwrite(str(masks / 'a.png'), np.full((8, 8), 255, np.uint8))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLUON_UNET_FAIL_WRITE='1:EROFS'))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, GLUON_UNET_FAIL_WRITE='1:EROFS'),
+                          timeout=HANG_SECONDS)
     assert done.returncode == 1 and done.stderr.strip() == 'error: cannot write %s: %s' % (
         tmp_path / 's.csv', CAUSES[errno.EROFS]), done.stderr
     assert sorted(os.listdir(tmp_path)) == ['masks'] and sorted(os.listdir(masks)) == ['a.png']
@@ -232,7 +234,7 @@ def test_the_fault_variable_fails_the_nth_write_of_a_child_process(tmp_path):
 # -- the same failures for real, where this machine lets a test make them ------------------------
 
 def _mount(*args):
-    return subprocess.run(['mount'] + list(args), capture_output=True).returncode == 0
+    return subprocess.run(['mount'] + list(args), capture_output=True, timeout=HANG_SECONDS).returncode == 0
 
 
 def _fill(path):
@@ -261,7 +263,7 @@ def tmpfs(tmp_path):
         return folder
     yield make
     for folder in reversed(mounted):
-        subprocess.run(['umount', '-l', folder], capture_output=True)
+        subprocess.run(['umount', '-l', folder], capture_output=True, timeout=HANG_SECONDS)
 
 
 @pytest.fixture
@@ -275,7 +277,7 @@ def read_only():
         if os.geteuid() == 0:
             if not (_mount('--bind', folder, folder) and _mount('-o', 'remount,bind,ro', folder)):
                 pytest.skip('needs mount to make a folder read-only for root')
-            undo.append(lambda: subprocess.run(['umount', '-l', folder], capture_output=True))
+            undo.append(lambda: subprocess.run(['umount', '-l', folder], capture_output=True, timeout=HANG_SECONDS))
             return errno.EROFS
         for d, _, _ in os.walk(folder):
             os.chmod(d, 0o555)
