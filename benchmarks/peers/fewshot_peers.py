@@ -90,6 +90,7 @@ def cmd_run(args):
     env_name, default_py, script = PEERS[args.peer]
     py = os.environ.get(env_name, default_py)
     fold = fold_of(args.group)
+    from fewshot import read_scores  # beside dsb_grouped, on the path fold_of set
     source = os.path.join(args.out, 'models', '%s-g%d' % (args.peer, fold))
     if not os.path.isfile(os.path.join(source, 'budget.json')):
         fail('%s: no finished from-scratch model of fold %d (train it first: bash benchmarks/peers/run_all.sh %s g%d)'
@@ -147,16 +148,10 @@ def cmd_run(args):
                  sum(scores.values()) / max(1, len(scores)), len(scores), csv), flush=True)
 
 
-def read_scores(path):
-    import csv
-    with open(path, newline='') as f:
-        return {r['image_id']: float(r['dsb']) for r in csv.DictReader(f)}
-
-
 def cmd_summary(args):
     import numpy as np
     sys.path.insert(0, EXPERIMENT)
-    from fewshot import paired_interval
+    from fewshot import paired_interval, read_scores
     root = os.path.join(args.out, 'fewshot')
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     rows = {}  # (group, k) -> [(label, scores, minutes, source)]
