@@ -131,3 +131,20 @@ def test_a_missing_or_foreign_init_is_one_line_and_exit_2(script, tmp_path):
         assert done.returncode == 2, done.stderr
         assert done.stderr.count('\n') == 1 and done.stderr.startswith('error: --init '), done.stderr
     assert not (tmp_path / 'out').exists()
+
+
+def test_a_failed_step_of_the_fewshot_runs_shows_its_log_tail_and_one_error_line(tmp_path, capsys):
+    """fewshot.py's run (which fewshot_peers.py's steps use too): the command is logged quoted,
+    a failure ends in its log's last lines on stderr and one error line naming the log."""
+    sys.path.insert(0, os.path.join(ROOT, 'experiments', 'dsb2018'))
+    import fewshot
+    log = str(tmp_path / 'step.log')
+    assert fewshot.run([sys.executable, '-c', 'print("fine")'], log) >= 0
+    with pytest.raises(SystemExit) as stop:
+        fewshot.run([sys.executable, '-c', 'import sys; print("the cause"); sys.exit(3)', 'a b'], log)
+    message = str(stop.value.code)
+    assert message.startswith('error: ') and 'exit 3' in message and log in message and '\n' not in message
+    assert 'the cause' in capsys.readouterr().err
+    with open(log) as f:
+        text = f.read()
+    assert 'fine\n' in text and "'a b'" in text  # both steps appended, the argument quoted

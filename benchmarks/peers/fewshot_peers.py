@@ -29,9 +29,7 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, '..', '..'))
@@ -62,23 +60,6 @@ def ids_of(folder):
     return sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n)))
 
 
-def call(cmd, log):
-    """Run ``cmd``, its output appended to ``log``; its wall time. A failure prints the
-    log's last lines and stops."""
-    started = time.time()
-    with open(log, 'a') as f:
-        f.write('+ %s\n' % ' '.join(shlex.quote(c) for c in cmd))
-        f.flush()
-        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    if code:
-        with open(log) as f:
-            tail = f.readlines()[-15:]
-        sys.stderr.write(''.join(tail))
-        sys.stderr.write('error: %s failed (exit %d); its log: %s\n' % (os.path.basename(cmd[1]), code, log))
-        raise SystemExit(1)
-    return time.time() - started
-
-
 def write_json(path, obj):
     with open(path + '.tmp', 'w') as f:
         json.dump(obj, f, indent=1, sort_keys=True)
@@ -90,7 +71,7 @@ def cmd_run(args):
     env_name, default_py, script = PEERS[args.peer]
     py = os.environ.get(env_name, default_py)
     fold = fold_of(args.group)
-    from fewshot import read_scores  # beside dsb_grouped, on the path fold_of set
+    from fewshot import read_scores, run as call  # beside dsb_grouped, on the path fold_of set
     source = os.path.join(args.out, 'models', '%s-g%d' % (args.peer, fold))
     if not os.path.isfile(os.path.join(source, 'budget.json')):
         fail('%s: no finished from-scratch model of fold %d (train it first: bash benchmarks/peers/run_all.sh %s g%d)'

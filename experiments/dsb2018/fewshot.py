@@ -25,6 +25,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,14 +55,18 @@ def link_tree(data, ids, folder):
 
 
 def run(cmd, log):
-    """Run ``cmd`` (a list), its output appended to ``log``; its wall time in seconds."""
+    """Run ``cmd`` (a list), its output appended to ``log``; its wall time in seconds. A
+    failure prints the log's last lines, then one error line, and stops."""
     started = time.time()
     with open(log, 'a') as f:
-        f.write('+ %s\n' % ' '.join(cmd))
+        f.write('+ %s\n' % ' '.join(shlex.quote(c) for c in cmd))
         f.flush()
         code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     if code:
-        raise SystemExit('error: %s failed (exit %d): see %s' % (' '.join(cmd[:3]), code, log))
+        with open(log) as f:
+            sys.stderr.write(''.join(f.readlines()[-15:]))
+        raise SystemExit('error: %s failed (exit %d); its log: %s'
+                         % (' '.join(shlex.quote(c) for c in cmd[:3]), code, log))
     return time.time() - started
 
 
