@@ -65,7 +65,7 @@ What it does, and why:
 
 Threads: ``torch.set_num_threads`` from ``OMP_NUM_THREADS`` (else every allowed core). This
 script never imports gluon_unet (its venv has no MXNet); what it shares with
-``stardist_peer.py`` is in ``peer_common.py`` beside it.
+``stardist_peer.py`` is in ``peer_common.py`` and ``peer_flags.py`` beside it.
 """
 import argparse
 import os
@@ -98,25 +98,18 @@ CALIBRATION_BATCHES = 2
 
 
 def build_parser():
+    from peer_flags import add_predict_flags, add_train_flags
     p = argparse.ArgumentParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (and its size model), or fine-tune (--init), on a '
                                      'DSB-layout folder')
-    t.add_argument('--data', required=True, help='DSB-layout folder: <id>/images/<id>.png + <id>/masks/*.png')
-    t.add_argument('--out', required=True, help='model folder to create (weights, size model, budget.json)')
-    t.add_argument('--minutes', type=float, default=None,
-                   help='wall time of the whole command, in minutes (required from scratch; with --init a cap, '
-                        'default none)')
+    add_train_flags(t, 'model folder to create (weights, size model, budget.json)')
     t.add_argument('--size-minutes', type=float, default=None,
                    help='of the budget, kept for the size model (default: 8%% of --minutes, at least 0.3)')
     t.add_argument('--epochs', type=int, default=None,
                    help='epochs the budget is divided into (default %d, the CLI\'s); with --init the epochs '
                         'the --samples are divided into (default %d)' % (TARGET_EPOCHS, FT_EPOCHS))
-    t.add_argument('--invert-bright', action='store_true',
-                   help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto '
-                        '(with --init: the source\'s setting, which this may not contradict)')
-    t.add_argument('--limit', type=int, default=0, help='use only the first N samples (smoke tests)')
     t.add_argument('--seed', type=int, default=0)
     f = t.add_argument_group('fine-tuning (--init)')
     f.add_argument('--init', metavar='MODEL_DIR', default=None,
@@ -130,12 +123,9 @@ def build_parser():
     f.add_argument('--retrain-size', action='store_true',
                    help='retrain the size model on the fine-tune\'s images (default: keep the source\'s)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
-    q.add_argument('--model', required=True, help='a folder made by train')
-    q.add_argument('--input', required=True, help='DSB layout or a folder of images')
-    q.add_argument('--output', required=True, help='folder for <id>_labels.png and the timing records')
+    add_predict_flags(q, 'a folder made by train')
     q.add_argument('--diameter', type=float, default=None,
                    help='a fixed nucleus diameter in pixels instead of the size model (0 = the training mean)')
-    q.add_argument('--limit', type=int, default=0, help='predict only the first N images (smoke tests)')
     return p
 
 

@@ -57,7 +57,7 @@ What it does, and why:
 Threads: TensorFlow takes ``TF_NUM_INTRAOP_THREADS`` / ``TF_NUM_INTEROP_THREADS`` (else
 ``OMP_NUM_THREADS``, else every allowed core). To share the machine, pin with
 ``taskset -c N``. This script never imports gluon_unet (its venv has no MXNet); what it
-shares with ``cellpose_peer.py`` is in ``peer_common.py`` beside it.
+shares with ``cellpose_peer.py`` is in ``peer_common.py`` and ``peer_flags.py`` beside it.
 """
 import argparse
 import os
@@ -83,22 +83,15 @@ FT_LR_FACTOR = 0.25
 
 
 def build_parser():
+    from peer_flags import add_predict_flags, add_train_flags
     p = argparse.ArgumentParser(prog='stardist_peer.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (or fine-tune, --init) on a DSB-layout folder')
-    t.add_argument('--data', required=True, help='DSB-layout folder: <id>/images/<id>.png + <id>/masks/*.png')
-    t.add_argument('--out', required=True, help='model folder to create (StarDist model + budget.json)')
-    t.add_argument('--minutes', type=float, default=None,
-                   help='wall time of the whole command, in minutes (required from scratch; with --init a cap, '
-                        'default none)')
+    add_train_flags(t, 'model folder to create (StarDist model + budget.json)')
     t.add_argument('--reserve-minutes', type=float, default=None,
                    help='of the budget, kept after training for the last validation and the threshold search '
                         '(default: 10%% of --minutes, at least 0.3; with --init 0: no threshold search)')
-    t.add_argument('--invert-bright', action='store_true',
-                   help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto '
-                        '(with --init: the source\'s setting, which this may not contradict)')
-    t.add_argument('--limit', type=int, default=0, help='use only the first N samples (smoke tests)')
     t.add_argument('--val-fraction', type=float, default=None,
                    help='validation share (default %s, the example\'s; with --init 0: every image trains)'
                         % VAL_FRACTION)
@@ -115,10 +108,7 @@ def build_parser():
     f.add_argument('--learning-rate', type=float, default=None,
                    help='Adam rate (default: a quarter of the source\'s, 7.5e-5 for StarDist\'s 3e-4)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
-    q.add_argument('--model', required=True, help='a folder made by train (from scratch or --init)')
-    q.add_argument('--input', required=True, help='DSB layout or a folder of images')
-    q.add_argument('--output', required=True, help='folder for <id>_labels.png and the timing records')
-    q.add_argument('--limit', type=int, default=0, help='predict only the first N images (smoke tests)')
+    add_predict_flags(q, 'a folder made by train (from scratch or --init)')
     return p
 
 
