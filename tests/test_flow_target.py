@@ -197,6 +197,7 @@ def test_maps_of_three_go_to_the_flows_unless_the_distance_is_asked_for():
         instances_from_maps(maps, markers='centre')
     with pytest.raises(ValueError, match='randomwalker'):
         instances_from_maps(maps, split='randomwalker')
+    assert instances_from_maps(maps, split='none').max() == 1  # plain components: the pair is one blob
 
 
 def test_the_search_tunes_a_flow_model_and_never_offers_it_the_random_walker():

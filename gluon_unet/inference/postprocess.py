@@ -292,14 +292,14 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
     if markers in SECOND_MAPS and len(maps) != (3 if markers == 'flow' else 2):
         raise ValueError('%s markers need %s (a mask+%s model), got %d map(s)'
                          % (markers, 'two flow maps' if markers == 'flow' else 'a second map', markers, len(maps)))
-    if len(maps) == 3 and markers in (None, 'flow'):
+    if len(maps) == 3 and markers in (None, 'flow') and split != 'none':  # 'none': plain components, as ever
         if split == 'randomwalker':
             raise ValueError("a flow model's nuclei are gathered along its flows: split must be "
                              "'watershed' or 'none' with flow markers (got 'randomwalker')")
         from .flows import instances_from_flows
         return instances_from_flows(maps[0], maps[1:], threshold=threshold, min_size=min_size, min_score=min_score,
                                     min_length=DEFAULT_MARKER['flow'] if marker is None else marker)
-    second = None if len(maps) == 1 or markers == 'distance' else maps[1]
+    second = None if len(maps) != 2 or markers == 'distance' else maps[1]
     centre = second if markers == 'centre' else None
     boundary = None if centre is not None else second
     return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,
