@@ -199,6 +199,13 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
                               capture_output=True, text=True, timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr
         assert os.path.exists(os.path.join(out, 'a_labels.png')) and os.path.exists(out + '/sub.csv')
+    # a flow model gathers its nuclei along its flows: the random walker's flooding does not apply
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', runs['mask+flow'].output,
+                           '--input', str(tmp_path / 'a.png'), '--output', str(tmp_path / 'walk'), '--markers', 'flow',
+                           '--split', 'randomwalker', '--no-progress'], capture_output=True, text=True,
+                          timeout=HANG_SECONDS)
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and '--split randomwalker' in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / 'walk')
 
 
 def test_bad_target_values_are_one_line(tmp_path):

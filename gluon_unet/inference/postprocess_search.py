@@ -245,13 +245,11 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     arms, seconds = search_arms(second), []
     for markers, _ in arms:  # what the search does for each setting: label, match, score
         split = 'watershed'
-        if markers == RANDOM_WALKER:
-            split, markers = RANDOM_WALKER, arms[0][0]
+        if markers == RANDOM_WALKER:  # from the first arm's markers; a flow model's walker, from the distance
+            split, markers = RANDOM_WALKER, 'distance' if arms[0][0] == 'flow' else arms[0][0]
         for _, labels in images:
             fg = (labels > 0).astype(np.float32)
-            # A second map that seeds one marker per blob: a watershed's work, as the search does
-            found = instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                        markers=markers, split=split)
+            found = instances_from_maps(_stand_in_maps(fg, labels, second), markers=markers, split=split)
             cut_scores(found, fg, labels, [0.5])
         seconds.append(clock())
     spent = np.diff([t1] + seconds)
@@ -259,10 +257,17 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     return estimate, len(probe), len(images)
 
 
-def _one_marker_map(fg, second):
-    """A stand-in second map for the search probe: no border or contact line (every blob's
-    interior is its marker), or a centre map high on the whole foreground."""
-    return fg if second == 'centre' else np.zeros_like(fg)
+def _stand_in_maps(fg, labels, second):
+    """Stand-in maps for the search probe, doing a search's work on them: a second map that
+    seeds one marker per blob (no border or contact line: every blob's interior is its
+    marker; or a centre map high on the whole foreground), or a flow model's true flows
+    (every pixel followed to its centre)."""
+    if second == 'flow':
+        from ..data.targets import flow_map
+        return np.concatenate([fg[None], flow_map(labels)])
+    if second:
+        return np.stack([fg, fg if second == 'centre' else np.zeros_like(fg)])
+    return fg
 
 
 def _central_window(shape, max_pixels):
