@@ -31,11 +31,14 @@ _CHOICES = {
     'amp_dtype': ('auto', 'float16', 'bfloat16'),
     'normalize': ('none', 'invert', 'percentile', 'auto', 'stain'),
     'balance': ('none', 'groups', 'sqrt', 'oversample'),
-    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'),
+    'target': ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching', 'mask+flow'),
     'memory': ('speed', 'balanced', 'low'),
     'weight_on': ('all', 'second'),
     'tune_mode': ('auto', 'resize', 'tile', 'whole'),  # tiling.MODES, spelled out: no numpy here (a test compares)
 }
+#: Targets whose maps after the foreground are levels (0..1), not classes: the BCE trains
+#: them, the Dice (or Lovasz) term covers the foreground only.
+LEVEL_TARGETS = ('mask+centre', 'mask+flow')
 
 
 #: ``--plane``'s help, the same for bin/train and bin/predict.
@@ -155,13 +158,16 @@ class ModelConfig:
                                'nuclei touch, a second channel: instances grow from the foreground less the '
                                'contacts; with --loss wbce_dice the contacts weigh most); or mask+touching (the '
                                'same, the band where nuclei meet drawn wider for larger nuclei, as the 2018 DSB '
-                               'winners drew it)')
+                               'winners drew it); or mask+flow (foreground and the direction from each pixel to '
+                               'its nucleus\' centre, two more channels, as Cellpose: instances gather where the '
+                               'directions meet, so touching nuclei part where the directions turn)')
 
     @property
     def outputs(self):
         """Output channels of the network: ``classes``, plus one for the targets with a
-        second map (``mask+border``, ``mask+centre``, ``mask+contact``)."""
-        return self.classes + self.target.startswith('mask+')
+        second map (``mask+border``, ``mask+centre``, ``mask+contact``, ``mask+touching``),
+        two for ``mask+flow`` (the direction's y and x)."""
+        return self.classes + (2 if self.target == 'mask+flow' else self.target.startswith('mask+'))
 
 
 @dataclass
@@ -443,11 +449,15 @@ class TrainConfig:
         if m.target != 'mask' and (m.classes > 1 or self.loss == 'ce'):
             raise UserError('--target %s is for binary masks (--classes 1) with a sigmoid loss '
                             '(bce, dice, bce_dice, lovasz, bce_lovasz, wbce, wbce_dice), not --loss ce' % m.target)
-        if m.target == 'mask+centre' and self.loss in ('dice', 'lovasz'):
-            # The centre map is a level (0..1), trained by the BCE alone: with Dice or
-            # the Lovasz hinge only on the foreground, it would get no loss at all.
-            raise UserError('--target mask+centre needs a loss with a BCE term for its centre map '
-                            '(bce, bce_dice, bce_lovasz, wbce, wbce_dice), not --loss %s' % self.loss)
+        if m.target in LEVEL_TARGETS and self.loss in ('dice', 'lovasz'):
+            # The centre and flow maps are levels (0..1), trained by the BCE alone: with
+            # Dice or the Lovasz hinge only on the foreground, they would get no loss at all.
+            raise UserError('--target %s needs a loss with a BCE term for its %s maps '
+                            '(bce, bce_dice, bce_lovasz, wbce, wbce_dice), not --loss %s'
+                            % (m.target, m.target[5:], self.loss))
+        if self.weight_on == 'second' and m.target == 'mask+flow':
+            raise UserError('--weight-on second is for a --target with one second map (mask+border, mask+centre, '
+                            'mask+contact, mask+touching), not mask+flow: its weight map goes on every output')
         if self.weight_on == 'second' and (self.loss not in ('wbce', 'wbce_dice')
                                            or not m.target.startswith('mask+')):
             raise UserError('--weight-on second needs --loss wbce or wbce_dice and a --target with a second map '

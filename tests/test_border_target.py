@@ -149,7 +149,7 @@ def test_the_search_tunes_the_marker_for_border_maps():
 
 def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
     runs = {}
-    for target in ('mask', 'mask+border', 'mask+centre', 'mask+contact'):
+    for target in ('mask', 'mask+border', 'mask+centre', 'mask+contact', 'mask+flow'):
         runs[target] = fit(tiny(target=target, loss='bce_dice', val_split=0.25, crop=32, size=32,
                                 output=str(tmp_path / target.replace('+', '_'))), verbose=False)
     new = json.load(open(os.path.join(runs['mask+border'].output, 'export', 'model.json')))
@@ -160,6 +160,9 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
     assert centre['outputs'] == ['foreground', 'centre'] and centre['postprocess']['markers'] == 'centre'
     contact = json.load(open(os.path.join(runs['mask+contact'].output, 'export', 'model.json')))
     assert contact['outputs'] == ['foreground', 'contact'] and contact['postprocess']['markers'] == 'contact'
+    flow = json.load(open(os.path.join(runs['mask+flow'].output, 'export', 'model.json')))
+    assert flow['outputs'] == ['foreground', 'flow_y', 'flow_x'] and flow['postprocess']['markers'] in ('flow',
+                                                                                                       'distance')
     # An export from before borders existed: no 'outputs', no target in its config.
     legacy = str(tmp_path / 'legacy')
     os.makedirs(legacy)
@@ -171,10 +174,13 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
     from gluon_unet.data.synthetic import synthetic_nuclei
     image = synthetic_nuclei(1, size=80, channels=1, seed=3)[0][0]
     for path, second in ((runs['mask+border'].output, 'border'), (runs['mask+centre'].output, 'centre'),
-                         (runs['mask+contact'].output, 'contact'), (runs['mask'].output, None), (legacy, None)):
-        k = 1 + bool(second)
+                         (runs['mask+contact'].output, 'contact'), (runs['mask+flow'].output, 'flow'),
+                         (runs['mask'].output, None), (legacy, None)):
+        k = {None: 1, 'flow': 3}.get(second, 2)
         model = load_model(path, [mx.cpu()])
-        assert model.second == second and model.markers == second
+        assert model.second == second
+        # a 2-epoch flow model's search may prefer the distance watershed on its foreground
+        assert model.markers == second or (second == 'flow' and model.markers == 'distance')
         whole = predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole', maps=True)
         two = load_model(path, [mx.cpu(0), mx.cpu(1)])
         tiled = predict_image(two.net, two.meta, image, two.ctxs, mode='tile', tta=True, maps=True)
@@ -184,7 +190,8 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
         assert np.array_equal(predict_image(model.net, model.meta, image, [mx.cpu()], mode='whole'), whole[0])
     # bin/predict on both kinds, with TTA, tiles and the submission.
     cv2.imwrite(str(tmp_path / 'a.png'), image)
-    for path in (runs['mask+border'].output, runs['mask+centre'].output, runs['mask+contact'].output, legacy):
+    for path in (runs['mask+border'].output, runs['mask+centre'].output, runs['mask+contact'].output,
+                 runs['mask+flow'].output, legacy):
         out = str(tmp_path / ('pred_' + os.path.basename(path)))
         proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', path, '--input',
                                str(tmp_path / 'a.png'), '--output', out, '--tta', '--mode', 'tile', '--marker', '0.4',
@@ -192,6 +199,13 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
                               capture_output=True, text=True, timeout=HANG_SECONDS)
         assert proc.returncode == 0, proc.stderr
         assert os.path.exists(os.path.join(out, 'a_labels.png')) and os.path.exists(out + '/sub.csv')
+    # a flow model gathers its nuclei along its flows: the random walker's flooding does not apply
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', runs['mask+flow'].output,
+                           '--input', str(tmp_path / 'a.png'), '--output', str(tmp_path / 'walk'), '--markers', 'flow',
+                           '--split', 'randomwalker', '--no-progress'], capture_output=True, text=True,
+                          timeout=HANG_SECONDS)
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and '--split randomwalker' in proc.stderr, proc.stderr
+    assert not os.path.exists(tmp_path / 'walk')
 
 
 def test_bad_target_values_are_one_line(tmp_path):

@@ -12,6 +12,7 @@ from gluon_unet.checkpoint import load_checkpoint
 from gluon_unet.config import TrainConfig
 from gluon_unet.training.loop import fit
 from gluon_unet.errors import UserError
+from gluon_unet.inference.configs import SECOND_MAPS
 from gluon_unet.training.optim import make_lr_scheduler, resize_lr_scheduler
 from gluon_unet.inference.postprocess_search import search_estimate
 
@@ -128,7 +129,8 @@ def test_the_search_is_kept_aside_and_probed_once(tiny, tmp_path, clock, monkeyp
     assert '4.2 of them kept for the search' in log
 
 
-def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
+@pytest.mark.parametrize('second', SECOND_MAPS)
+def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path, second):
     import mxnet as mx
 
     from gluon_unet.data.prepare import build_datasets
@@ -148,13 +150,14 @@ def test_search_seconds_times_a_probe_of_the_search_images(tiny, tmp_path):
     assert seconds == pytest.approx(3.0 * sum(sizes) / sum(sizes[:3]) + (search_labelings(None) - 1) * 1.0 + 5.0)
     with pytest.raises(StopIteration):
         next(readings)  # four readings: before, between, after the watershed and the random walker
-    # A two-map model: each kind of markers is timed on its own and scaled by its own count.
+    # A model with maps after the foreground (every kind): each kind of markers is timed on
+    # its own and scaled by its own count.
     from gluon_unet.inference.postprocess_search import search_arms
-    assert search_arms('border') == [('border', 28), ('distance', 27), ('randomwalker', 1)]
-    assert search_labelings('border') == 56
-    # border markers 1 s for all images, the distance 2 s, the random walker 3 s
+    assert search_arms(second) == [(second, 28), ('distance', 27), ('randomwalker', 1)]
+    assert search_labelings(second) == 56
+    # its own markers 1 s for all images, the distance 2 s, the random walker 3 s
     readings = iter([0.0, 1.0, 2.0, 4.0, 7.0])
-    assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second='border',
+    assert search_seconds(net, [mx.cpu()], val_ds, geometry(cfg), 8, second=second,
                           clock=lambda: next(readings))[0] == pytest.approx(1.0 * 10 / 3 + 28 * 1.0 + 27 * 2.0 + 3.0)
     with pytest.raises(StopIteration):
         next(readings)

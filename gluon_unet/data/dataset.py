@@ -35,7 +35,7 @@ class SegmentationDataset(gluon.data.Dataset):
         :mod:`gluon_unet.data.augment`.
     weight_fn : callable, optional
         ``weight_fn(instances) -> (H, W) float32`` per-pixel loss weights (``wbce``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching', 'mask+flow'}
         What the network learns (:func:`gluon_unet.data.targets.make_target`).
     groups : list of str, optional
         Each sample's appearance group (``--balance groups``); None = unknown.

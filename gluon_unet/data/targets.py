@@ -21,17 +21,21 @@ between nuclei), none of the outlines against the background: the border's one p
 foreground cannot show, learnt with the U-Net paper's gap weights (``--loss wbce_dice``)
 on a sparse line the network need not draw around every nucleus; instances grow from the
 foreground minus the contacts, so the foreground stays whole (``mask-gap`` cuts it).
+``mask+flow``: two more channels, the direction from each nucleus pixel to its nucleus'
+centre (Cellpose's idea, Stringer et al., 2021): the direction flips across the line
+where two nuclei touch, whatever the shape of their union, and following it from every
+pixel gathers each nucleus at one point (:func:`gluon_unet.inference.flows.instances_from_flows`).
 """
 import numpy as np
 from scipy import ndimage as ndi
 
 #: ``--target`` choices, and the output channel each one adds.
-TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching')
+TARGETS = ('mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching', 'mask+flow')
 #: The second map of ``mask+touching`` is a contact map (drawn wider for larger nuclei): the
 #: post-processing treats both alike.
 OUTPUTS = {'mask': ('foreground',), 'mask-gap': ('foreground',), 'mask+border': ('foreground', 'border'),
            'mask+centre': ('foreground', 'centre'), 'mask+contact': ('foreground', 'contact'),
-           'mask+touching': ('foreground', 'contact')}
+           'mask+touching': ('foreground', 'contact'), 'mask+flow': ('foreground', 'flow_y', 'flow_x')}
 #: ``mask+touching``: how far (pixels) another nucleus may be for a pixel of a nucleus to be
 #: on their touching border, by the nucleus' area (px): below 300, below 2,000, above.
 TOUCHING_REACH = ((300, 1), (2000, 2), (None, 3))
@@ -40,6 +44,15 @@ TOUCHING_REACH = ((300, 1), (2000, 2), (None, 3))
 TOUCHING_GAP = ((4000, 3), (None, 6))
 
 _CROSS = ndi.generate_binary_structure(2, 1)
+
+
+def second_map_of(outputs):
+    """What a model's maps after the foreground are, by its ``outputs`` (a value of
+    :data:`OUTPUTS`): 'border', 'centre', 'contact', 'flow' (``mask+flow``'s two), or None."""
+    rest = tuple(outputs)[1:]
+    if not rest:
+        return None
+    return 'flow' if rest == ('flow_y', 'flow_x') else rest[0]
 
 
 def _labels(instances, copy=False):
@@ -217,6 +230,59 @@ def centre_map(instances):
     return out
 
 
+def nucleus_centres(labels):
+    """Each nucleus' centre: its deepest pixel (farthest from its own edge, as in
+    :func:`centre_map`), which lies inside the nucleus whatever its shape, where a centroid
+    may fall outside a bent one.
+
+    Returns
+    -------
+    (cy, cx) : two (labels.max() + 1,) float32 arrays
+        Indexed by label; a nucleus with no inner pixel (1-2 px wide) gets one of its pixels.
+    """
+    labels = _labels(labels)
+    n = int(labels.max()) + 1
+    cy, cx = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    ids = np.unique(labels[labels > 0])
+    if not len(ids):
+        return cy, cx
+    inner = (labels > 0) & ~_contour(labels)
+    # +1 on every nucleus pixel: an all-edge nucleus still has a maximum, on one of its pixels
+    depth = ndi.distance_transform_edt(inner).astype(np.float32) + (labels > 0)
+    pos = np.asarray(ndi.maximum_position(depth, labels, index=ids), np.float32).reshape(-1, 2)
+    cy[ids], cx[ids] = pos[:, 0], pos[:, 1]
+    return cy, cx
+
+
+def flow_map(instances):
+    """The unit vector from each nucleus pixel towards its nucleus' centre
+    (:func:`nucleus_centres`), as two maps in [0, 1]: ``(1 + dy) / 2`` and ``(1 + dx) / 2``.
+
+    Encoded so that a sigmoid output and its BCE learn it as they learn the centre map's
+    level, and every map of a model stays a probability-like map (tiling, rescaling and the
+    exports treat them alike). The background and each centre pixel are 0.5 (no direction).
+    A nucleus cut by the image's (or a crop's) edge points to its deepest visible pixel,
+    which lies towards that edge, as the nucleus goes on out there.
+
+    Returns
+    -------
+    (2, H, W) float32 in [0, 1]
+    """
+    labels = _labels(instances)
+    out = np.full((2,) + labels.shape, 0.5, np.float32)
+    yy, xx = np.nonzero(labels)
+    if not len(yy):
+        return out
+    cy, cx = nucleus_centres(labels)
+    own = labels[yy, xx]
+    dy, dx = cy[own] - yy, cx[own] - xx
+    norm = np.hypot(dy, dx)
+    norm[norm == 0] = 1  # the centre itself: (0, 0)
+    out[0, yy, xx] = 0.5 + 0.5 * dy / norm
+    out[1, yy, xx] = 0.5 + 0.5 * dx / norm
+    return out
+
+
 def make_target(mask, instances, target='mask'):
     """The training target of one sample.
 
@@ -226,7 +292,7 @@ def make_target(mask, instances, target='mask'):
         Class per pixel (binary: 0/1).
     instances : (H, W) int
         Instance labels (used by every target but ``mask``).
-    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching'}
+    target : {'mask', 'mask-gap', 'mask+border', 'mask+centre', 'mask+contact', 'mask+touching', 'mask+flow'}
 
     Returns
     -------
@@ -235,12 +301,14 @@ def make_target(mask, instances, target='mask'):
         between touching nuclei cleared (C = 1); ``mask+border``: foreground and border (C = 2);
         ``mask+centre``: foreground and :func:`centre_map` (C = 2); ``mask+contact``:
         foreground and :func:`contact_map` (C = 2); ``mask+touching``: foreground and
-        :func:`touching_map` (C = 2).
+        :func:`touching_map` (C = 2); ``mask+flow``: foreground and :func:`flow_map` (C = 3).
     """
     if target == 'mask':
         return np.asarray(mask).astype(np.float32)[None]
     if target == 'mask-gap':
         return ((np.asarray(mask) > 0) & (separate_touching(instances) > 0)).astype(np.float32)[None]
+    if target == 'mask+flow':
+        return np.concatenate([(np.asarray(mask) > 0)[None].astype(np.float32), flow_map(instances)])
     if target not in OUTPUTS or len(OUTPUTS[target]) != 2:
         raise ValueError('target must be one of %s (got %r)' % (', '.join(TARGETS), target))
     fg = np.asarray(mask) > 0

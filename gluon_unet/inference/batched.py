@@ -67,7 +67,7 @@ def image_jobs(image, meta, mode='auto', tta=False, overlap=0.25, on_done=None, 
     plan = plan_image(image, meta, mode, overlap, buckets)
     # Held in a dict the last step empties: this generator stays suspended at its last
     # yield while ``on_done`` post-processes, and must not keep the canvas alive meanwhile.
-    state = {'canvas': Canvas(*plan.source.shape[1:]), 'plan': plan}
+    state = {'canvas': Canvas(*plan.source.shape[1:], flow=second_map(meta) == 'flow'), 'plan': plan}
     weight = plan.weight
     for y, x, window in plan.windows():
         for k, flip in (TTA_ORDER if tta else TTA_ORDER[:1]):
@@ -266,18 +266,17 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
 
 
 def second_map(meta):
-    """What an export's (its sidecar ``meta``) second output map is: 'border' for a
+    """What an export's (its sidecar ``meta``) maps after the foreground are: 'border' for a
     ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact`` and
-    ``mask+touching``,
-    None for one map. From the
+    ``mask+touching``, 'flow' for ``mask+flow`` (two maps), None for one map. From the
     sidecar's ``outputs``, else its training config; exports from before borders have one map."""
-    from ..data.targets import OUTPUTS
+    from ..data.targets import OUTPUTS, second_map_of
 
     outputs = meta.get('outputs')
     if outputs is None:
         target = ((meta.get('config') or {}).get('model') or {}).get('target')
         outputs = OUTPUTS.get(target, ('foreground',))
-    return outputs[1] if len(outputs) > 1 else None
+    return second_map_of(outputs)
 
 
 def match_channels(image, channels, path='image'):

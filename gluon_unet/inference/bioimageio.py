@@ -151,11 +151,20 @@ def limits(meta):
     mode = meta.get('normalize') or (meta.get('config') or {}).get('normalize') or 'none'
     denoise = float(meta.get('normalize_denoise') or 0)
     tuned = meta.get('postprocess') if isinstance(meta.get('postprocess'), dict) else {}
-    found = ['**Instances.** The outputs are probabilities. gluon_unet separates touching nuclei with a marker '
-             'watershed (threshold %s, h %s, minimum size %s, chosen on validation images); the spec\'s '
-             'post-processing operations (sigmoid, softmax, binarize, ...) cannot describe a watershed. Run it with '
-             'gluon_unet (above).' % (tuned.get('threshold', meta.get('threshold', 0.5)), tuned.get('h', 0.5),
-                                     tuned.get('min_size', 0)),
+    if tuned.get('markers') == 'flow':
+        instances = ('**Instances.** The first output is the foreground probability; the other two are the '
+                     'direction from each pixel to its nucleus\' centre, y and x, each as (1 + v) / 2. gluon_unet '
+                     'follows the directions from every foreground pixel and gathers each nucleus where they meet '
+                     '(threshold %s, minimum size %s, chosen on validation images), which the spec\'s '
+                     'post-processing operations cannot describe. Run it with gluon_unet (above).'
+                     % (tuned.get('threshold', meta.get('threshold', 0.5)), tuned.get('min_size', 0)))
+    else:
+        instances = ('**Instances.** The outputs are probabilities. gluon_unet separates touching nuclei with a marker '
+                     'watershed (threshold %s, h %s, minimum size %s, chosen on validation images); the spec\'s '
+                     'post-processing operations (sigmoid, softmax, binarize, ...) cannot describe a watershed. Run it '
+                     'with gluon_unet (above).' % (tuned.get('threshold', meta.get('threshold', 0.5)),
+                                                  tuned.get('h', 0.5), tuned.get('min_size', 0)))
+    found = [instances,
              '**Other image types.** gluon_unet scales 16-bit and float images to uint8 by their 0.5th and 99.5th '
              'percentiles first; the input here is uint8.',
              '**Channels.** gluon_unet converts colour to grey (luma) for a grey model and repeats grey for a colour '

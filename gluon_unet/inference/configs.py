@@ -23,8 +23,9 @@ MODES = ('auto', 'resize', 'tile', 'whole')
 SPLITS = ('watershed', 'randomwalker', 'none')
 #: What a two-map model's second map can be (``OUTPUTS`` of :mod:`gluon_unet.data.targets`).
 #: A border or a contact map is a line: the markers are what it leaves of the foreground.
-#: A centre map is a hill over each nucleus: the markers are its tops.
-SECOND_MAPS = ('border', 'centre', 'contact')
+#: A centre map is a hill over each nucleus: the markers are its tops. Flow maps (two: the
+#: direction to the nucleus' centre) gather each nucleus where its directions meet.
+SECOND_MAPS = ('border', 'centre', 'contact', 'flow')
 #: Where a two-map model's watershed seeds come from: its second map, or the distance
 #: transform of its foreground.
 MARKERS = SECOND_MAPS + ('distance',)
@@ -89,8 +90,9 @@ class PredictConfig:
     marker: Optional[float] = option(None, "mask+border and mask+contact models: the interior score (foreground "
                                            "x (1 - border or contact)) a watershed marker needs (else 0.5); "
                                            "mask+centre models: how far a hill top of the centre map must rise "
-                                           "above its valley to seed its own nucleus (else 0.1) (default: the "
-                                           "model's, chosen on validation)",
+                                           "above its valley to seed its own nucleus (else 0.1); mask+flow models: "
+                                           "how long (0..1) a pixel's predicted direction must be for it to follow "
+                                           "it (else 0.25) (default: the model's, chosen on validation)",
                                      within=within(0, 1, 'both'))
     h: Optional[float] = option(None, "distance watershed: how much deeper than its surroundings (in pixels of "
                                       "distance to the background) a nucleus centre must be to seed its own object "
@@ -99,8 +101,9 @@ class PredictConfig:
     markers: Optional[str] = option(None, "two-map models: seed the watershed from the interiors a border map "
                                           "leaves (border) or a contact map (contact), from the hill tops of a "
                                           "centre map (centre) or from the distance transform of the foreground "
-                                          "(distance) (default: the model's, chosen on validation; else its second "
-                                          "map)", metavar='{%s}' % ','.join(MARKERS), choices=MARKERS)
+                                          "(distance); a mask+flow model gathers each nucleus where its predicted "
+                                          "directions meet (flow) (default: the model's, chosen on validation; "
+                                          "else its second map)", metavar='{%s}' % ','.join(MARKERS), choices=MARKERS)
     plane: Optional[int] = option(None, PLANE_HELP, metavar='N', within=within(0, 10 ** 6))
     overlay: bool = option(False, 'also write <id>_overlay.png outlines')
     rle: Optional[str] = option(None, 'write a DSB submission (ImageId,EncodedPixels)', metavar='CSV', path='out')

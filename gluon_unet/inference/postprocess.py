@@ -17,8 +17,9 @@ from .configs import MARKERS, SECOND_MAPS, SPLITS
 from .watershed import _distance_watershed, h_maxima_markers
 
 #: The ``marker`` setting of each second map when none is given or chosen: the interior
-#: score a marker of a border or contact model exceeds, the depth of a centre model's hill top.
-DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1, 'contact': 0.5}
+#: score a marker of a border or contact model exceeds, the depth of a centre model's hill
+#: top, the length a flow model's predicted direction needs for a pixel to follow it.
+DEFAULT_MARKER = {'border': 0.5, 'centre': 0.1, 'contact': 0.5, 'flow': 0.25}
 
 
 def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boundary=None,
@@ -260,18 +261,22 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
     maps : (H, W) or (K, H, W) float
         The foreground probability, and for a two-map model (K = 2) its second map: the
         border probability of a ``mask+border`` model, the centre map of a ``mask+centre``
-        one, the contact probability of a ``mask+contact`` one.
+        one, the contact probability of a ``mask+contact`` one; for a ``mask+flow`` model
+        (K = 3) its two flow maps (:func:`gluon_unet.inference.flows.instances_from_flows`:
+        ``marker`` is the direction's length a pixel needs to follow it, ``split`` and
+        ``h`` are not used).
     threshold, min_size, split, h, marker, min_score
         See :func:`instances_from_prob` (``h`` is used by the distance watershed,
         ``marker`` by the second map's markers; ``min_score`` applies to the foreground map).
-    markers : {None, 'border', 'centre', 'contact', 'distance'}
+    markers : {None, 'border', 'centre', 'contact', 'flow', 'distance'}
         Where the watershed's markers come from, and so what a second map is: the
         interiors left by a border map ('border'; the default with two maps, as before
         other second maps existed) or a contact map ('contact'), the hill tops of a
         centre map ('centre'), or the distance
         transform of the foreground (the default with one map; for a two-map model, when
         its second map splits worse than the distance on validation images -
-        :func:`~gluon_unet.inference.postprocess_search.tune_on_maps` chooses).
+        :func:`~gluon_unet.inference.postprocess_search.tune_on_maps` chooses); with three
+        maps, 'flow' (the default) gathers the pixels along the flows instead.
 
     Returns
     -------
@@ -280,14 +285,21 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
     maps = np.asarray(maps)
     if maps.ndim == 2:
         maps = maps[None]
-    if maps.ndim != 3 or maps.shape[0] not in (1, 2):
-        raise ValueError('maps must be (H, W), (1, H, W) or (2, H, W), got shape %s' % (maps.shape,))
+    if maps.ndim != 3 or maps.shape[0] not in (1, 2, 3):
+        raise ValueError('maps must be (H, W), (1, H, W), (2, H, W) or (3, H, W), got shape %s' % (maps.shape,))
     if markers is not None and markers not in MARKERS:
         raise ValueError('markers must be one of %s (got %r)' % (', '.join(MARKERS), markers))
-    if markers in SECOND_MAPS and len(maps) != 2:
-        raise ValueError('%s markers need a second map (a mask+%s model), got %d map(s)'
-                         % (markers, markers, len(maps)))
-    second = None if len(maps) == 1 or markers == 'distance' else maps[1]
+    if markers in SECOND_MAPS and len(maps) != (3 if markers == 'flow' else 2):
+        raise ValueError('%s markers need %s (a mask+%s model), got %d map(s)'
+                         % (markers, 'two flow maps' if markers == 'flow' else 'a second map', markers, len(maps)))
+    if len(maps) == 3 and markers in (None, 'flow') and split != 'none':  # 'none': plain components, as ever
+        if split == 'randomwalker':
+            raise ValueError("a flow model's nuclei are gathered along its flows: split must be "
+                             "'watershed' or 'none' with flow markers (got 'randomwalker')")
+        from .flows import instances_from_flows
+        return instances_from_flows(maps[0], maps[1:], threshold=threshold, min_size=min_size, min_score=min_score,
+                                    min_length=DEFAULT_MARKER['flow'] if marker is None else marker)
+    second = None if len(maps) != 2 or markers == 'distance' else maps[1]
     centre = second if markers == 'centre' else None
     boundary = None if centre is not None else second
     return instances_from_prob(maps[0], threshold=threshold, min_size=min_size, split=split, boundary=boundary,

@@ -27,6 +27,9 @@ from .postprocess import DEFAULT_MARKER, SECOND_MAPS, cut_scores, instances_from
 TUNE_GRID = {'threshold': (0.4, 0.5, 0.6), 'h': (0.5, 1.0, 2.0), 'min_size': (0, 16, 48)}
 TUNE_GRID_BORDER = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.3, 0.5, 0.7), 'min_size': (0, 16, 48)}
 TUNE_GRID_CENTRE = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.05, 0.1, 0.2), 'min_size': (0, 16, 48)}
+# A flow model's marker: the length its predicted direction needs for a pixel to follow it.
+TUNE_GRID_FLOW = {'threshold': (0.4, 0.5, 0.6), 'marker': (0.1, 0.25, 0.5), 'min_size': (0, 16, 48)}
+_GRIDS = {'centre': TUNE_GRID_CENTRE, 'flow': TUNE_GRID_FLOW}
 
 
 # Each of those settings is also scored with objects of a low mean probability dropped
@@ -44,7 +47,7 @@ def _searches(second, grid=None):
     """The (markers, grid) pairs :func:`tune_on_maps` searches in turn, for maps whose
     second map is ``second`` (one of :data:`SECOND_MAPS`; None = one map)."""
     if second:
-        return [(second, grid or (TUNE_GRID_CENTRE if second == 'centre' else TUNE_GRID_BORDER)),
+        return [(second, grid or _GRIDS.get(second, TUNE_GRID_BORDER)),
                 ('distance', TUNE_GRID)]
     return [(None, grid or TUNE_GRID)]
 
@@ -89,8 +92,9 @@ def tune_on_maps(pairs, grid=None, base=None, second=None):
     base : dict, optional
         The untuned settings, scored too and kept on ties (so tuning never reports a
         setting that does no better than the defaults).
-    second : {None, 'border', 'centre', 'contact'}
-        What the second of two maps is (None: 'border', as before other second maps existed).
+    second : {None, 'border', 'centre', 'contact', 'flow'}
+        What the maps after the foreground are (None: 'border' for two maps, as before other
+        second maps existed; 'flow' for three).
 
     Returns
     -------
@@ -101,8 +105,8 @@ def tune_on_maps(pairs, grid=None, base=None, second=None):
     """
     if second is not None and second not in SECOND_MAPS:
         raise ValueError('second must be one of %s (got %r)' % (', '.join(SECOND_MAPS), second))
-    two = bool(pairs) and np.ndim(pairs[0][0]) == 3 and len(pairs[0][0]) == 2
-    second = (second or 'border') if two else None
+    k = len(pairs[0][0]) if pairs and np.ndim(pairs[0][0]) == 3 else 1
+    second = (second or ('flow' if k == 3 else 'border')) if k > 1 else None
     searches = _searches(second, grid)
     if second:
         base = base or {'markers': second, 'threshold': 0.5, 'marker': DEFAULT_MARKER[second], 'min_size': 0}
@@ -130,11 +134,13 @@ def tune_on_maps(pairs, grid=None, base=None, second=None):
             for min_score, value in zip(min_scores, scores(setting, min_scores)):
                 if dict(setting, min_score=min_score) != base and value > best_score + 1e-9:
                     best, best_score = dict(setting, min_score=min_score), float(value)
-    # The instance step is a choice too: the random walker from the winner's markers.
-    walker = dict({k: v for k, v in best.items() if k != 'min_score'}, split=RANDOM_WALKER)
-    value = float(scores(walker, [best['min_score']])[0])
-    if value > best_score + 1e-9:
-        best, best_score = dict(walker, min_score=best['min_score']), value
+    # The instance step is a choice too: the random walker from the winner's markers (not
+    # for a flow model's gathering, which has no flooding to replace).
+    if best.get('markers') != 'flow':
+        walker = dict({k: v for k, v in best.items() if k != 'min_score'}, split=RANDOM_WALKER)
+        value = float(scores(walker, [best['min_score']])[0])
+        if value > best_score + 1e-9:
+            best, best_score = dict(walker, min_score=best['min_score']), value
     return dict(best, score=best_score, base_score=base_score, images=len(pairs))
 
 
@@ -239,13 +245,11 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     arms, seconds = search_arms(second), []
     for markers, _ in arms:  # what the search does for each setting: label, match, score
         split = 'watershed'
-        if markers == RANDOM_WALKER:
-            split, markers = RANDOM_WALKER, arms[0][0]
+        if markers == RANDOM_WALKER:  # from the first arm's markers; a flow model's walker, from the distance
+            split, markers = RANDOM_WALKER, 'distance' if arms[0][0] == 'flow' else arms[0][0]
         for _, labels in images:
             fg = (labels > 0).astype(np.float32)
-            # A second map that seeds one marker per blob: a watershed's work, as the search does
-            found = instances_from_maps(np.stack([fg, _one_marker_map(fg, second)]) if second else fg,
-                                        markers=markers, split=split)
+            found = instances_from_maps(_stand_in_maps(fg, labels, second), markers=markers, split=split)
             cut_scores(found, fg, labels, [0.5])
         seconds.append(clock())
     spent = np.diff([t1] + seconds)
@@ -253,10 +257,17 @@ def search_seconds(net, ctxs, dataset, meta, batch_size, mode='auto', tta=False,
     return estimate, len(probe), len(images)
 
 
-def _one_marker_map(fg, second):
-    """A stand-in second map for the search probe: no border or contact line (every blob's
-    interior is its marker), or a centre map high on the whole foreground."""
-    return fg if second == 'centre' else np.zeros_like(fg)
+def _stand_in_maps(fg, labels, second):
+    """Stand-in maps for the search probe, doing a search's work on them: a second map that
+    seeds one marker per blob (no border or contact line: every blob's interior is its
+    marker; or a centre map high on the whole foreground), or a flow model's true flows
+    (every pixel followed to its centre)."""
+    if second == 'flow':
+        from ..data.targets import flow_map
+        return np.concatenate([fg[None], flow_map(labels)])
+    if second:
+        return np.stack([fg, fg if second == 'centre' else np.zeros_like(fg)])
+    return fg
 
 
 def _central_window(shape, max_pixels):

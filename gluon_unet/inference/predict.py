@@ -126,6 +126,11 @@ class _PredictionRun:
                             'it out)' % (self.markers, self.markers, 'the foreground only' if model.second is None
                                          else 'the foreground and a %s map' % model.second,
                                          'distance' if model.second is None else model.second + '|distance'))
+        if self.markers == 'flow' and config.split is None and self.split == 'randomwalker':
+            self.split = 'watershed'  # the search's walker went with the distance markers --markers flow replaced
+        if self.split == 'randomwalker' and self.markers == 'flow':
+            raise UserError("--split randomwalker floods from markers; this mask+flow model gathers its nuclei "
+                            "along its flows (use --split watershed, or --markers distance --split randomwalker)")
         self.records, self.rows, self.failures = [], [], []
         self.manifest = None  # the output folder's Manifest (predict_paths sets it)
         self.inputs_per_device = [0] * len(model.ctxs)

@@ -20,7 +20,7 @@ from .. import __version__, models
 from ..config import shown
 from ..data.io import NORMALIZE_MODES
 from ..data.sizes import diameter_choice_error
-from ..data.targets import OUTPUTS
+from ..data.targets import OUTPUTS, second_map_of
 from ..errors import DamagedFile, UserError
 from ..paths import SIDECAR_MAX_BYTES
 from ..utils import DIGEST, atomic_open, file_crc32, read_json
@@ -148,10 +148,9 @@ def _check_outputs(meta):
         raise _Bad("'config.model.target' must be one of %s (got %s)" % (', '.join(OUTPUTS), _echo(target)))
     markers = (meta.get('postprocess') or {}).get('markers')
     if markers in SECOND_MAPS:
-        second = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))[1:]
-        if second != [markers]:
-            raise _Bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (
-                _echo(markers), _echo(['foreground'] + second)))
+        maps = list(outputs if outputs is not None else OUTPUTS.get(target, ('foreground',)))
+        if second_map_of(maps) != markers:
+            raise _Bad("'postprocess' 'markers' is %s, but the model's outputs are %s" % (_echo(markers), _echo(maps)))
 
 
 def _check_inputs(meta):
@@ -321,7 +320,7 @@ def model_card(cfg, meta):
         'best_metrics': {k: v for k, v in metrics.items() if k.startswith('val_') or k == 'train_loss'},
         'postprocess': {'threshold': cfg.threshold, 'normalize': cfg.normalize, 'target': cfg.model.target,
                         # by the second map (mask+touching's is a contact map), else the distance
-                        'instances': _INSTANCES[(OUTPUTS[cfg.model.target][1:] or ('distance',))[0]],
+                        'instances': _INSTANCES[second_map_of(OUTPUTS[cfg.model.target]) or 'distance'],
                         'chosen': 'the training config (no search)'},
     }
 
@@ -339,6 +338,7 @@ def _init_card(init, scores):
 _INSTANCES = {'border': 'marker watershed from the interiors',
               'centre': 'marker watershed from the centres',
               'contact': 'marker watershed from the foreground less the contacts',
+              'flow': 'pixels gathered where the predicted directions to the centres meet',
               'distance': 'marker watershed on the distance transform'}
 
 

@@ -69,6 +69,20 @@ def undihedral(y, k, flip):
     return y[..., ::-1] if flip else y
 
 
+def undihedral_flow(maps, k, flip):
+    """Inverse of :func:`dihedral` for a flow model's (3, H, W) maps: the maps move back as
+    :func:`undihedral` moves them, and the direction each pixel holds (maps 1 and 2, y and
+    x encoded as ``(1 + v) / 2``) turns back with them: a turn took (dy, dx) to (-dx, dy),
+    a flip took dx to -dx."""
+    maps = undihedral(maps, k, flip)
+    fg, ey, ex = maps[0], maps[1], maps[2]
+    for _ in range(k % 4):
+        ey, ex = ex, 1 - ey  # one turn back: (dy, dx) -> (dx, -dy)
+    if flip:
+        ex = 1 - ex
+    return np.stack([fg, ey, ex])
+
+
 def tile_starts(length, tile, step):
     """Offsets of ``tile``-px tiles every ``step`` px covering ``[0, length)``.
 
@@ -202,16 +216,19 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
     mode = choose_mode(mode, h, w, meta)
     outputs, multiple = head_channels(meta), pooling_multiple(meta)
     if mode == 'resize':
-        return _plan_resize(image, tile_size(meta), multiple, outputs)
+        flow = list(meta.get('outputs') or []) == ['foreground', 'flow_y', 'flow_x']
+        return _plan_resize(image, tile_size(meta), multiple, outputs, flow)
     x = image.transpose(2, 0, 1)  # stays uint8 until a window is cut out
     if mode == 'whole':
         return _plan_whole(x, multiple, buckets, outputs)
     return _plan_tiles(x, safe_square(tile_size(meta), multiple, outputs), multiple, overlap)
 
 
-def _plan_resize(image, size, multiple=1, outputs=1):
+def _plan_resize(image, size, multiple=1, outputs=1, flow=False):
     """One window: the image resized to ``size`` x ``size``, the result resized back (the
-    window reflect-padded further if the network cannot run on that size)."""
+    window reflect-padded further if the network cannot run on that size). ``flow``: the
+    maps are a flow model's, whose directions a non-square image's resizing turned: they
+    are stretched back with it (:func:`unstretch_flow`)."""
     h, w = image.shape[:2]
     # INTER_AREA on the uint8 image, as the training loader resized it.
     small = cv2.resize(image, (size, size), interpolation=cv2.INTER_AREA).reshape(size, size, -1)
@@ -224,8 +241,20 @@ def _plan_resize(image, size, multiple=1, outputs=1):
         maps = maps[..., :size, :size]
         if maps.ndim == 2:
             return cv2.resize(maps, (w, h), interpolation=cv2.INTER_LINEAR)
-        return np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps])
+        maps = np.stack([cv2.resize(m, (w, h), interpolation=cv2.INTER_LINEAR) for m in maps])
+        return unstretch_flow(maps, h / size, w / size) if flow and h != w else maps
     return WindowPlan('resize', source, [(0, 0)], (side, side), 1.0, to_image)
+
+
+def unstretch_flow(maps, sy, sx):
+    """A flow model's (3, H, W) maps seen on an image scaled by ``1 / sy`` and ``1 / sx``:
+    each direction (maps 1 and 2, encoded as ``(1 + v) / 2``) stretched back by ``sy`` and
+    ``sx``, keeping its length (how sure the network is of it)."""
+    vy, vx = 2 * maps[1] - 1, 2 * maps[2] - 1
+    length = np.hypot(vy, vx)
+    vy, vx = vy * sy, vx * sx
+    scale = length / np.maximum(np.hypot(vy, vx), 1e-12)
+    return np.stack([maps[0], 0.5 + 0.5 * vy * scale, 0.5 + 0.5 * vx * scale]).astype(np.float32)
 
 
 def _plan_whole(x, multiple, buckets=False, outputs=1):
@@ -272,15 +301,15 @@ def _padded_plan(mode, x, pad_h, pad_w, margin, multiple, windows, weight):
 class Canvas:
     """Weighted sum of window results (each un-transformed first) over a plan's source."""
 
-    def __init__(self, h, w):
-        self.shape = (h, w)
+    def __init__(self, h, w, flow=False):
+        self.shape, self.flow = (h, w), flow  # flow: a mask+flow model's maps (undihedral_flow)
         self.acc = None  # (K, h, w), K from the first result
         self.wsum = np.zeros((h, w), np.float32)
 
     def add(self, prob, y, x, k, flip, weight):
         """Blend the result ``prob`` ((K, tile) maps, or one (tile) map) of the window at
         ``(y, x)`` that was seen through the symmetry ``(k, flip)``."""
-        prob = undihedral(prob, k, flip)
+        prob = undihedral_flow(prob, k, flip) if self.flow and (k or flip) else undihedral(prob, k, flip)
         if prob.ndim == 2:
             prob = prob[None]
         if self.acc is None:

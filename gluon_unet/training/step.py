@@ -12,6 +12,7 @@ import mxnet as mx
 import numpy as np
 
 from . import distributed
+from ..config import LEVEL_TARGETS
 from ..errors import UserError
 from ..machine.cpu import require_cpu_bfloat16
 from ..machine.devices import has_gpu
@@ -162,9 +163,9 @@ def make_step(cfg, net, ctxs, amp_dtype=None, strategy=None, lr_scheduler=None, 
     if scaling:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
-    # A centre map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
+    # A centre or flow map is a level, not a class: Dice on the foreground only (see SegmentationLoss).
     loss_fn = SegmentationLoss(cfg.loss, cfg.dice_weight,
-                               dice_channels=1 if cfg.model.target == 'mask+centre' else None,
+                               dice_channels=1 if cfg.model.target in LEVEL_TARGETS else None,
                                weight_second_only=cfg.weight_on == 'second')
     threaded = cfg.sync_bn and len(ctxs) > 1
     if cfg.hybridize and not threaded:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import metrics as M
 from ..data.loader import make_loader
-from ..data.targets import OUTPUTS
+from ..data.targets import OUTPUTS, second_map_of
 from ..inference import postprocess
 from ..model import probability_maps
 from .parallel import split_batch
@@ -105,9 +105,8 @@ def _val_batches(net, ctxs, dataset, batch_size, loss_fn):
 
 
 def second_output(target):
-    """The second output map a ``--target`` adds ('border', 'centre', 'contact'), or None."""
-    outputs = OUTPUTS[target]
-    return outputs[1] if len(outputs) > 1 else None
+    """The maps a ``--target`` adds ('border', 'centre', 'contact', 'flow'), or None."""
+    return second_map_of(OUTPUTS[target])
 
 
 def val_instances(dataset, i, seed):
