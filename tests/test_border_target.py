@@ -130,8 +130,8 @@ def test_a_border_map_separates_nuclei_the_distance_watershed_merges():
     small[10:12, 10:12] = 1
     maps = np.stack([np.where(small > 0, 0.9, 0.0), border_map(small) * 0.9]).astype(np.float32)
     assert instances_from_maps(maps).max() == 1
-    with pytest.raises(ValueError):
-        instances_from_maps(np.zeros((3, 8, 8), np.float32))
+    with pytest.raises(ValueError):  # 1, 2 or 3 (a flow model's) maps
+        instances_from_maps(np.zeros((4, 8, 8), np.float32))
 
 
 def test_the_search_tunes_the_marker_for_border_maps():

@@ -5,8 +5,8 @@ import pytest
 from skimage.draw import ellipse
 
 from gluon_unet.data.targets import OUTPUTS, TARGETS, flow_map, make_target, nucleus_centres
-from gluon_unet.inference.flows import follow_flows, instances_from_flows
-from gluon_unet.inference.postprocess import instances_from_prob
+from gluon_unet.inference.flows import follow_flows
+from gluon_unet.inference.postprocess import instances_from_flows, instances_from_prob
 from gluon_unet.metrics import dsb_image_score
 from test_border_target import _touching_pair
 

@@ -24,7 +24,7 @@ foreground minus the contacts, so the foreground stays whole (``mask-gap`` cuts 
 ``mask+flow``: two more channels, the direction from each nucleus pixel to its nucleus'
 centre (Cellpose's idea, Stringer et al., 2021): the direction flips across the line
 where two nuclei touch, whatever the shape of their union, and following it from every
-pixel gathers each nucleus at one point (:func:`gluon_unet.inference.flows.instances_from_flows`).
+pixel gathers each nucleus at one point (:func:`gluon_unet.inference.postprocess.instances_from_flows`).
 """
 import numpy as np
 from scipy import ndimage as ndi

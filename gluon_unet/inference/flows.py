@@ -6,9 +6,10 @@ instances (Stringer et al., 2021, its ``dynamics.compute_masks``): every foregro
 takes steps along the predicted direction, so the pixels of one nucleus meet at its centre
 while those of a neighbour, whose directions point the other way across their contact,
 meet at the other's; the points where many pixels end are the nuclei, and each pixel
-belongs to the one it reached. Unlike a watershed, no seed has to be found on the
-foreground's shape: two touching nuclei with no neck between them still part where the
-predicted directions turn.
+belongs to the one it reached (:func:`gather`; the objects, sizes and scores:
+:func:`gluon_unet.inference.postprocess.instances_from_flows`). Unlike a watershed, no
+seed has to be found on the foreground's shape: two touching nuclei with no neck between
+them still part where the predicted directions turn.
 """
 import numpy as np
 from scipy import ndimage as ndi
@@ -63,38 +64,29 @@ def follow_flows(flow, mask, steps=FLOW_STEPS, min_length=0.25):
     return yy, xx, ey, ex
 
 
-def instances_from_flows(prob, flow, threshold=0.5, min_size=0, min_score=0.0, min_length=0.25,
-                         steps=FLOW_STEPS, min_gather=MIN_GATHER):
-    """Instance labels from a flow model's foreground and flow maps.
+def gather(prob, flow, threshold=0.5, min_length=0.25, steps=FLOW_STEPS, min_gather=MIN_GATHER):
+    """The foreground of ``prob`` labelled by where its pixels end along ``flow``.
 
     Parameters
     ----------
     prob : (H, W) float
-        Foreground probability.
+        Foreground probability; the foreground is ``prob > threshold``.
     flow : (2, H, W) float
         The flow maps (:func:`gluon_unet.data.targets.flow_map`'s encoding).
-    threshold : float
-        Foreground is ``prob > threshold``.
-    min_size : int
-        Objects smaller than this many pixels are dropped.
-    min_score : float
-        Objects whose mean foreground probability is below this are dropped.
-    min_length : float
-        See :func:`follow_flows` (``bin/predict --marker`` of a flow model).
-    steps : int
-        Unit steps each pixel takes along the flow (:data:`FLOW_STEPS`).
+    min_length, steps
+        See :func:`follow_flows`.
     min_gather : int
         Pixels that must end within a 3 x 3 window for it to start a nucleus; a foreground
-        pixel whose path ends nowhere near one joins the nucleus next to it.
+        pixel whose path ends nowhere near one joins the nucleus next to it (within 3 px).
 
     Returns
     -------
     (H, W) int32
-        0 = background, objects numbered 1..K.
+        One label per gathering point (not numbered 1..K; 0 = background, and foreground
+        that no nucleus reached: :func:`~gluon_unet.inference.postprocess.instances_from_flows`
+        makes those blobs objects of their own).
     """
     from skimage.segmentation import expand_labels
-
-    from .postprocess import drop_unsure, keep_orphans
 
     prob = np.asarray(prob, np.float32)
     flow = np.asarray(flow, np.float32)
@@ -111,13 +103,5 @@ def instances_from_flows(prob, flow, threshold=0.5, min_size=0, min_score=0.0, m
     ndi.label(gathered, output=seeds)
     labels[yy, xx] = seeds[ey, ex]
     # a pixel whose path ended between the gathering points (a stray direction): the
-    # nucleus next to it, within the foreground; a blob no path gathered (a nucleus of a
-    # few pixels) is a nucleus of its own, as the watershed keeps its markerless blobs
-    labels = keep_orphans(np.where(mask, expand_labels(labels, distance=3), 0).astype(np.int32), mask)
-    if min_size > 0:
-        small = np.bincount(labels.ravel()) < min_size
-        small[0] = False
-        labels[small[labels]] = 0
-        labels = keep_orphans(labels, np.zeros_like(mask))  # renumbered 1..K
-    return drop_unsure(labels, prob, min_score) if min_score > 0 else labels
-
+    # nucleus next to it, within the foreground
+    return np.where(mask, expand_labels(labels, distance=3), 0).astype(np.int32)

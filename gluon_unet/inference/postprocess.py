@@ -14,6 +14,7 @@ import numpy as np
 from scipy import ndimage as ndi
 
 from .configs import MARKERS, SECOND_MAPS, SPLITS
+from .flows import FLOW_STEPS, MIN_GATHER, gather
 from .watershed import _distance_watershed, h_maxima_markers
 
 #: The ``marker`` setting of each second map when none is given or chosen: the interior
@@ -98,6 +99,41 @@ def instances_from_prob(prob, threshold=0.5, min_size=0, split='watershed', boun
         labels = _distance_watershed(mask, h, smooth)
     else:
         labels = _marker_watershed(prob, mask, boundary, h, marker, centre)
+    return drop_unsure(labels, prob, min_score) if min_score > 0 else labels
+
+
+def instances_from_flows(prob, flow, threshold=0.5, min_size=0, min_score=0.0, min_length=0.25,
+                         steps=FLOW_STEPS, min_gather=MIN_GATHER):
+    """Instance labels from a flow model's foreground and flow maps: the pixels gathered
+    along the flows (:func:`gluon_unet.inference.flows.gather`), a foreground blob no
+    gathering reached as an object of its own (a nucleus of a few pixels, as the watershed
+    keeps its markerless blobs), then ``min_size`` and ``min_score`` as for
+    :func:`instances_from_prob`.
+
+    Parameters
+    ----------
+    prob : (H, W) float
+    flow : (2, H, W) float
+        The flow maps (:func:`gluon_unet.data.targets.flow_map`'s encoding).
+    threshold, min_size, min_score
+        See :func:`instances_from_prob` (``min_size``: objects smaller are dropped).
+    min_length, steps, min_gather
+        See :func:`~gluon_unet.inference.flows.gather` (``min_length`` is ``bin/predict
+        --marker`` of a flow model).
+
+    Returns
+    -------
+    (H, W) int32
+        0 = background, objects numbered 1..K.
+    """
+    labels = gather(prob, flow, threshold, min_length, steps, min_gather)
+    prob = np.asarray(prob, np.float32)
+    labels = keep_orphans(labels, prob > threshold)
+    if min_size > 0:
+        small = np.bincount(labels.ravel()) < min_size
+        small[0] = False
+        labels[small[labels]] = 0
+        labels = keep_orphans(labels, np.zeros(labels.shape, bool))  # renumbered 1..K
     return drop_unsure(labels, prob, min_score) if min_score > 0 else labels
 
 
@@ -262,7 +298,7 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         The foreground probability, and for a two-map model (K = 2) its second map: the
         border probability of a ``mask+border`` model, the centre map of a ``mask+centre``
         one, the contact probability of a ``mask+contact`` one; for a ``mask+flow`` model
-        (K = 3) its two flow maps (:func:`gluon_unet.inference.flows.instances_from_flows`:
+        (K = 3) its two flow maps (:func:`instances_from_flows`:
         ``marker`` is the direction's length a pixel needs to follow it, ``split`` and
         ``h`` are not used).
     threshold, min_size, split, h, marker, min_score
@@ -296,7 +332,6 @@ def instances_from_maps(maps, threshold=0.5, min_size=0, split='watershed', h=0.
         if split == 'randomwalker':
             raise ValueError("a flow model's nuclei are gathered along its flows: split must be "
                              "'watershed' or 'none' with flow markers (got 'randomwalker')")
-        from .flows import instances_from_flows
         return instances_from_flows(maps[0], maps[1:], threshold=threshold, min_size=min_size, min_score=min_score,
                                     min_length=DEFAULT_MARKER['flow'] if marker is None else marker)
     second = None if len(maps) != 2 or markers == 'distance' else maps[1]
