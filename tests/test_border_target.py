@@ -206,6 +206,10 @@ def test_train_export_predict_every_kind_of_model(tiny, tmp_path):
                           timeout=HANG_SECONDS)
     assert proc.returncode == 2 and proc.stderr.count('\n') == 1 and '--split randomwalker' in proc.stderr, proc.stderr
     assert not os.path.exists(tmp_path / 'walk')
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, 'bin', 'predict'), '--model', runs['mask+flow'].output,
+                           '--input', str(tmp_path / 'a.png'), '--output', str(tmp_path / 'walk'), '--markers',
+                           'centre'], capture_output=True, text=True, timeout=HANG_SECONDS)
+    assert proc.returncode == 2 and 'this one predicts the foreground and two flow maps' in proc.stderr, proc.stderr
 
 
 def test_bad_target_values_are_one_line(tmp_path):

@@ -231,3 +231,21 @@ def test_resize_mode_stretches_the_directions_back_with_the_image():
     assert np.median(err(fixed[1:])) < 5 < np.median(err(back[1:]))
     assert np.allclose(np.hypot(2 * fixed[1] - 1, 2 * fixed[2] - 1), np.hypot(2 * back[1] - 1, 2 * back[2] - 1),
                        atol=1e-5)
+
+
+def test_markers_that_do_not_fit_the_model_name_its_maps(tmp_path):
+    """--markers of another kind of model is one line naming what this model predicts."""
+    import os
+    import subprocess
+    import sys
+    from conftest import BRIGHTNESS_SIDECAR, export_brightness_model
+    from hang import HANG_SECONDS
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import cv2
+    one = export_brightness_model(str(tmp_path / 'one'), BRIGHTNESS_SIDECAR)
+    cv2.imwrite(str(tmp_path / 'a.png'), np.zeros((32, 32), np.uint8))
+    done = subprocess.run([sys.executable, os.path.join(root, 'bin', 'predict'), '--model', one, '--input',
+                           str(tmp_path / 'a.png'), '--output', str(tmp_path / 'out'), '--markers', 'flow'],
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
+    assert done.returncode == 2 and done.stderr.count('\n') == 1, done.stderr
+    assert '--markers flow needs a mask+flow model; this one predicts the foreground only' in done.stderr

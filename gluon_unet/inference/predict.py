@@ -124,6 +124,7 @@ class _PredictionRun:
         if self.markers in SECOND_MAPS and model.second != self.markers:
             raise UserError('--markers %s needs a mask+%s model; this one predicts %s (use --markers %s or leave '
                             'it out)' % (self.markers, self.markers, 'the foreground only' if model.second is None
+                                         else 'the foreground and two flow maps' if model.second == 'flow'
                                          else 'the foreground and a %s map' % model.second,
                                          'distance' if model.second is None else model.second + '|distance'))
         if self.markers == 'flow' and config.split is None and self.split == 'randomwalker':
