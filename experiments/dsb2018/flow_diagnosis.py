@@ -8,10 +8,8 @@ import cv2
 import numpy as np
 import mxnet as mx
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
-from gluon_unet.inference.batched import load_model
-from gluon_unet.data.io import read_image
-from gluon_unet.inference.predict import input_image
-from gluon_unet.inference.batched import predict_image
+from gluon_unet.inference.batched import load_model, predict_image
+from gluon_unet.data.io import input_image, read_image
 from gluon_unet.data.targets import flow_map
 from gluon_unet.inference.postprocess import instances_from_maps
 from gluon_unet.metrics import dsb_image_score

@@ -24,7 +24,7 @@ from ..machine.runtime import settle_amx
 from .postprocess import DEFAULT_MARKER, instances_from_maps
 from .sidecar import (INT8_PARAMS, INT8_SYMBOL, ONNX, PARAMS, SIDECAR, SYMBOL, find_export, read_sidecar,
                       tuned_prediction, verify_export)
-from .tiling import TTA_ORDER, Canvas, dihedral, plan_image
+from .tiling import TTA_ORDER, Canvas, dihedral, plan_image, second_map
 
 
 class InputJob:
@@ -263,20 +263,6 @@ def predict_image(net, meta, image, ctxs, mode='auto', tta=False, batch_size=8, 
                       on_done=lambda prob, used: out.setdefault('prob', prob), buckets=buckets)
     run_jobs(net, list(ctxs), jobs, batch_size, second_map(meta))
     return out['prob'] if maps else out['prob'][0]
-
-
-def second_map(meta):
-    """What an export's (its sidecar ``meta``) maps after the foreground are: 'border' for a
-    ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact`` and
-    ``mask+touching``, 'flow' for ``mask+flow`` (two maps), None for one map. From the
-    sidecar's ``outputs``, else its training config; exports from before borders have one map."""
-    from ..data.targets import OUTPUTS, second_map_of
-
-    outputs = meta.get('outputs')
-    if outputs is None:
-        target = ((meta.get('config') or {}).get('model') or {}).get('target')
-        outputs = OUTPUTS.get(target, ('foreground',))
-    return second_map_of(outputs)
 
 
 def match_channels(image, channels, path='image'):

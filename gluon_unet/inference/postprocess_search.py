@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from ..data.targets import flow_map
 from ..errors import UserError
 from .batched import predict_image, second_map
 from .postprocess import DEFAULT_MARKER, SECOND_MAPS, cut_scores, instances_from_maps
@@ -263,7 +264,6 @@ def _stand_in_maps(fg, labels, second):
     marker; or a centre map high on the whole foreground), or a flow model's true flows
     (every pixel followed to its centre)."""
     if second == 'flow':
-        from ..data.targets import flow_map
         return np.concatenate([fg[None], flow_map(labels)])
     if second:
         return np.stack([fg, fg if second == 'centre' else np.zeros_like(fg)])

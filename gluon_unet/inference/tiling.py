@@ -69,6 +69,20 @@ def undihedral(y, k, flip):
     return y[..., ::-1] if flip else y
 
 
+def second_map(meta):
+    """What an export's (its sidecar ``meta``) maps after the foreground are: 'border' for a
+    ``mask+border`` model, 'centre' for ``mask+centre``, 'contact' for ``mask+contact`` and
+    ``mask+touching``, 'flow' for ``mask+flow`` (two maps), None for one map. From the
+    sidecar's ``outputs``, else its training config; exports from before borders have one map."""
+    from ..data.targets import OUTPUTS, second_map_of
+
+    outputs = meta.get('outputs')
+    if outputs is None:
+        target = ((meta.get('config') or {}).get('model') or {}).get('target')
+        outputs = OUTPUTS.get(target, ('foreground',))
+    return second_map_of(outputs)
+
+
 def undihedral_flow(maps, k, flip):
     """Inverse of :func:`dihedral` for a flow model's (3, H, W) maps: the maps move back as
     :func:`undihedral` moves them, and the direction each pixel holds (maps 1 and 2, y and
@@ -216,8 +230,7 @@ def plan_image(image, meta, mode='auto', overlap=0.25, buckets=False):
     mode = choose_mode(mode, h, w, meta)
     outputs, multiple = head_channels(meta), pooling_multiple(meta)
     if mode == 'resize':
-        flow = list(meta.get('outputs') or []) == ['foreground', 'flow_y', 'flow_x']
-        return _plan_resize(image, tile_size(meta), multiple, outputs, flow)
+        return _plan_resize(image, tile_size(meta), multiple, outputs, second_map(meta) == 'flow')
     x = image.transpose(2, 0, 1)  # stays uint8 until a window is cut out
     if mode == 'whole':
         return _plan_whole(x, multiple, buckets, outputs)
