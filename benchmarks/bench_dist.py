@@ -133,14 +133,8 @@ def run_job(variant, config, timeout=900):
 
 
 def cpu_model():
-    with open('/proc/cpuinfo') as f:
-        text = f.read()
-    name = re.search(r'model name\s*:\s*(.*)', text)
-    flags = re.search(r'flags\s*:\s*(.*)', text)
-    flags = set(flags.group(1).split()) if flags else set()
-    return '%s, %d cores; avx512_bf16 %s, amx %s' % (name.group(1) if name else '?', os.cpu_count(),
-                                                     'yes' if 'avx512_bf16' in flags else 'no',
-                                                     'yes' if 'amx_tile' in flags else 'no')
+    from gluon_unet.machine.cpu import cpu_description
+    return '%s, %d cores' % (cpu_description(), os.cpu_count())
 
 
 def main(argv=None):

@@ -42,13 +42,8 @@ sys.path.insert(0, ROOT)
 
 
 def cpu_model():
-    with open('/proc/cpuinfo') as f:
-        text = f.read()
-    name = re.search(r'model name\s*:\s*(.*)', text)
-    flags = set(re.search(r'flags\s*:\s*(.*)', text).group(1).split())
-    return '%s (%d logical CPUs; avx512_bf16 %s, amx %s)' % (
-        name.group(1) if name else '?', os.cpu_count(), 'yes' if 'avx512_bf16' in flags else 'no',
-        'yes' if {'amx_bf16', 'amx_tile'} & flags else 'no')
+    from gluon_unet.machine.cpu import cpu_description
+    return '%s (%d logical CPUs)' % (cpu_description(), os.cpu_count())
 
 
 # -- export cost ---------------------------------------------------------------------------

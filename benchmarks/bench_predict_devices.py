@@ -121,11 +121,8 @@ def main(argv=None):
 
 
 def _cpu_model():
-    try:
-        with open('/proc/cpuinfo') as f:
-            return next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
-    except (OSError, StopIteration):
-        return 'unknown CPU'
+    from gluon_unet.machine.cpu import cpu_description
+    return cpu_description()
 
 
 if __name__ == '__main__':

@@ -2,7 +2,8 @@
 peer installed: the same grey image, the same bright-background inversion as ``--normalize
 auto``, DSB masks merged as training reads them, labels that ``bin/evaluate`` reads back; and
 both peer scripts answer ``--help`` with the standard library alone (their frameworks are
-imported only by the subcommands, in the peers' own venvs)."""
+imported only by the subcommands, in the peers' own venvs); every numeric flag of the peers'
+scripts refuses its bad values in one line (the flags and bad values read off the parsers)."""
 import os
 import subprocess
 import sys
@@ -148,3 +149,49 @@ def test_a_failed_step_of_the_fewshot_runs_shows_its_log_tail_and_one_error_line
     with open(log) as f:
         text = f.read()
     assert 'fine\n' in text and "'a b'" in text  # both steps appended, the argument quoted
+
+
+def _peer_parsers():
+    """Every parser of the peers' scripts (each subcommand's), built without their frameworks."""
+    import importlib.util
+    import argparse
+    for script in ('stardist_peer.py', 'cellpose_peer.py', 'fewshot_peers.py'):
+        spec = importlib.util.spec_from_file_location(script[:-3] + '_under_test', os.path.join(PEERS, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parser = module.build_parser()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for command, p in sub.choices.items():
+            yield script, command, p
+
+
+def _numeric_flags():
+    out = []
+    for script, command, parser in _peer_parsers():
+        for action in parser._actions:
+            if action.type is not None and action.option_strings:
+                out.append((script, command, action.option_strings[-1], action.type))
+    return out
+
+
+NUMERIC_FLAGS = _numeric_flags()
+
+
+def test_every_number_a_peer_flag_takes_is_checked_where_it_is_parsed():
+    """No flag of the peers' scripts takes a bare int or float: each uses one of peer_flags'
+    checked types, which refuse their bad values in one line (the next test)."""
+    import peer_flags
+    assert len(NUMERIC_FLAGS) >= 20
+    unchecked = [(s, c, f) for s, c, f, t in NUMERIC_FLAGS if t not in peer_flags.CHECKED]
+    assert not unchecked, unchecked
+
+
+@pytest.mark.parametrize('script,command,flag,kind', NUMERIC_FLAGS, ids=['%s-%s-%s' % f[:3] for f in NUMERIC_FLAGS])
+def test_a_bad_number_is_one_line_naming_the_flag_and_exit_2(script, command, flag, kind, capsys):
+    parser = next(p for s, c, p in _peer_parsers() if (s, c) == (script, command))
+    for bad in kind.bad:
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args([flag, bad])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count('\n') == 1 and 'error: argument %s' % flag in err and bad in err, err

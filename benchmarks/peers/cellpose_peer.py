@@ -98,33 +98,34 @@ CALIBRATION_BATCHES = 2
 
 
 def build_parser():
-    from peer_flags import add_predict_flags, add_train_flags
-    p = argparse.ArgumentParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
+    from peer_flags import AT_LEAST_1, NON_NEGATIVE, POSITIVE, SEED, OneLineParser, add_predict_flags, \
+        add_train_flags
+    p = OneLineParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (and its size model), or fine-tune (--init), on a '
                                      'DSB-layout folder')
     add_train_flags(t, 'model folder to create (weights, size model, budget.json)')
-    t.add_argument('--size-minutes', type=float, default=None,
+    t.add_argument('--size-minutes', type=NON_NEGATIVE, default=None,
                    help='of the budget, kept for the size model (default: 8%% of --minutes, at least 0.3)')
-    t.add_argument('--epochs', type=int, default=None,
+    t.add_argument('--epochs', type=AT_LEAST_1, default=None,
                    help='epochs the budget is divided into (default %d, the CLI\'s); with --init the epochs '
                         'the --samples are divided into (default %d)' % (TARGET_EPOCHS, FT_EPOCHS))
-    t.add_argument('--seed', type=int, default=0)
+    t.add_argument('--seed', type=SEED, default=0)
     f = t.add_argument_group('fine-tuning (--init)')
     f.add_argument('--init', metavar='MODEL_DIR', default=None,
                    help='start from a model folder made by this script\'s train: its weights (pretrained_model=), '
                         'its diam_mean, its inversion setting and its size model')
-    f.add_argument('--samples', type=int, default=None,
+    f.add_argument('--samples', type=AT_LEAST_1, default=None,
                    help='training crops in all (default %d, gluon_unet\'s 20 x 128), in whole batches of 8'
                         % FT_SAMPLES)
-    f.add_argument('--learning-rate', type=float, default=None,
+    f.add_argument('--learning-rate', type=POSITIVE, default=None,
                    help='SGD rate (default %g, the GUI\'s fine-tuning rate)' % FINE_TUNE['learning_rate'])
     f.add_argument('--retrain-size', action='store_true',
                    help='retrain the size model on the fine-tune\'s images (default: keep the source\'s)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
     add_predict_flags(q, 'a folder made by train')
-    q.add_argument('--diameter', type=float, default=None,
+    q.add_argument('--diameter', type=NON_NEGATIVE, default=None,
                    help='a fixed nucleus diameter in pixels instead of the size model (0 = the training mean)')
     return p
 
@@ -192,8 +193,6 @@ def _check_args(args):
     """The flags' combinations, and a --init folder, checked before torch is imported (one
     line on stderr, exit 2). Returns the source's ``(settings, weights path)`` or None."""
     from peer_common import fail, read_init
-    if args.epochs is not None and args.epochs < 1:
-        fail('--epochs must be at least 1')
     if args.init is None:
         given = [n for n in ('samples', 'learning_rate') if getattr(args, n) is not None]
         given += ['retrain_size'] if args.retrain_size else []
@@ -202,10 +201,6 @@ def _check_args(args):
         if args.minutes is None:
             fail('--minutes is required when training from scratch')
         return None
-    if args.samples is not None and args.samples < 1:
-        fail('--samples must be at least 1')
-    if args.minutes is not None and args.minutes <= 0:
-        fail('--minutes must be positive')
     settings, weights = read_init(args.init, 'cellpose', 'cellpose_peer.py', 'models/cellpose_peer',
                                   needed=() if args.retrain_size else ('size_model',))
     if args.invert_bright and not settings.get('invert_bright'):

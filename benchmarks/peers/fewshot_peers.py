@@ -184,14 +184,15 @@ def cmd_summary(args):
           'machine_busy_seconds is in its runs.json.')
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog='fewshot_peers.py', description=__doc__.split('\n\n')[0],
+def build_parser():
+    from peer_flags import AT_LEAST_1, OneLineParser
+    p = OneLineParser(prog='fewshot_peers.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     r = sub.add_parser('run', help='fine-tune, predict and score one peer on one group, each k')
     r.add_argument('--peer', required=True, choices=sorted(PEERS))
     r.add_argument('--group', required=True, help='a group of experiments/dsb2018/dsb_grouped.py, e.g. brightfield')
-    r.add_argument('--k', type=int, nargs='+', default=[1, 3, 10])
+    r.add_argument('--k', type=AT_LEAST_1, nargs='+', default=[1, 3, 10])
     r.add_argument('--name', default=None,
                    help='the results\' folder under $OUT/fewshot (default: the peer; another name for a variant '
                         'made with --train-args / --predict-args)')
@@ -204,7 +205,11 @@ def main(argv=None):
                        help='run_all.sh\'s $OUT: models/, scores/, and fewshot/ for these (default: %(default)s)')
         q.add_argument('--fewshot', default=os.environ.get('FEWSHOT', '/work/runs/fewshot'),
                        help='experiments/dsb2018/fewshot.py\'s --out: <group>/k<k>/train, test (default: %(default)s)')
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     return cmd_run(args) if args.command == 'run' else cmd_summary(args)
 
 

@@ -250,21 +250,32 @@ def reset_peak_rss():
         return False
 
 
+#: The CPU features that change a framework's speed here (the same model name, "AMD EPYC",
+#: is a Zen 3 with AVX2 only on one machine and a Zen 4 with AVX-512 on the next).
+SPEED_FLAGS = ('avx2', 'avx512f', 'avx512_bf16', 'avx512_vnni', 'amx_tile')
+
+
 def cpu_model():
+    """``(model name, the SPEED_FLAGS it has)`` from /proc/cpuinfo."""
+    model, flags = 'unknown', set()
     try:
         with open('/proc/cpuinfo') as f:
             for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
+                key, _, value = line.partition(':')
+                if key.strip() == 'model name' and model == 'unknown':
+                    model = value.strip()
+                elif key.strip() == 'flags' and not flags:
+                    flags = set(value.split())
     except OSError:
         pass
-    return 'unknown'
+    return model, [f for f in SPEED_FLAGS if f in flags]
 
 
 def machine_info():
-    """What the record needs to compare runs: the CPU, how many cores this process may use,
-    the thread settings."""
-    return dict(cpu=cpu_model(), cores_allowed=len(os.sched_getaffinity(0)), python=sys.version.split()[0],
+    """What the record needs to compare runs: the CPU and its speed flags, how many cores
+    this process may use, the thread settings."""
+    model, flags = cpu_model()
+    return dict(cpu=model, cpu_flags=flags, cores_allowed=len(os.sched_getaffinity(0)), python=sys.version.split()[0],
                 threads={k: os.environ.get(k) for k in ('OMP_NUM_THREADS', 'TF_NUM_INTRAOP_THREADS',
                                                          'TF_NUM_INTEROP_THREADS', 'MKL_NUM_THREADS')})
 

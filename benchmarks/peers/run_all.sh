@@ -16,7 +16,9 @@
 # takes epochs away; budget.json records the machine's load beside each run).
 #
 # Environment: DATA (stage1_train), OUT (default /tmp/peers), MINUTES (58), SD_PY, CP_PY (the
-# peers' venv pythons), MAIN_PY (the project's venv). Threads: the frameworks use every core
+# peers' venv pythons), MAIN_PY (the project's venv), TRAIN_ARGS (more flags for the peer's
+# train, e.g. "--max-steps 5918": the steps StarDist's 58 minutes bought on the Zen 4, for a
+# run on a slower CPU, with MINUTES raised to a guard). Threads: the frameworks use every core
 # unless OMP_NUM_THREADS (and TF_NUM_INTRAOP_THREADS) say otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,6 +28,7 @@ MINUTES=${MINUTES:-58}
 SD_PY=${SD_PY:-/tmp/venv-stardist/bin/python}
 CP_PY=${CP_PY:-/tmp/venv-cellpose/bin/python}
 MAIN_PY=${MAIN_PY:-.venv/bin/python}
+read -r -a train_args <<< "${TRAIN_ARGS:-}"
 S=experiments/dsb2018/scores
 
 peers=(stardist stardist-inv cellpose)
@@ -65,7 +68,7 @@ run() {  # PEER SPLIT
   echo "== $peer $split: train $MINUTES min on $train"
   if [ ! -f "$model/budget.json" ]; then
     rm -rf "$model"  # a training cut short leaves a model that never kept its budget
-    "$py" "$script" train --data "$train" --out "$model" --minutes "$MINUTES" "${extra[@]}" \
+    "$py" "$script" train --data "$train" --out "$model" --minutes "$MINUTES" "${extra[@]}" "${train_args[@]}" \
       2>&1 | tee "$OUT/logs/$peer-$split-train.log"
   fi
   "$py" "$script" predict --model "$model" --input "$test" --output "$pred" \

@@ -83,29 +83,34 @@ FT_LR_FACTOR = 0.25
 
 
 def build_parser():
-    from peer_flags import add_predict_flags, add_train_flags
-    p = argparse.ArgumentParser(prog='stardist_peer.py', description=__doc__.split('\n\n')[0],
+    from peer_flags import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, SEED as SEED_TYPE, OneLineParser, \
+        add_predict_flags, add_train_flags
+    p = OneLineParser(prog='stardist_peer.py', description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (or fine-tune, --init) on a DSB-layout folder')
     add_train_flags(t, 'model folder to create (StarDist model + budget.json)')
-    t.add_argument('--reserve-minutes', type=float, default=None,
+    t.add_argument('--reserve-minutes', type=NON_NEGATIVE, default=None,
                    help='of the budget, kept after training for the last validation and the threshold search '
                         '(default: 10%% of --minutes, at least 0.3; with --init 0: no threshold search)')
-    t.add_argument('--val-fraction', type=float, default=None,
+    t.add_argument('--val-fraction', type=FRACTION, default=None,
                    help='validation share (default %s, the example\'s; with --init 0: every image trains)'
                         % VAL_FRACTION)
-    t.add_argument('--seed', type=int, default=SEED)
-    t.add_argument('--max-epochs', type=int, default=100000, help='a cap besides the budget (default: none)')
+    t.add_argument('--seed', type=SEED_TYPE, default=SEED)
+    t.add_argument('--max-epochs', type=AT_LEAST_1, default=100000, help='a cap besides the budget (default: none)')
+    t.add_argument('--max-steps', type=AT_LEAST_1, default=None,
+                   help='stop after this many training steps (batches), a cap besides the budget: to give a run '
+                        'the steps another run\'s budget bought on a faster CPU, so that load and CPU speed '
+                        'change only its wall time (default: none)')
     f = t.add_argument_group('fine-tuning (--init)')
     f.add_argument('--init', metavar='MODEL_DIR', default=None,
                    help='start from a model folder made by this script\'s train: its config, its weights '
                         '(weights_best.h5), its normalization and its thresholds (no threshold search)')
-    f.add_argument('--samples', type=int, default=None,
+    f.add_argument('--samples', type=AT_LEAST_1, default=None,
                    help='training patches to draw in all (default %d, gluon_unet\'s 20 x 128 crops)' % FT_SAMPLES)
-    f.add_argument('--epochs', type=int, default=None,
+    f.add_argument('--epochs', type=AT_LEAST_1, default=None,
                    help='epochs the samples are divided into (default %d, as gluon_unet\'s fine-tune)' % FT_EPOCHS)
-    f.add_argument('--learning-rate', type=float, default=None,
+    f.add_argument('--learning-rate', type=POSITIVE, default=None,
                    help='Adam rate (default: a quarter of the source\'s, 7.5e-5 for StarDist\'s 3e-4)')
     q = sub.add_parser('predict', help='predict a folder into <id>_labels.png')
     add_predict_flags(q, 'a folder made by train (from scratch or --init)')
@@ -183,12 +188,9 @@ def _check_args(args):
             fail('--%s only with --init (a fine-tune)' % given[0].replace('_', '-'))
         if args.minutes is None:
             fail('--minutes is required when training from scratch')
+        if args.val_fraction == 0:
+            fail('--val-fraction 0: training from scratch needs validation images (for its thresholds)')
         return None
-    for name in ('samples', 'epochs'):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail('--%s must be at least 1' % name)
-    if args.minutes is not None and args.minutes <= 0:
-        fail('--minutes must be positive')
     settings, weights = read_init(args.init, 'stardist', 'stardist_peer.py', 'weights_best.h5')
     for name in ('config.json', 'thresholds.json'):
         if not os.path.isfile(os.path.join(args.init, name)):
@@ -301,7 +303,7 @@ def train(args):
 
         def on_train_batch_end(self, batch, logs=None):
             BudgetStop.steps += 1
-            if budget.left() <= reserve:
+            if budget.left() <= reserve or (args.max_steps and BudgetStop.steps >= args.max_steps):
                 self.model.stop_training = True
 
         def on_epoch_end(self, epoch, logs=None):
@@ -355,7 +357,7 @@ def train(args):
         trained_until_seconds=round(trained_at, 1),
         machine_busy_seconds=None if busy0 is None else round(busy1 - busy0, 1),
         machine_busy_note='CPU seconds of every process on the machine during the run; this run\'s own is '
-                          'cpu_seconds', steps=steps,
+                          'cpu_seconds', steps=steps, max_steps=args.max_steps,
         epochs_completed=BudgetStop.epochs_done, epochs=round(steps / conf.train_steps_per_epoch, 3),
         steps_per_epoch=conf.train_steps_per_epoch, batch_size=conf.train_batch_size,
         patch_size=list(conf.train_patch_size), images_seen=steps * conf.train_batch_size,

@@ -22,30 +22,25 @@ _CPUINFO = '/proc/cpuinfo'
 
 
 def cpu_description():
-    """``'AMD EPYC 7B13, no AVX-512'``: the CPU model and its AVX-512 / bf16 flags, as every
-    benchmark figure and ``doctor`` quote it (speed differs between CPU kinds)."""
-    model, flags = None, None
+    """``'AMD EPYC 7B13, no AVX-512'``: the CPU model and its AVX-512 / bf16 / AMX flags, as
+    every benchmark figure and ``doctor`` quote it (speed differs between CPU kinds)."""
+    model = None
     try:
         with open(_CPUINFO) as f:
-            for line in f:
-                key, _, value = line.partition(':')
-                key = key.strip()
-                if key == 'model name' and model is None:
-                    model = value.strip()
-                elif key == 'flags' and flags is None:
-                    flags = set(value.split())
-                if model is not None and flags is not None:
-                    break
+            model = next((line.partition(':')[2].strip() for line in f
+                          if line.partition(':')[0].strip() == 'model name'), None)
     except OSError:
         pass
     if not model:
         import platform
         model = platform.processor() or platform.machine() or 'unknown model'
-    if flags is None:
+    flags = cpu_flags()
+    if not flags:
         return model
     if 'avx512f' not in flags:
         return '%s, no AVX-512' % model
-    return '%s, AVX-512, %s' % (model, 'avx512_bf16' if 'avx512_bf16' in flags else 'no avx512_bf16')
+    return '%s, AVX-512, %s%s' % (model, 'avx512_bf16' if 'avx512_bf16' in flags else 'no avx512_bf16',
+                                  ', AMX' if 'amx_tile' in flags else '')
 
 
 def _bfloat16_probe():
