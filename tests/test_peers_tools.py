@@ -195,3 +195,31 @@ def test_a_bad_number_is_one_line_naming_the_flag_and_exit_2(script, command, fl
         assert stop.value.code == 2
         err = capsys.readouterr().err
         assert err.count('\n') == 1 and 'error: argument %s' % flag in err and bad in err, err
+
+
+@pytest.mark.parametrize('script', ['stardist_peer.py', 'cellpose_peer.py'])
+def test_a_bad_match_record_is_one_line_and_exit_2(script, tmp_path):
+    """--match BUDGET_JSON is read before any framework is imported: a missing, damaged or
+    foreign record, one without the figures it repeats, or --match on a fine-tune."""
+    path = os.path.join(PEERS, script)
+    peer, other = ('stardist', 'cellpose') if script.startswith('stardist') else ('cellpose', 'stardist')
+    records = {'damaged': '{"peer": ', 'foreign': '{"peer": "%s", "steps": 5, "batches": 5}' % other,
+               'fine-tune': '{"peer": "%s", "init": {}, "steps": 5}' % peer,
+               'incomplete': '{"peer": "%s", "steps": 0, "batches": 0}' % peer}
+    bad = [str(tmp_path / 'missing.json')]
+    for name, text in records.items():
+        (tmp_path / (name + '.json')).write_text(text)
+        bad.append(str(tmp_path / (name + '.json')))
+    for record in bad:
+        done = subprocess.run([sys.executable, path, 'train', '--data', str(tmp_path), '--out', str(tmp_path / 'out'),
+                               '--minutes', '5', '--match', record], capture_output=True, text=True,
+                              timeout=HANG_SECONDS)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.count('\n') == 1 and done.stderr.startswith('error: --match %s' % record), done.stderr
+    (tmp_path / 'init').mkdir()
+    done = subprocess.run([sys.executable, path, 'train', '--init', str(tmp_path / 'init'), '--data', str(tmp_path),
+                           '--out', str(tmp_path / 'out'), '--match', bad[1]], capture_output=True, text=True,
+                          timeout=HANG_SECONDS)
+    assert done.returncode == 2 and done.stderr.startswith('error: --match only when training from scratch'), \
+        done.stderr
+    assert not (tmp_path / 'out').exists()

@@ -43,7 +43,9 @@ What it does, and why:
   is measured first on a few batches at learning rate 0. If the machine slows down, a
   guard stops training at the deadline anyway (``stopped_by_guard`` in the record).
   ``--minutes`` is the wall time of the whole command, imports, flows and the size model
-  included.
+  included. ``--match BUDGET_JSON`` repeats a recorded run's work instead (its planned
+  epochs, its batches, its size model's epochs and images), on a CPU slower or busier than
+  the one that recorded it; ``--minutes`` is then only the guard.
 * Diameter: Cellpose 3 trains its size model from scratch too (``train.train_size``: a
   linear regression from the network's style vector to the log nucleus diameter), in the
   last ``--size-minutes`` of the budget; ``predict`` estimates each image's diameter with
@@ -161,6 +163,7 @@ class _BatchClock:
         self.module = train_module
         self.original = train_module._loss_fn_seg
         self.deadline = float('inf')
+        self.max_batches = float('inf')  # --match: the recorded run's batches
         self.reset()
         train_module._loss_fn_seg = self
 
@@ -168,7 +171,7 @@ class _BatchClock:
         self.batches, self.images, self.times = 0, 0, []
 
     def __call__(self, lbl, y, device):
-        if self.batches and time.time() > self.deadline:
+        if self.batches and (time.time() > self.deadline or self.batches >= self.max_batches):
             raise _OutOfTime()
         self.batches += 1
         self.images += len(lbl)
@@ -201,6 +204,8 @@ def _check_args(args):
         if args.minutes is None:
             fail('--minutes is required when training from scratch')
         return None
+    if args.match:
+        fail('--match only when training from scratch (a fine-tune\'s length is --samples)')
     settings, weights = read_init(args.init, 'cellpose', 'cellpose_peer.py', 'models/cellpose_peer',
                                   needed=() if args.retrain_size else ('size_model',))
     if args.invert_bright and not settings.get('invert_bright'):
@@ -350,7 +355,10 @@ def train(args):
     init = _check_args(args)
     if init is not None:
         return fine_tune(args, init)
-    from peer_common import Budget, cpu_seconds, machine_busy_seconds, machine_info, write_json
+    from peer_common import Budget, cpu_seconds, machine_busy_seconds, machine_info, read_match, write_json
+    # --match: the recorded run's plan, batches and size model, whatever this CPU's speed
+    match = read_match(args.match, 'cellpose', ('batches', 'planned_epochs', 'nimg_per_epoch', 'size_model_epochs',
+                                                'size_model_images')) if args.match else None
     budget = Budget(args.minutes, start=_T0)
     epochs = args.epochs or TARGET_EPOCHS
     busy0 = machine_busy_seconds()
@@ -393,6 +401,9 @@ def train(args):
         fit = 1
     per_epoch = max(1, fit // epochs)
     n_epochs = max(1, fit // per_epoch)
+    if match:
+        per_epoch, n_epochs = max(1, match['nimg_per_epoch'] // TRAIN['batch_size']), match['planned_epochs']
+        clock.max_batches = match['batches']
     nimg_per_epoch = per_epoch * TRAIN['batch_size']
     print('calibration: %.2f s per batch of %d, set-up %.1f s; plan: %d epochs of %d images (%d batches) until '
           '%.0f s' % (per_batch, TRAIN['batch_size'], overhead, n_epochs, nimg_per_epoch, n_epochs * per_epoch,
@@ -402,6 +413,8 @@ def train(args):
         cp_train, clock, cp, args.out, n_epochs=n_epochs, nimg_per_epoch=nimg_per_epoch,
         save_every=max(100, n_epochs), **common)
     batches, images = clock.batches, clock.images
+    stopped = stopped and not (match and batches >= match['batches'])  # the plan's end, not the guard
+    clock.max_batches = float('inf')
     diam_labels = float(cp.net.diam_labels.item())
 
     # 3. the size model in what is left: time one batch of style vectors, then as many as fit
@@ -414,6 +427,8 @@ def train(args):
     n_fit = max(1, int(max(0.0, budget.left() - one) / max(one, 1e-3)))  # batches (set-up is in `one` too)
     size_epochs = max(1, min(10, (n_fit * TRAIN['batch_size']) // max(1, kept)))  # train_size's default: 10
     size_nimg = max(TRAIN['batch_size'], min(kept, (n_fit * TRAIN['batch_size']) // size_epochs))
+    if match:
+        size_epochs, size_nimg = match['size_model_epochs'], match['size_model_images']
     params = cp_train.train_size(cp.net, weights, n_epochs=size_epochs, nimg_per_epoch=size_nimg, **sz_common)
     size_seconds = time.time() - t_size
     del params
@@ -436,7 +451,10 @@ def train(args):
         train_images=len(X), trained_images=kept, inverted_images=n_inv, invert_bright=args.invert_bright,
         diam_mean=DIAM_MEAN, diam_labels=round(diam_labels, 2), channels=CHANNELS, train_settings=TRAIN,
         seed=args.seed, data=os.path.abspath(args.data), threads=threads, versions=_versions(),
-        machine=machine_info())
+        machine=machine_info(),
+        match=None if not match else dict(budget_json=os.path.abspath(args.match), machine=match.get('machine'),
+                                          **{k: match[k] for k in ('batches', 'planned_epochs', 'nimg_per_epoch',
+                                                                   'size_model_epochs', 'size_model_images')}))
     write_json(os.path.join(args.out, 'budget.json'), record)
     write_json(os.path.join(args.out, 'peer.json'), dict(peer='cellpose', invert_bright=args.invert_bright,
                                                          weights='models/cellpose_peer',

@@ -31,6 +31,8 @@ import shlex
 import shutil
 import sys
 
+from peer_flags import fail
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, '..', '..'))
 EXPERIMENT = os.path.join(ROOT, 'experiments', 'dsb2018')
@@ -41,11 +43,6 @@ PEERS = {'stardist': ('SD_PY', '/tmp/venv-stardist/bin/python', 'stardist_peer.p
          'cellpose': ('CP_PY', '/tmp/venv-cellpose/bin/python', 'cellpose_peer.py')}
 GLUON_METHODS = (('zero', 'gluon_unet fold model'), ('fold', 'gluon_unet fold model fine-tuned'),
                  ('scratch', 'gluon_unet from scratch'), ('shipped', 'gluon_unet shipped nuclei fine-tuned'))
-
-
-def fail(message):
-    sys.stderr.write('error: %s\n' % message)
-    raise SystemExit(2)
 
 
 def fold_of(group):

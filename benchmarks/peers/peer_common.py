@@ -17,6 +17,8 @@ import time
 
 import numpy as np
 
+from peer_flags import fail  # noqa: F401  (the scripts' one-line usage error, kept where --help can use it)
+
 #: File types read as images (as gluon_unet's ``IMAGE_EXTENSIONS``, less the rarer ones).
 IMAGE_EXTENSIONS = ('.png', '.tif', '.tiff', '.jpg', '.jpeg', '.bmp')
 #: Median grey above which an image has a bright background (nuclei darker than it):
@@ -318,12 +320,22 @@ def read_json(path):
         return json.load(f)
 
 
-def fail(message):
-    """A usage error as the project reports one: one line on stderr, exit status 2, never a
-    traceback."""
-    sys.stderr.write('error: %s\n' % message)
-    sys.stderr.flush()
-    raise SystemExit(2)
+def read_match(path, peer, keys):
+    """``--match BUDGET_JSON``: the recorded from-scratch run of ``peer`` whose work a run
+    repeats; ``keys`` are the figures it needs. Checked before any framework is imported (one
+    line and exit 2 otherwise, :func:`fail`)."""
+    try:
+        record = read_json(path)
+    except OSError as e:
+        fail('--match %s: %s' % (path, e.strerror or e))
+    except ValueError as e:
+        fail('--match %s: not a budget.json (%s)' % (path, e))
+    if not isinstance(record, dict) or record.get('peer') != peer or 'init' in record:
+        fail('--match %s: not the budget.json of a %s run trained from scratch' % (path, peer))
+    missing = [k for k in keys if not isinstance(record.get(k), int) or record[k] < 1]
+    if missing:
+        fail('--match %s: no %s in it' % (path, missing[0]))
+    return record
 
 
 def file_sha256(path):

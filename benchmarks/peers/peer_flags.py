@@ -9,6 +9,15 @@ project's own commands report one.
 """
 import argparse
 import math
+import sys
+
+
+def fail(message):
+    """A usage error as the project reports one: one line on stderr, exit status 2, never a
+    traceback."""
+    sys.stderr.write('error: %s\n' % message)
+    sys.stderr.flush()
+    raise SystemExit(2)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -56,6 +65,10 @@ def add_train_flags(t, out_help):
                    help='invert images with a bright background (median grey > 80) as gluon_unet --normalize auto '
                         '(with --init: the source\'s setting, which this may not contradict)')
     t.add_argument('--limit', type=COUNT, default=0, help='use only the first N samples (smoke tests; 0: all)')
+    t.add_argument('--match', metavar='BUDGET_JSON', default=None,
+                   help='from scratch: do the work a recorded run of this peer did (its budget.json: its '
+                        'steps or batches, its threshold search or size model) instead of what --minutes '
+                        'buys, which is then only a guard: the same training on a slower or busier CPU')
 
 
 def add_predict_flags(q, model_help):

@@ -15,20 +15,23 @@
 # Run one at a time on a quiet machine (the budget is wall time: another process's load
 # takes epochs away; budget.json records the machine's load beside each run).
 #
+# MATCH=1 repeats instead the work of the committed runs (scores/peers/<peer>-<split>-budget.json,
+# 58 minutes on a Zen 4; stardist-inv takes StarDist's): the same steps or batches whatever
+# the CPU, MINUTES (then default 600) only a guard. For a CPU slower than that Zen 4 (a Zen 3
+# is 2.3-3.5 times slower for the peers) or a busy one; wall time is all that load changes.
+#
 # Environment: DATA (stage1_train), OUT (default /tmp/peers), MINUTES (58), SD_PY, CP_PY (the
-# peers' venv pythons), MAIN_PY (the project's venv), TRAIN_ARGS (more flags for the peer's
-# train, e.g. "--max-steps 5918": the steps StarDist's 58 minutes bought on the Zen 4, for a
-# run on a slower CPU, with MINUTES raised to a guard). Threads: the frameworks use every core
-# unless OMP_NUM_THREADS (and TF_NUM_INTRAOP_THREADS) say otherwise.
+# peers' venv pythons), MAIN_PY (the project's venv), MATCH. Threads: the frameworks use every
+# core unless OMP_NUM_THREADS (and TF_NUM_INTRAOP_THREADS) say otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DATA=${DATA:-../shared/data/dsb2018/stage1_train}
 OUT=${OUT:-/tmp/peers}
-MINUTES=${MINUTES:-58}
+MATCH=${MATCH:-}
+if [ -n "$MATCH" ]; then MINUTES=${MINUTES:-600}; else MINUTES=${MINUTES:-58}; fi
 SD_PY=${SD_PY:-/tmp/venv-stardist/bin/python}
 CP_PY=${CP_PY:-/tmp/venv-cellpose/bin/python}
 MAIN_PY=${MAIN_PY:-.venv/bin/python}
-read -r -a train_args <<< "${TRAIN_ARGS:-}"
 S=experiments/dsb2018/scores
 
 peers=(stardist stardist-inv cellpose)
@@ -62,13 +65,14 @@ run() {  # PEER SPLIT
     cellpose) py=$CP_PY; script=benchmarks/peers/cellpose_peer.py ;;
     *) echo "unknown peer $peer (stardist, stardist-inv, cellpose)" >&2; exit 2 ;;
   esac
+  if [ -n "$MATCH" ]; then extra+=(--match "$S/peers/${peer%-inv}-$split-budget.json"); fi
   local model=$OUT/models/$peer-$split pred=$OUT/pred/$peer-$split csv=$OUT/scores/$peer-$split.csv
   if [ -f "$csv" ]; then echo "== $peer $split: $csv exists, skipped"; return; fi
   mkdir -p "$OUT/models" "$OUT/pred" "$OUT/scores" "$OUT/logs"
   echo "== $peer $split: train $MINUTES min on $train"
   if [ ! -f "$model/budget.json" ]; then
     rm -rf "$model"  # a training cut short leaves a model that never kept its budget
-    "$py" "$script" train --data "$train" --out "$model" --minutes "$MINUTES" "${extra[@]}" "${train_args[@]}" \
+    "$py" "$script" train --data "$train" --out "$model" --minutes "$MINUTES" "${extra[@]}" \
       2>&1 | tee "$OUT/logs/$peer-$split-train.log"
   fi
   "$py" "$script" predict --model "$model" --input "$test" --output "$pred" \

@@ -36,7 +36,9 @@ What it does, and why:
   (the recipe's 58 minutes are its whole ``bin/train``). Training stops mid-epoch when the
   time left reaches ``--reserve-minutes``, kept for the last validation pass and StarDist's
   own threshold search (``optimize_thresholds``) on as many validation images as the
-  reserve allows. ``MODEL_DIR/budget.json`` records wall and CPU seconds, epochs, steps,
+  reserve allows. ``--match BUDGET_JSON`` repeats a recorded run's work instead (its steps
+  and its threshold search's images), on a CPU slower or busier than the one that recorded
+  it; ``--minutes`` is then only the guard. ``MODEL_DIR/budget.json`` records wall and CPU seconds, epochs, steps,
   patches seen, the machine's load beside the run, versions and thresholds.
 * ``train --init MODEL_DIR`` fine-tunes a model this script trained: the same ``Config2D``
   (its ``config.json``), its ``weights_best.h5`` (a fine-tune's own ``peer.json`` names its
@@ -98,10 +100,6 @@ def build_parser():
                         % VAL_FRACTION)
     t.add_argument('--seed', type=SEED_TYPE, default=SEED)
     t.add_argument('--max-epochs', type=AT_LEAST_1, default=100000, help='a cap besides the budget (default: none)')
-    t.add_argument('--max-steps', type=AT_LEAST_1, default=None,
-                   help='stop after this many training steps (batches), a cap besides the budget: to give a run '
-                        'the steps another run\'s budget bought on a faster CPU, so that load and CPU speed '
-                        'change only its wall time (default: none)')
     f = t.add_argument_group('fine-tuning (--init)')
     f.add_argument('--init', metavar='MODEL_DIR', default=None,
                    help='start from a model folder made by this script\'s train: its config, its weights '
@@ -191,6 +189,8 @@ def _check_args(args):
         if args.val_fraction == 0:
             fail('--val-fraction 0: training from scratch needs validation images (for its thresholds)')
         return None
+    if args.match:
+        fail('--match only when training from scratch (a fine-tune\'s length is --samples)')
     settings, weights = read_init(args.init, 'stardist', 'stardist_peer.py', 'weights_best.h5')
     for name in ('config.json', 'thresholds.json'):
         if not os.path.isfile(os.path.join(args.init, name)):
@@ -223,9 +223,11 @@ def _fine_tune_config(init_dir, args):
 def train(args):
     import numpy as np
     from peer_common import (Budget, cpu_seconds, fail, init_record, list_dsb, machine_busy_seconds, machine_info,
-                             read_grey, read_json, read_labels, split_ids, write_json)
+                             read_grey, read_json, read_labels, read_match, split_ids, write_json)
     init = _check_args(args)
     fine_tune = init is not None
+    # --match: the recorded run's steps and threshold-search images, whatever this CPU's speed
+    match = read_match(args.match, 'stardist', ('steps', 'threshold_images')) if args.match else None
     # a fine-tune without --minutes has no cap: its length is --samples
     budget = Budget(args.minutes if args.minutes else 1e9, start=_T0)
     busy0 = machine_busy_seconds()
@@ -303,7 +305,7 @@ def train(args):
 
         def on_train_batch_end(self, batch, logs=None):
             BudgetStop.steps += 1
-            if budget.left() <= reserve or (args.max_steps and BudgetStop.steps >= args.max_steps):
+            if budget.left() <= reserve or (match and BudgetStop.steps >= match['steps']):
                 self.model.stop_training = True
 
         def on_epoch_end(self, epoch, logs=None):
@@ -338,7 +340,8 @@ def train(args):
         # to its budget (over_budget_seconds in budget.json says when it did not).
         allowance = max(0.0, budget.left()) / 12
         for sid in val:
-            if chosen and time.time() - t_opt > allowance:
+            if (match and len(chosen) >= match['threshold_images']) or (
+                    not match and chosen and time.time() - t_opt > allowance):
                 break
             model.predict(X[sid])
             chosen.append(sid)
@@ -357,7 +360,10 @@ def train(args):
         trained_until_seconds=round(trained_at, 1),
         machine_busy_seconds=None if busy0 is None else round(busy1 - busy0, 1),
         machine_busy_note='CPU seconds of every process on the machine during the run; this run\'s own is '
-                          'cpu_seconds', steps=steps, max_steps=args.max_steps,
+                          'cpu_seconds', steps=steps,
+        match=None if not match else dict(budget_json=os.path.abspath(args.match), steps=match['steps'],
+                                          threshold_images=match['threshold_images'],
+                                          machine=match.get('machine')),
         epochs_completed=BudgetStop.epochs_done, epochs=round(steps / conf.train_steps_per_epoch, 3),
         steps_per_epoch=conf.train_steps_per_epoch, batch_size=conf.train_batch_size,
         patch_size=list(conf.train_patch_size), images_seen=steps * conf.train_batch_size,
