@@ -102,9 +102,10 @@ def test_peer_scripts_parse_without_their_frameworks(script):
     assert 'train --init' in head
 
 
-def test_fewshot_script_parses_without_the_project():
-    path = os.path.join(PEERS, 'fewshot_peers.py')
-    for args in (['--help'], ['run', '--help'], ['summary', '--help']):
+@pytest.mark.parametrize('script,commands', [('fewshot_peers.py', ['run', 'summary']), ('star_ceiling.py', [])])
+def test_the_other_peer_tools_parse_without_the_project(script, commands):
+    path = os.path.join(PEERS, script)
+    for args in [['--help']] + [[c, '--help'] for c in commands]:
         done = subprocess.run([sys.executable, '-S', path] + args, capture_output=True, text=True, timeout=HANG_SECONDS)
         assert done.returncode == 0, done.stderr
         assert 'usage:' in done.stdout
@@ -155,13 +156,15 @@ def _peer_parsers():
     """Every parser of the peers' scripts (each subcommand's), built without their frameworks."""
     import importlib.util
     import argparse
-    for script in ('stardist_peer.py', 'cellpose_peer.py', 'fewshot_peers.py'):
+    for script in ('stardist_peer.py', 'cellpose_peer.py', 'fewshot_peers.py', 'star_ceiling.py'):
         spec = importlib.util.spec_from_file_location(script[:-3] + '_under_test', os.path.join(PEERS, script))
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         parser = module.build_parser()
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        for command, p in sub.choices.items():
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not sub:
+            yield script, '', parser
+        for command, p in (sub[0].choices.items() if sub else ()):
             yield script, command, p
 
 
