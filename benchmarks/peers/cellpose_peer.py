@@ -103,7 +103,7 @@ def build_parser():
     from peer_flags import AT_LEAST_1, NON_NEGATIVE, POSITIVE, SEED, OneLineParser, add_predict_flags, \
         add_train_flags
     p = OneLineParser(prog='cellpose_peer.py', description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (and its size model), or fine-tune (--init), on a '
                                      'DSB-layout folder')

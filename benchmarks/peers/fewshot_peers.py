@@ -184,7 +184,7 @@ def cmd_summary(args):
 def build_parser():
     from peer_flags import AT_LEAST_1, OneLineParser
     p = OneLineParser(prog='fewshot_peers.py', description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     r = sub.add_parser('run', help='fine-tune, predict and score one peer on one group, each k')
     r.add_argument('--peer', required=True, choices=sorted(PEERS))

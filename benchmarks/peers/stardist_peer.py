@@ -38,8 +38,9 @@ What it does, and why:
   own threshold search (``optimize_thresholds``) on as many validation images as the
   reserve allows. ``--match BUDGET_JSON`` repeats a recorded run's work instead (its steps
   and its threshold search's images), on a CPU slower or busier than the one that recorded
-  it; ``--minutes`` is then only the guard. ``MODEL_DIR/budget.json`` records wall and CPU seconds, epochs, steps,
-  patches seen, the machine's load beside the run, versions and thresholds.
+  it; ``--minutes`` is then only the guard. ``MODEL_DIR/budget.json`` records wall and CPU
+  seconds, epochs, steps, patches seen, the machine's load beside the run, versions and
+  thresholds.
 * ``train --init MODEL_DIR`` fine-tunes a model this script trained: the same ``Config2D``
   (its ``config.json``), its ``weights_best.h5`` (a fine-tune's own ``peer.json`` names its
   ``weights_last.h5``), its inversion and percentiles (a contradicting ``--invert-bright``
@@ -88,7 +89,7 @@ def build_parser():
     from peer_flags import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, SEED as SEED_TYPE, OneLineParser, \
         add_predict_flags, add_train_flags
     p = OneLineParser(prog='stardist_peer.py', description=__doc__.split('\n\n')[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help='train from scratch (or fine-tune, --init) on a DSB-layout folder')
     add_train_flags(t, 'model folder to create (StarDist model + budget.json)')
