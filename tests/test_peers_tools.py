@@ -226,3 +226,26 @@ def test_a_bad_match_record_is_one_line_and_exit_2(script, tmp_path):
     assert done.returncode == 2 and done.stderr.startswith('error: --match only when training from scratch'), \
         done.stderr
     assert not (tmp_path / 'out').exists()
+
+
+@pytest.mark.parametrize('script', ['stardist_peer.py', 'cellpose_peer.py'])
+def test_match_needs_as_many_images_as_the_recorded_run(script, tmp_path):
+    """The same steps on other images is not the same work: refused before any framework
+    is imported, and before anything is written."""
+    import cv2
+    sample = tmp_path / 'data' / 'a'
+    (sample / 'images').mkdir(parents=True)
+    (sample / 'masks').mkdir()
+    cv2.imwrite(str(sample / 'images' / 'a.png'), np.zeros((16, 16), np.uint8))
+    cv2.imwrite(str(sample / 'masks' / 'm.png'), np.full((16, 16), 255, np.uint8))
+    peer = script.split('_')[0]
+    record = tmp_path / 'budget.json'
+    record.write_text('{"peer": "%s", "steps": 5, "threshold_images": 2, "batches": 5, "planned_epochs": 5, '
+                      '"nimg_per_epoch": 8, "size_model_epochs": 1, "size_model_images": 8, "train_images": 3, '
+                      '"val_images": 1}' % peer)
+    done = subprocess.run([sys.executable, os.path.join(PEERS, script), 'train', '--data', str(tmp_path / 'data'),
+                           '--out', str(tmp_path / 'out'), '--minutes', '5', '--match', str(record)],
+                          capture_output=True, text=True, timeout=HANG_SECONDS)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == 'error: --match %s: recorded on 4 images, --data %s has 1\n' % (record, tmp_path / 'data')
+    assert not (tmp_path / 'out').exists()

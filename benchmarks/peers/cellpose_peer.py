@@ -214,19 +214,23 @@ def _check_args(args):
     return settings, weights
 
 
-def _start(args):
+def _start(args, match=None):
     """What a training from scratch and a fine-tune do first: refuse an --out that holds a
-    model, set the threads and seeds, list the samples. Returns ``(threads, samples)``."""
+    model, list the samples (as many as ``match``, a --match record, had), set the threads
+    and seeds. Returns ``(threads, samples)``."""
     import numpy as np
-    import torch
-    from peer_common import list_dsb
+    from peer_common import check_match_data, list_dsb
     if os.path.exists(os.path.join(args.out, 'budget.json')):
         raise SystemExit('%s already holds a model; choose another --out' % args.out)
+    samples = list_dsb(args.data)
+    samples = samples[:args.limit] if args.limit else samples
+    if match:
+        check_match_data(args.match, match, samples, args.data)
+    import torch
     threads = _threads()
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
-    samples = list_dsb(args.data)
-    return threads, samples[:args.limit] if args.limit else samples
+    return threads, samples
 
 
 def _train_seg(cp_train, clock, cp, out, **kwargs):
@@ -363,7 +367,7 @@ def train(args):
     epochs = args.epochs or TARGET_EPOCHS
     busy0 = machine_busy_seconds()
     size_reserve = (args.size_minutes if args.size_minutes is not None else max(0.3, 0.08 * args.minutes)) * 60
-    threads, samples = _start(args)
+    threads, samples = _start(args, match)
     os.makedirs(args.out, exist_ok=True)
     import torch
     from cellpose import dynamics, models

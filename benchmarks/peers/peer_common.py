@@ -332,10 +332,18 @@ def read_match(path, peer, keys):
         fail('--match %s: not a budget.json (%s)' % (path, e))
     if not isinstance(record, dict) or record.get('peer') != peer or 'init' in record:
         fail('--match %s: not the budget.json of a %s run trained from scratch' % (path, peer))
-    missing = [k for k in keys if not isinstance(record.get(k), int) or record[k] < 1]
+    missing = [k for k in keys + ('train_images',) if not isinstance(record.get(k), int) or record[k] < 1]
     if missing:
         fail('--match %s: no %s in it' % (path, missing[0]))
     return record
+
+
+def check_match_data(path, record, samples, data):
+    """The same work needs the same images: as many samples in ``--data`` as the recorded
+    run had (its training and validation images), else one line and exit 2."""
+    recorded = record['train_images'] + record.get('val_images', 0)
+    if recorded != len(samples):
+        fail('--match %s: recorded on %d images, --data %s has %d' % (path, recorded, data, len(samples)))
 
 
 def file_sha256(path):

@@ -223,8 +223,8 @@ def _fine_tune_config(init_dir, args):
 
 def train(args):
     import numpy as np
-    from peer_common import (Budget, cpu_seconds, fail, init_record, list_dsb, machine_busy_seconds, machine_info,
-                             read_grey, read_json, read_labels, read_match, split_ids, write_json)
+    from peer_common import (Budget, check_match_data, cpu_seconds, fail, init_record, list_dsb, machine_busy_seconds,
+                             machine_info, read_grey, read_json, read_labels, read_match, split_ids, write_json)
     init = _check_args(args)
     fine_tune = init is not None
     # --match: the recorded run's steps and threshold-search images, whatever this CPU's speed
@@ -246,14 +246,16 @@ def train(args):
     else:
         invert_bright, percentiles = args.invert_bright, PERCENTILES
         val_fraction = VAL_FRACTION if args.val_fraction is None else args.val_fraction
+    samples = list_dsb(args.data)
+    if args.limit:
+        samples = samples[:args.limit]
+    if match:
+        check_match_data(args.match, match, samples, args.data)
     threads = _threads()
     from stardist import fill_label_holes
     from stardist.models import Config2D, StarDist2D
     import tensorflow as tf
 
-    samples = list_dsb(args.data)
-    if args.limit:
-        samples = samples[:args.limit]
     if fine_tune:
         conf, source_lr = _fine_tune_config(args.init, args)
     else:
