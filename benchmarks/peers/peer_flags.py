@@ -1,6 +1,7 @@
 """The command-line flags both peers' scripts share (``stardist_peer.py``,
-``cellpose_peer.py``). The standard library only: ``--help`` runs without numpy or the
-peers' frameworks (``peer_common`` imports numpy).
+``cellpose_peer.py``), and the checked number types, one-line parser and ``fail`` that every
+tool here uses (``fewshot_peers.py``, ``star_ceiling.py`` too). The standard library only:
+``--help`` runs without numpy or the peers' frameworks (``peer_common`` imports numpy).
 
 Every number a flag takes is checked where it is parsed (:data:`POSITIVE` and the like, each
 knowing the values it refuses, from which tests/test_peers_tools.py makes its bad values), and
